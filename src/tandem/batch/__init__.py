@@ -1,0 +1,1 @@
+"""Trajectories and jagged training batches."""

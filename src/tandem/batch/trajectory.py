@@ -1,0 +1,58 @@
+"""One finished agent-loop session as unpadded per-trajectory tensors (DESIGN §1, seed §7.1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Trajectory:
+    """prompts [P], responses [R], input_ids [P+R], position_ids [P+R], response_mask [R],
+    loss_mask [R], rollout_log_probs [R] (0.0 where response_mask is 0), and bookkeeping.
+
+    response_mask is 1 exactly where the policy sampled the token; tool observations and chat
+    template boundary tokens are 0. min/max_global_steps bound the weight versions used.
+    """
+
+    prompts: torch.Tensor
+    responses: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_log_probs: torch.Tensor
+    min_global_steps: int
+    max_global_steps: int
+    uid: str = ""  # the prompt's uid: GRPO groups trajectories by it
+    session_id: int = 0
+    num_turns: int = 0
+    stop_reason: str = "completed"
+    reward: float | None = None  # scalar outcome reward, set by the reward function
+    reward_extra: dict[str, Any] = field(default_factory=dict)
+    data_source: str = ""
+    ground_truth: Any = None
+    is_padding: bool = False
+
+    def __post_init__(self) -> None:
+        length = self.responses.shape[0]
+        if not (self.response_mask.shape[0] == self.rollout_log_probs.shape[0] == length):
+            raise ValueError(f"trajectory {self.uid}/{self.session_id}: responses {length}, "
+                             f"response_mask {self.response_mask.shape[0]}, rollout_log_probs "
+                             f"{self.rollout_log_probs.shape[0]} must all have the same length")
+        if self.prompts.ndim != 1 or self.prompts.shape[0] == 0:
+            raise ValueError("trajectory prompts must be a non-empty 1-D tensor")
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """prompts followed by responses: [P+R]."""
+        return torch.cat([self.prompts, self.responses])
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """0..P+R-1 (text-only models)."""
+        return torch.arange(self.prompts.shape[0] + self.responses.shape[0])
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """The tokens the policy loss sees: a copy of response_mask."""
+        return self.response_mask.clone()

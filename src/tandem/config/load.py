@@ -1,0 +1,199 @@
+"""Load a TandemConfig from YAML plus `a.b.c=value` overrides, and validate it at load time.
+
+Every error is a ConfigError whose message names the field and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from tandem.config.schema import TandemConfig
+
+TRAINER_MODES = ("sync", "colocate_async", "separate_async")
+DISAGGREGATION_BACKENDS = ("vllm", "sglang")
+LOGPROBS_MODES = ("raw", "processed")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ADV_ESTIMATORS = ("grpo", "gae")
+KL_TYPES = ("k1", "abs", "k2", "low_var_kl", "k3", "k3+")
+KL_CONTROLLERS = ("fixed", "adaptive")
+TRUNCATE_SIDES = ("left", "right", "middle")
+CORRECTION_LEVELS = ("none", "token", "sequence")
+REWARD_PLACEMENTS = ("agent_loop", "after_sampling")
+DTYPES = ("float32", "bfloat16", "float16")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> TandemConfig:
+    """Read YAML (optional), apply `a.b.c=value` overrides, validate, return a TandemConfig."""
+    schema = OmegaConf.structured(TandemConfig)
+    try:
+        layers = [schema]
+        if path is not None:
+            layers.append(OmegaConf.load(str(path)))
+        overrides = list(overrides)
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form a.b.c=value")
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(overrides))
+        merged = OmegaConf.merge(*layers)
+        config: TandemConfig = OmegaConf.to_object(merged)
+    except ConfigKeyError as error:
+        raise ConfigError(_unknown_key_message(error)) from None
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None) or "?"
+        raise ConfigError(f"{key}: {error.msg if hasattr(error, 'msg') else error}. "
+                          "Fix the value's type or spelling in the YAML or override.") from None
+    validate(config)
+    return config
+
+
+def to_yaml(config: TandemConfig) -> str:
+    """Serialise a config back to YAML (what a run saves next to its outputs)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def _unknown_key_message(error: ConfigKeyError) -> str:
+    full_key = error.full_key or error.key or "?"
+    parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+    node: Any = OmegaConf.structured(TandemConfig)
+    for part in filter(None, parent.split(".")):
+        node = node[part]
+    valid = ", ".join(sorted(node.keys()))
+    return (f"unknown config key {full_key!r}: no option of that name exists, so it would be "
+            f"silently ignored. Valid keys under {parent or 'the root'}: {valid}")
+
+
+def _fail(field_name: str, message: str) -> None:
+    raise ConfigError(f"{field_name}: {message}")
+
+
+def _choice(field_name: str, value: str, valid: Iterable[str]) -> None:
+    valid = tuple(valid)
+    if value not in valid:
+        _fail(field_name, f"unknown value {value!r}; valid values are {', '.join(valid)}")
+
+
+def validate(config: TandemConfig) -> None:
+    """Raise ConfigError on the first invalid field; return None when the config is usable."""
+    from tandem.rollout.registry import rollout_backend_names
+    from tandem.weight_sync.registry import checkpoint_engine_names
+
+    rollout = config.rollout
+    if rollout.mode != "async":
+        _fail("rollout.mode", f"{rollout.mode!r} is not supported: the synchronous generation path "
+              "was removed and async server mode is the only one. Set rollout.mode=async "
+              "(trainer.trainer_mode=sync is a different thing and is still available).")
+    _choice("rollout.name", rollout.name, rollout_backend_names())
+    if rollout.pipeline_model_parallel_size != 1:
+        _fail("rollout.pipeline_model_parallel_size", f"is {rollout.pipeline_model_parallel_size}; "
+              "pipeline parallelism is not supported by any rollout backend. Set it to 1.")
+    for name in ("tensor_model_parallel_size", "data_parallel_size", "n", "max_num_seqs",
+                 "max_num_batched_tokens", "prompt_length", "response_length", "block_size"):
+        if getattr(rollout, name) < 1:
+            _fail(f"rollout.{name}", f"is {getattr(rollout, name)}; it must be >= 1")
+    _check_sampling("rollout", rollout.temperature, rollout.top_p, rollout.top_k)
+    _check_sampling("rollout.val_kwargs", rollout.val_kwargs.temperature, rollout.val_kwargs.top_p,
+                    rollout.val_kwargs.top_k)
+    if rollout.val_kwargs.n < 1:
+        _fail("rollout.val_kwargs.n", "must be >= 1")
+    _choice("rollout.logprobs_mode", rollout.logprobs_mode, LOGPROBS_MODES)
+    if not 0.0 < rollout.gpu_memory_utilization <= 1.0:
+        _fail("rollout.gpu_memory_utilization", "must be in (0, 1]")
+    if rollout.kv_cache_memory_bytes < 0:
+        _fail("rollout.kv_cache_memory_bytes", "must be >= 0 (0: derive from gpu_memory_utilization)")
+
+    disagg = rollout.disaggregation
+    if disagg.enabled:
+        if rollout.name not in DISAGGREGATION_BACKENDS:
+            _fail("rollout.disaggregation.enabled", f"prefill/decode disaggregation needs rollout.name "
+                  f"in {DISAGGREGATION_BACKENDS}, not {rollout.name!r}; disable it or switch backend.")
+        if disagg.prefill_replicas != 1:
+            _fail("rollout.disaggregation.prefill_replicas", "must be exactly 1 with disaggregation")
+        if rollout.data_parallel_size != 1:
+            _fail("rollout.data_parallel_size", "must be 1 with prefill/decode disaggregation")
+        for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size", "decode_replicas"):
+            if getattr(disagg, name) < 1:
+                _fail(f"rollout.disaggregation.{name}", "must be >= 1")
+
+    ckpt = rollout.checkpoint_engine
+    _choice("rollout.checkpoint_engine.backend", ckpt.backend, checkpoint_engine_names())
+    if ckpt.update_weights_bucket_megabytes < 1:
+        _fail("rollout.checkpoint_engine.update_weights_bucket_megabytes", "must be >= 1")
+
+    turns = rollout.multi_turn
+    _choice("rollout.multi_turn.tool_response_truncate_side", turns.tool_response_truncate_side,
+            TRUNCATE_SIDES)
+    for name in ("max_assistant_turns", "max_user_turns", "max_tool_response_length"):
+        if getattr(turns, name) < 1:
+            _fail(f"rollout.multi_turn.{name}", "must be >= 1")
+
+    _choice("model.dtype", config.model.dtype, DTYPES)
+    if config.model.device not in ("cpu", "cuda") and not config.model.device.startswith("cuda:"):
+        _fail("model.device", f"unknown device {config.model.device!r}; use cpu or cuda")
+
+    actor = config.actor
+    _choice("actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
+    _choice("actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
+    _choice("actor.optim.schedule", actor.optim.schedule, LR_SCHEDULES)
+    _choice("critic.optim.schedule", config.critic.optim.schedule, LR_SCHEDULES)
+    if actor.clip_ratio_c <= 1.0:
+        _fail("actor.clip_ratio_c", f"is {actor.clip_ratio_c}; the dual-clip constant must be > 1")
+    for name in ("ppo_mini_batch_size", "ppo_epochs", "ppo_max_token_len_per_micro_batch", "fsdp_size"):
+        if getattr(actor, name) < 1:
+            _fail(f"actor.{name}", "must be >= 1")
+
+    algorithm = config.algorithm
+    _choice("algorithm.adv_estimator", algorithm.adv_estimator, ADV_ESTIMATORS)
+    _choice("algorithm.kl_penalty", algorithm.kl_penalty, KL_TYPES)
+    _choice("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, KL_CONTROLLERS)
+    correction = algorithm.rollout_correction
+    _choice("algorithm.rollout_correction.importance_sampling", correction.importance_sampling,
+            CORRECTION_LEVELS)
+    _choice("algorithm.rollout_correction.rejection", correction.rejection, CORRECTION_LEVELS)
+    if correction.bypass_mode and not rollout.calculate_log_probs:
+        _fail("algorithm.rollout_correction.bypass_mode", "uses rollout_log_probs as old_log_probs, "
+              "so rollout.calculate_log_probs must be true")
+    if algorithm.adv_estimator == "gae" and not config.critic.enable:
+        _fail("algorithm.adv_estimator", "gae needs a value model: set critic.enable=true "
+              "(or use adv_estimator=grpo)")
+    _choice("reward.placement", config.reward.placement, REWARD_PLACEMENTS)
+
+    if config.data.train_batch_size < 1:
+        _fail("data.train_batch_size", "must be >= 1")
+
+    trainer = config.trainer
+    _choice("trainer.trainer_mode", trainer.trainer_mode, TRAINER_MODES)
+    if trainer.trainer_mode == "separate_async":
+        if rollout.nnodes < 1 or rollout.n_gpus_per_node < 1:
+            _fail("rollout.nnodes", "separate_async runs rollout on its own devices: set "
+                  "rollout.nnodes and rollout.n_gpus_per_node to at least 1")
+        if ckpt.backend == "naive":
+            _fail("rollout.checkpoint_engine.backend", "separate_async cannot use 'naive' (it only "
+                  "hands tensors over inside one process); choose one of "
+                  f"{', '.join(n for n in checkpoint_engine_names() if n != 'naive')}")
+        sync_step = trainer.separate_async.parameter_sync_step
+        if config.data.train_batch_size != sync_step * actor.ppo_mini_batch_size:
+            _fail("data.train_batch_size", f"is {config.data.train_batch_size}, but separate_async "
+                  f"needs train_batch_size == trainer.separate_async.parameter_sync_step ({sync_step})"
+                  f" x actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) = "
+                  f"{sync_step * actor.ppo_mini_batch_size}")
+    if trainer.total_steps < 0 or trainer.test_freq < 0 or trainer.save_freq < 0:
+        _fail("trainer.total_steps", "total_steps, test_freq and save_freq must be >= 0")
+
+
+def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int) -> None:
+    if temperature < 0:
+        _fail(f"{prefix}.temperature", f"is {temperature}; it must be >= 0 (0 means greedy)")
+    if not 0.0 < top_p <= 1.0:
+        _fail(f"{prefix}.top_p", f"is {top_p}; it must be in (0, 1] (1 disables top-p)")
+    if top_k == 0 or top_k < -1:
+        _fail(f"{prefix}.top_k", f"is {top_k}; use -1 to disable top-k or a positive count")

@@ -1,0 +1,241 @@
+"""The configuration tree as dataclasses. Field names follow the seed's config slice (§13).
+
+Every field is read by some code path; an option nothing reads does not belong here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """Which HF model both copies of the policy start from."""
+
+    path: str = "tiny:qwen2"  # an HF directory, or "tiny:qwen2" / "tiny:llama" (built locally)
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "cpu"  # cpu | cuda
+
+
+@dataclass
+class ValKwargs:
+    """Sampling used for validation; overrides the training sampling fields."""
+
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = False
+
+
+@dataclass
+class DisaggregationConfig:
+    """Prefill/decode disaggregation (vllm and sglang only)."""
+
+    enabled: bool = False
+    prefill_tensor_parallel_size: int = 1
+    prefill_replicas: int = 1
+    decode_tensor_parallel_size: int = 1
+    decode_replicas: int = 1
+
+
+@dataclass
+class CheckpointEngineConfig:
+    """The weight-sync transport from the training actor into the rollout engine."""
+
+    backend: str = "naive"  # naive | collective | shared_memory | delta
+    update_weights_bucket_megabytes: int = 512
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class MultiTurnConfig:
+    """Limits of the tool-calling agent loop."""
+
+    enable: bool = False
+    max_assistant_turns: int = 4
+    max_user_turns: int = 4
+    max_tool_response_length: int = 256  # in tokens
+    tool_response_truncate_side: str = "middle"  # left | right | middle
+    tools: list[str] = field(default_factory=list)  # registered tool names
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout engine, its servers and the sampling used in training."""
+
+    name: str = "native"  # native | vllm | sglang
+    mode: str = "async"  # async only: the synchronous generation path does not exist
+    prompt_length: int = 512
+    response_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 4
+    calculate_log_probs: bool = True
+    logprobs_mode: str = "raw"  # raw (model distribution) | processed (after temperature/top-k/top-p)
+    tensor_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    gpu_memory_utilization: float = 0.5  # fraction of device memory for the KV cache (GPU)
+    kv_cache_memory_bytes: int = 1 << 30  # KV budget on CPU, or on GPU when > 0 and set explicitly
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True
+    free_cache_engine: bool = True  # release KV (and weights) while the actor trains
+    seed: int = 0
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+    checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent_concurrency: int = 64  # agent-loop sessions in flight at once
+    # Devices of a standalone rollout pool (separate_async); 0 means "share the actor's".
+    nnodes: int = 0
+    n_gpus_per_node: int = 0
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with warm-up then constant or cosine decay."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ActorConfig:
+    """The training actor: PPO/GRPO policy update."""
+
+    ppo_mini_batch_size: int = 8  # in prompts x n trajectories: see docs/training.md
+    ppo_epochs: int = 1
+    ppo_max_token_len_per_micro_batch: int = 4096  # micro-batches by token budget
+    use_remove_padding: bool = True
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual clip; must be > 1
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"  # k1 | abs | k2 | low_var_kl (k3) | k3+ (straight-through)
+    fsdp_size: int = 1  # data-parallel processes; 1 = no sharding
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy used for the KL term."""
+
+    enable: bool = False  # forced on when a KL loss or KL reward is used
+
+
+@dataclass
+class CriticConfig:
+    """Value model for PPO with GAE."""
+
+    enable: bool = False
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets: parquet or JSONL rows of raw chat messages."""
+
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    train_batch_size: int = 8  # prompts per step
+    val_batch_size: int = 0  # 0: the whole validation set at once
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass
+class KLControlConfig:
+    """KL-in-reward coefficient: fixed, or adaptive towards a target KL."""
+
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Off-policy correction between the rollout and training distributions."""
+
+    bypass_mode: bool = False  # old_log_probs = rollout_log_probs (no actor re-forward)
+    importance_sampling: str = "none"  # none | token | sequence  (truncated IS weights)
+    importance_sampling_threshold: float = 2.0
+    rejection: str = "none"  # none | token | sequence  (IcePop-style mask outside bounds)
+    rejection_low: float = 0.5
+    rejection_high: float = 2.0
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimator and KL-in-reward."""
+
+    adv_estimator: str = "grpo"  # grpo | gae
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "k1"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+
+@dataclass
+class RewardConfig:
+    """Rule-based rewards, found by data source."""
+
+    placement: str = "agent_loop"  # agent_loop (async order) | after_sampling (colocated order)
+
+
+@dataclass
+class SeparateAsyncConfig:
+    """separate_async: how many mini-batch updates happen between two weight syncs."""
+
+    parameter_sync_step: int = 1
+
+
+@dataclass
+class TrainerConfig:
+    """The outer loop: mode, steps, validation, checkpoints, logging."""
+
+    trainer_mode: str = "sync"  # sync | colocate_async | separate_async
+    total_steps: int = 10
+    test_freq: int = 0  # validate every k steps (0: only before and after)
+    save_freq: int = 0  # checkpoint every k steps (0: never)
+    output_dir: str = "runs/default"
+    resume: bool = False
+    seed: int = 0
+    tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
+    progress: bool = True
+    separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
+    n_devices: int = 1  # devices (CPU workers or GPUs) for the actor and hybrid rollout
+
+
+@dataclass
+class TandemConfig:
+    """The root of the configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,0 +1,1 @@
+"""Rollout backends: the decoding copy of the policy (engines and their adapters)."""

@@ -1,0 +1,1 @@
+"""Weight sync: checkpoint engines that move the actor's weights into the rollout engine."""
