@@ -1,0 +1,71 @@
+"""One request inside the engine: its tokens, how many have KV in the cache, its block table."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from tandem.types import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"  # no KV blocks (new, or preempted for recompute)
+    RUNNING = "running"  # holds KV blocks; scheduled every step until it finishes
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's state. `token_ids` is prompt + generated; KV exists for the first
+    `num_computed_tokens` of them in the blocks of `block_table`."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_total_tokens: int  # the context limit: prompt + generated never exceeds it
+    future: asyncio.Future | None = None
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
+    last_block_hash: int | None = None  # chain hash of block num_hashed_blocks - 1
+    num_tokens_at_admission: int = 0  # tokens below this index count as prompt work
+    status: SequenceStatus = SequenceStatus.WAITING
+    log_probs: list[float] = field(default_factory=list)
+    min_version: int | None = None
+    max_version: int | None = None
+    generator: torch.Generator | None = None  # per-request seed
+    aborted: bool = False
+    stop_reason: str | None = None
+    error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def append(self, token_id: int, log_prob: float, version: int) -> None:
+        """Record a sampled token and decide whether the sequence stops here."""
+        self.token_ids.append(token_id)
+        self.log_probs.append(log_prob)
+        self.min_version = version if self.min_version is None else min(self.min_version, version)
+        self.max_version = version if self.max_version is None else max(self.max_version, version)
+        if token_id in self.params.stop_token_ids or (
+                not self.params.ignore_eos and token_id in self.eos_token_ids):
+            self.stop_reason = "completed"
+        elif self.num_generated >= self.params.max_tokens or self.num_tokens >= self.max_total_tokens:
+            self.stop_reason = "length"

@@ -1,0 +1,120 @@
+"""Config loading: YAML + overrides round trip, and every load-time validation rule."""
+
+import pytest
+
+from tandem.config import ConfigError, TandemConfig, load_config, to_yaml
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_valid():
+    config = load_config()
+    assert isinstance(config, TandemConfig)
+    assert config.rollout.name == "native" and config.rollout.mode == "async"
+    assert config.trainer.trainer_mode == "sync"
+
+
+def test_yaml_and_overrides_round_trip(tmp_path):
+    path = write(tmp_path, "rollout:\n  n: 8\n  temperature: 0.7\n  val_kwargs:\n    n: 2\n"
+                           "trainer:\n  total_steps: 3\n")
+    config = load_config(path, ["rollout.top_k=20", "rollout.checkpoint_engine.engine_kwargs.x=1",
+                                "actor.optim.lr=3e-6"])
+    assert config.rollout.n == 8 and config.rollout.temperature == 0.7
+    assert config.rollout.val_kwargs.n == 2 and config.rollout.top_k == 20
+    assert config.rollout.checkpoint_engine.engine_kwargs == {"x": 1}
+    assert config.actor.optim.lr == 3e-6 and config.trainer.total_steps == 3
+    again = load_config(write(tmp_path, to_yaml(config)))
+    assert again == config
+
+
+def test_seed_config_slice_fields_exist():
+    config = load_config()
+    rollout = config.rollout
+    for name in ("name", "mode", "prompt_length", "response_length", "temperature", "top_p", "top_k",
+                 "n", "calculate_log_probs", "tensor_model_parallel_size", "data_parallel_size",
+                 "pipeline_model_parallel_size", "max_num_batched_tokens", "max_num_seqs",
+                 "gpu_memory_utilization", "enable_prefix_caching", "free_cache_engine", "nnodes",
+                 "n_gpus_per_node"):
+        assert hasattr(rollout, name), name
+    assert {"n", "temperature", "top_p", "top_k", "do_sample"} <= set(vars(rollout.val_kwargs))
+    assert {"backend", "update_weights_bucket_megabytes", "engine_kwargs"} <= set(
+        vars(rollout.checkpoint_engine))
+    assert config.trainer.separate_async.parameter_sync_step == 1
+
+
+@pytest.mark.parametrize("overrides, field, words", [
+    (["rollout.mode=sync"], "rollout.mode", "rollout.mode=async"),
+    (["rollout.pipeline_model_parallel_size=2"], "rollout.pipeline_model_parallel_size", "Set it to 1"),
+    (["rollout.name=trtllm"], "rollout.name", "native"),
+    (["rollout.checkpoint_engine.backend=nixl"], "rollout.checkpoint_engine.backend", "naive"),
+    (["trainer.trainer_mode=async"], "trainer.trainer_mode", "separate_async"),
+    (["rollout.disaggregation.enabled=true"], "rollout.disaggregation.enabled", "vllm"),
+    (["rollout.top_p=0"], "rollout.top_p", "(0, 1]"),
+    (["rollout.temperature=-1"], "rollout.temperature", ">= 0"),
+    (["rollout.top_k=0"], "rollout.top_k", "-1"),
+    (["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c", "> 1"),
+    (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode", "token-mean"),
+    (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator", "critic.enable"),
+])
+def test_invalid_values_name_the_field_and_fix(overrides, field, words):
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=overrides)
+    assert field in str(error.value) and words in str(error.value)
+
+
+def test_disaggregation_constraints(monkeypatch):
+    from tandem.rollout import registry
+
+    monkeypatch.setitem(registry._ROLLOUT_BACKENDS, "vllm", "tandem.rollout.vllm:VllmRollout")
+    base = ["rollout.name=vllm", "rollout.disaggregation.enabled=true"]
+    load_config(overrides=base)
+    with pytest.raises(ConfigError, match="prefill_replicas"):
+        load_config(overrides=base + ["rollout.disaggregation.prefill_replicas=2"])
+    with pytest.raises(ConfigError, match="rollout.data_parallel_size"):
+        load_config(overrides=base + ["rollout.data_parallel_size=2"])
+    with pytest.raises(ConfigError, match="pipeline_model_parallel_size"):
+        load_config(overrides=base + ["rollout.pipeline_model_parallel_size=2"])
+
+
+@pytest.mark.parametrize("where", ["override", "yaml"])
+def test_unknown_keys_are_errors(tmp_path, where):
+    if where == "override":
+        call = lambda: load_config(overrides=["rollout.temprature=0.5"])  # noqa: E731
+    else:
+        call = lambda: load_config(write(tmp_path, "rollout:\n  temprature: 0.5\n"))  # noqa: E731
+    with pytest.raises(ConfigError) as error:
+        call()
+    message = str(error.value)
+    assert "rollout.temprature" in message and "temperature" in message
+
+
+def test_wrong_type_names_the_field():
+    with pytest.raises(ConfigError, match="rollout.n"):
+        load_config(overrides=["rollout.n=many"])
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="a.b.c=value"):
+        load_config(overrides=["rollout.n"])
+
+
+def test_separate_async_rules(monkeypatch):
+    from tandem.weight_sync import registry
+
+    monkeypatch.setitem(registry._CHECKPOINT_ENGINES, "collective", "x:y")
+    good = ["trainer.trainer_mode=separate_async", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
+            "rollout.checkpoint_engine.backend=collective", "data.train_batch_size=8",
+            "actor.ppo_mini_batch_size=4", "trainer.separate_async.parameter_sync_step=2"]
+    load_config(overrides=good)
+    with pytest.raises(ConfigError, match="rollout.nnodes"):
+        load_config(overrides=good + ["rollout.nnodes=0"])
+    with pytest.raises(ConfigError, match="rollout.nnodes"):
+        load_config(overrides=good + ["rollout.n_gpus_per_node=0"])
+    with pytest.raises(ConfigError, match="rollout.checkpoint_engine.backend.*naive"):
+        load_config(overrides=good + ["rollout.checkpoint_engine.backend=naive"])
+    with pytest.raises(ConfigError, match=r"data.train_batch_size.*parameter_sync_step \(2\)"):
+        load_config(overrides=good + ["data.train_batch_size=6"])
