@@ -32,6 +32,9 @@ class Trajectory:
     data_source: str = ""
     ground_truth: Any = None
     is_padding: bool = False
+    # Per-session details from the agent loop (response_text, messages, extra_info, turn and
+    # tool-call counts); see docs/agent_loops.md. Not batched as tensors.
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         length = self.responses.shape[0]

@@ -150,6 +150,11 @@ def validate(config: TandemConfig) -> None:
     for name in ("ppo_mini_batch_size", "ppo_epochs", "ppo_max_token_len_per_micro_batch", "fsdp_size"):
         if getattr(actor, name) < 1:
             _fail(f"actor.{name}", "must be >= 1")
+    longest = rollout.prompt_length + rollout.response_length
+    if actor.ppo_max_token_len_per_micro_batch < longest:
+        _fail("actor.ppo_max_token_len_per_micro_batch", f"is {actor.ppo_max_token_len_per_micro_batch}, "
+              f"below the longest trajectory rollout.prompt_length + rollout.response_length = {longest}; "
+              f"raise it to at least {longest}")
 
     algorithm = config.algorithm
     _choice("algorithm.adv_estimator", algorithm.adv_estimator, ADV_ESTIMATORS)

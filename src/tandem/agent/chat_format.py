@@ -1,0 +1,88 @@
+"""Chat messages -> token ids through an HF tokenizer's chat template, without re-tokenizing.
+
+The prompt is rendered once. A later tool turn is rendered as a *delta*: the template is applied
+to a fixed dummy conversation with and without the tool messages, and the tokens after the
+assistant's end-of-turn token are taken. So boundary tokens the template puts between turns
+("\\n", separators, the next "<|im_start|>assistant\\n") land in the stream exactly as the
+template would write them, and the model's own tokens are never decoded and encoded again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+# A fixed conversation the tool turn is rendered after; its content never reaches the stream.
+_DUMMY_HISTORY = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+
+
+def _as_ids(rendered: Any) -> list[int]:
+    """apply_chat_template may return a list or (transformers 5) a BatchEncoding."""
+    if isinstance(rendered, list):
+        return [int(token) for token in rendered]
+    return [int(token) for token in rendered["input_ids"]]
+
+
+class ChatFormat:
+    """Renders prompts and tool turns to token ids with one tokenizer's chat template."""
+
+    def __init__(self, tokenizer: Any, stop_token_ids: Iterable[int] = ()) -> None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat_template; the agent loops render every "
+                             "prompt with it. Use a chat model or set tokenizer.chat_template.")
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token_id; the agent loops need it to find "
+                             "where an assistant turn ends")
+        self.tokenizer = tokenizer
+        self.stop_token_ids = frozenset([tokenizer.eos_token_id, *stop_token_ids])
+
+    def _render(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None,
+                add_generation_prompt: bool) -> list[int]:
+        return _as_ids(self.tokenizer.apply_chat_template(
+            list(messages), tools=tools or None, add_generation_prompt=add_generation_prompt,
+            tokenize=True, return_dict=False))
+
+    def prompt_ids(self, messages: Sequence[dict[str, Any]],
+                   tools: list[dict] | None = None) -> list[int]:
+        """The initial prompt with the tool schemas and the assistant generation prompt."""
+        return self._render(messages, tools, add_generation_prompt=True)
+
+    def tool_turn_ids(self, tool_messages: Sequence[dict[str, Any]], after_stop_token: bool
+                      ) -> list[int]:
+        """Tokens that follow a finished assistant turn: its closing boundary, the rendered
+        tool messages and the next generation prompt.
+
+        after_stop_token: the model's tokens already end with the end-of-turn token, so the
+        delta starts after it; otherwise the delta includes it.
+        """
+        history = self._render(_DUMMY_HISTORY, None, add_generation_prompt=False)
+        full = self._render([*_DUMMY_HISTORY, *tool_messages], None, add_generation_prompt=True)
+        if full[:len(history)] != history:
+            raise ValueError("the chat template renders earlier turns differently once a tool "
+                             "turn follows, so tool tokens cannot be appended without "
+                             "re-tokenizing; use a template whose history rendering is stable")
+        ends = [i for i, token in enumerate(history) if token in self.stop_token_ids]
+        if not ends:
+            raise ValueError(f"the chat template does not end an assistant turn with a stop token "
+                             f"{sorted(self.stop_token_ids)}; pass stop_token_ids to ChatFormat")
+        closing = ends[-1] + (1 if after_stop_token else 0)
+        return history[closing:] + full[len(history):]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of model tokens, special tokens kept (tool-call tags may be special tokens)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+    def strip_stop_text(self, text: str) -> str:
+        """Remove a trailing end-of-turn token's text from decoded model output."""
+        for token_id in self.stop_token_ids:
+            token = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(token, str) and token and text.endswith(token):
+                return text[: -len(token)]
+        return text
+
+    def encode_text(self, text: str) -> list[int]:
+        """Plain text -> ids without special tokens (used to measure and cut tool output)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode_text(self, token_ids: Sequence[int]) -> str:
+        """Inverse of encode_text."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)

@@ -1,0 +1,165 @@
+"""Prompt datasets: parquet or JSONL rows of raw chat messages plus metadata; nothing tokenized.
+
+Columns read (seed §6.1): the prompt messages (data.prompt_key, default "prompt"), data_source,
+ground_truth (or reward_model.ground_truth), reward_model, extra_info, tools_kwargs and
+interaction_kwargs (top level, or inside extra_info), and two per-row overrides: rollout_n
+(sessions for this prompt) and do_sample (False: greedy in training). Every column stays in
+`raw`. Each row handed out gets a fresh uid, the key GRPO groups its n trajectories by.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from tandem.config.schema import DataConfig
+
+
+@dataclass
+class DatasetRow:
+    """One prompt as raw chat messages plus its metadata; `uid` is unique per draw."""
+
+    messages: list[dict[str, Any]]
+    index: int = 0
+    uid: str = ""
+    data_source: str = ""
+    ground_truth: Any = None
+    reward_model: dict[str, Any] = field(default_factory=dict)
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    tools_kwargs: dict[str, Any] = field(default_factory=dict)
+    interaction_kwargs: dict[str, Any] = field(default_factory=dict)
+    rollout_n: int | None = None  # overrides rollout.n / rollout.val_kwargs.n
+    do_sample: bool | None = None  # False: greedy sampling for this row in training
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a .parquet or .jsonl/.json-lines file as plain dicts."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist (data.train_files / "
+                                "data.val_files)")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as parquet
+
+        return parquet.read_table(path).to_pylist()
+    if path.suffix in (".jsonl", ".json"):
+        records = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not a JSON line ({error.msg}); JSONL files "
+                                 "hold one JSON object per line") from None
+        return records
+    raise ValueError(f"dataset file {str(path)!r}: unknown format {path.suffix!r}; use .parquet "
+                     "or .jsonl")
+
+
+def _dict_column(record: dict[str, Any], name: str, where: str) -> dict[str, Any]:
+    value = record.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: column {name!r} must be an object/dict, got "
+                         f"{type(value).__name__}")
+    return value
+
+
+def _messages(value: Any, prompt_key: str, where: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: column {prompt_key!r} must be a non-empty list of chat "
+                         f"messages {{'role': ..., 'content': ...}}, got {type(value).__name__}; "
+                         "set data.prompt_key to the column that holds them")
+    for message in value:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"{where}: every message in {prompt_key!r} needs a string 'role'; "
+                             f"got {message!r}")
+    # parquet structs carry every key of the column's schema; drop the ones this row left empty
+    return [{key: val for key, val in message.items() if val is not None or key == "content"}
+            for message in value]
+
+
+def row_from_record(record: dict[str, Any], index: int, prompt_key: str = "prompt",
+                    where: str = "row") -> DatasetRow:
+    """Validate one raw record and wrap it as a DatasetRow (uid left empty)."""
+    where = f"{where} {index}"
+    if prompt_key not in record:
+        raise ValueError(f"{where}: no column {prompt_key!r} (data.prompt_key); columns are "
+                         f"{sorted(record)}")
+    extra_info = _dict_column(record, "extra_info", where)
+    reward_model = _dict_column(record, "reward_model", where)
+    # parquet gives every row every column, so "absent" and "null" mean the same here
+    ground_truth = record.get("ground_truth")
+    if ground_truth is None:
+        ground_truth = reward_model.get("ground_truth")
+    tools_kwargs = (_dict_column(record, "tools_kwargs", where)
+                    or _dict_column(extra_info, "tools_kwargs", where))
+    interaction_kwargs = (_dict_column(record, "interaction_kwargs", where)
+                          or _dict_column(extra_info, "interaction_kwargs", where))
+    rollout_n = record.get("rollout_n")
+    if rollout_n is not None and (isinstance(rollout_n, bool) or not isinstance(rollout_n, int)
+                                  or rollout_n < 1):
+        raise ValueError(f"{where}: rollout_n must be an integer >= 1, got {rollout_n!r}")
+    do_sample = record.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise ValueError(f"{where}: do_sample must be true or false, got {do_sample!r}")
+    return DatasetRow(messages=_messages(record[prompt_key], prompt_key, where), index=index,
+                      data_source=str(record.get("data_source") or ""), ground_truth=ground_truth,
+                      reward_model=reward_model, extra_info=extra_info, tools_kwargs=tools_kwargs,
+                      interaction_kwargs=interaction_kwargs, rollout_n=rollout_n,
+                      do_sample=do_sample, raw=dict(record))
+
+
+class PromptDataset:
+    """Rows of one or more files, validated at load, handed out with a fresh uid each time."""
+
+    def __init__(self, files: Sequence[str | Path], prompt_key: str = "prompt") -> None:
+        if isinstance(files, (str, Path)):
+            files = [files]
+        if not files:
+            raise ValueError("PromptDataset needs at least one file (data.train_files / "
+                             "data.val_files)")
+        self.rows: list[DatasetRow] = []
+        for path in files:
+            for record in read_records(path):
+                self.rows.append(row_from_record(record, len(self.rows), prompt_key,
+                                                 where=f"{path}: row"))
+        if not self.rows:
+            raise ValueError(f"dataset files {list(map(str, files))} hold no rows")
+
+    @classmethod
+    def from_config(cls, config: DataConfig, split: str = "train") -> "PromptDataset":
+        """The train or val dataset named in the data config."""
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        return cls(config.train_files if split == "train" else config.val_files, config.prompt_key)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> DatasetRow:
+        """A copy of row `index` with a new uid (the same prompt drawn twice is two groups)."""
+        row = self.rows[index]
+        return DatasetRow(**{**row.__dict__, "uid": uuid.uuid4().hex})
+
+    def batches(self, batch_size: int, epoch: int = 0, shuffle: bool = False, seed: int = 0,
+                drop_last: bool = False) -> Iterator[list[DatasetRow]]:
+        """Batches of one epoch; shuffled by (seed, epoch); batch_size 0 means all rows."""
+        if batch_size < 0:
+            raise ValueError(f"batch_size must be >= 0 (0: all rows), got {batch_size}")
+        order = list(range(len(self.rows)))
+        if shuffle:
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        size = batch_size or len(order)
+        for start in range(0, len(order), size):
+            chunk = order[start:start + size]
+            if drop_last and len(chunk) < size:
+                return
+            yield [self[i] for i in chunk]

@@ -1,0 +1,117 @@
+"""Dataset rows -> n agent-loop sessions each -> Trajectories (seed §6.2).
+
+Each prompt gets n independent sessions (rollout.n in training, rollout.val_kwargs.n in
+validation, row.rollout_n overrides both), all sharing the row's uid; at most
+rollout.agent_concurrency sessions are in flight at once across all prompts. The request id
+of a session ("<uid>-<session_id>") is the same on every turn, so routing stays sticky.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import weakref
+from typing import Any, Awaitable, Callable, Sequence
+
+from tandem.agent.chat_format import ChatFormat
+from tandem.agent.dataset import DatasetRow
+from tandem.agent.session import Session, TokenClient
+from tandem.agent.single_turn import SingleTurnLoop
+from tandem.agent.tool_loop import ToolAgentLoop
+from tandem.batch.trajectory import Trajectory
+from tandem.config.schema import RolloutConfig
+from tandem.tools.registry import ToolRegistry, build_tool_registry
+
+RewardOutput = tuple[float, dict[str, Any]]
+# reward_fn(trajectory, row) -> (score, extra), or an awaitable of it; called as a session ends.
+RewardFn = Callable[[Trajectory, DatasetRow], RewardOutput | Awaitable[RewardOutput]]
+
+
+class AgentLoopRunner:
+    """Runs the configured loop (tool-calling when rollout.multi_turn.enable) over rows."""
+
+    def __init__(self, client: TokenClient, chat_format: ChatFormat, config: RolloutConfig,
+                 tools: ToolRegistry | None = None, reward_fn: RewardFn | None = None) -> None:
+        """tools: defaults to the built-ins named in rollout.multi_turn.tools."""
+        if config.agent_concurrency < 1:
+            raise ValueError(f"rollout.agent_concurrency={config.agent_concurrency}: must be >= 1")
+        self.config = config
+        self.reward_fn = reward_fn
+        self.loop: SingleTurnLoop | ToolAgentLoop
+        if config.multi_turn.enable:
+            tools = tools if tools is not None else build_tool_registry(config.multi_turn.tools)
+            if not len(tools):
+                raise ValueError("rollout.multi_turn.enable=true but no tools are registered: list "
+                                 "them in rollout.multi_turn.tools (e.g. [calculator]) or pass a "
+                                 "ToolRegistry")
+            self.loop = ToolAgentLoop(client, chat_format, config, tools)
+        else:
+            if tools is not None and len(tools):
+                raise ValueError("tools were given but rollout.multi_turn.enable=false, so the "
+                                 "single-turn loop would ignore them; set "
+                                 "rollout.multi_turn.enable=true")
+            self.loop = SingleTurnLoop(client, chat_format, config)
+        self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def from_tokenizer(cls, client: TokenClient, tokenizer: Any, config: RolloutConfig,
+                       tools: ToolRegistry | None = None, reward_fn: RewardFn | None = None,
+                       stop_token_ids: Sequence[int] = ()) -> "AgentLoopRunner":
+        """A runner rendering with an HF tokenizer's chat template; stop_token_ids end a turn
+        besides tokenizer.eos_token_id (e.g. generation_config's extra eos ids)."""
+        return cls(client, ChatFormat(tokenizer, stop_token_ids), config, tools, reward_fn)
+
+    def sessions_per_prompt(self, row: DatasetRow, validate: bool) -> int:
+        """n for this row: its rollout_n, else val_kwargs.n (validation) or rollout.n."""
+        if row.rollout_n is not None:
+            return row.rollout_n
+        return self.config.val_kwargs.n if validate else self.config.n
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        # asyncio primitives are bound to one event loop; keep one per loop.
+        loop = asyncio.get_running_loop()
+        if loop not in self._semaphores:
+            self._semaphores[loop] = asyncio.Semaphore(self.config.agent_concurrency)
+        return self._semaphores[loop]
+
+    async def _run_session(self, session: Session) -> Trajectory:
+        async with self._semaphore():
+            trajectory = await self.loop.run(session)
+            if self.reward_fn is not None:
+                result = self.reward_fn(trajectory, session.row)
+                if inspect.isawaitable(result):
+                    result = await result
+                score, extra = result
+                trajectory.reward = float(score)
+                trajectory.reward_extra = dict(extra)
+            return trajectory
+
+    async def run_prompt(self, row: DatasetRow, validate: bool = False) -> list[Trajectory]:
+        """All sessions of one prompt (one GRPO group), ordered by session_id."""
+        if not row.uid:
+            raise ValueError(f"row {row.index} has no uid; draw rows from PromptDataset (which "
+                             "gives each draw a fresh uid) or set row.uid")
+        sessions = [Session(row, session_id, f"{row.uid}-{session_id}", validate)
+                    for session_id in range(self.sessions_per_prompt(row, validate))]
+        return await _all_or_nothing([self._run_session(session) for session in sessions])
+
+    async def run(self, rows: Sequence[DatasetRow], validate: bool = False) -> list[Trajectory]:
+        """Every session of every row, concurrently; ordered by row, then session_id."""
+        uids = [row.uid for row in rows]
+        if len(set(uids)) != len(uids):
+            raise ValueError("two rows share a uid; GRPO would merge their groups. Draw each row "
+                             "from PromptDataset, which assigns a fresh uid per draw")
+        groups = await _all_or_nothing([self.run_prompt(row, validate) for row in rows])
+        return [trajectory for group in groups for trajectory in group]
+
+
+async def _all_or_nothing(coroutines: list[Awaitable[Any]]) -> list[Any]:
+    """gather(), but the first failure cancels the rest and is re-raised as itself."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -1,0 +1,27 @@
+"""What one agent-loop session is given: its row, ids, phase, and the client it talks to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tandem.agent.dataset import DatasetRow
+from tandem.types import TokenOutput
+
+
+class TokenClient(Protocol):
+    """The only engine API a loop sees (the serving client, or a backend such as NativeRollout)."""
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       sampling_params: dict[str, Any]) -> TokenOutput:
+        """Continue prompt_ids; one logprob per token; extra_fields["global_steps"] set."""
+
+
+@dataclass(frozen=True)
+class Session:
+    """One of the n sessions of a prompt. request_id is the same on every turn (sticky routing)."""
+
+    row: DatasetRow
+    session_id: int
+    request_id: str
+    validate: bool = False

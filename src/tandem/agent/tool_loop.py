@@ -1,0 +1,120 @@
+"""The tool-calling loop: model turns (mask 1) interleaved with tool turns (mask 0, logprob 0.0).
+
+The prompt is rendered once with the tool schemas. Each model turn's tokens are appended as
+sampled; if it calls tools, their results are rendered as the template's tool messages and the
+delta tokens (closing boundary + tool messages + next generation prompt) are appended. The
+stream sent to the engine is always prompt + everything appended so far, never re-tokenized.
+
+stop_reason of the trajectory: "completed" (a turn without tool calls), "length" (response
+budget spent), "aborted" (an aborted result), "max_assistant_turns" or "max_user_turns".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tandem.agent.chat_format import ChatFormat
+from tandem.agent.response import ResponseBuilder
+from tandem.agent.sampling import check_prompt_length, remaining_budget, sampling_params
+from tandem.agent.session import Session, TokenClient
+from tandem.agent.tool_parser import ToolCall, parse_tool_calls
+from tandem.batch.trajectory import Trajectory
+from tandem.config.schema import RolloutConfig
+from tandem.tools.registry import ToolRegistry, ToolResult
+
+TRUNCATION_MARKER = "...(truncated)..."
+
+
+def truncate_tool_text(text: str, limit: int, side: str, chat_format: ChatFormat) -> str:
+    """Keep at most `limit` tokens of a tool's output, cutting on the left, right or middle;
+    a marker (not counted) shows where text was cut."""
+    ids = chat_format.encode_text(text)
+    if len(ids) <= limit:
+        return text
+    if side == "left":
+        return TRUNCATION_MARKER + chat_format.decode_text(ids[len(ids) - limit:])
+    if side == "right":
+        return chat_format.decode_text(ids[:limit]) + TRUNCATION_MARKER
+    if side == "middle":
+        head = limit // 2
+        return (chat_format.decode_text(ids[:head]) + TRUNCATION_MARKER
+                + chat_format.decode_text(ids[len(ids) - (limit - head):]))
+    raise ValueError(f"rollout.multi_turn.tool_response_truncate_side={side!r}: use left, right "
+                     "or middle")
+
+
+class ToolAgentLoop:
+    """Multi-turn generation with tool calls, bounded by rollout.multi_turn and the budgets."""
+
+    def __init__(self, client: TokenClient, chat_format: ChatFormat, config: RolloutConfig,
+                 tools: ToolRegistry) -> None:
+        self.client = client
+        self.chat_format = chat_format
+        self.config = config
+        self.tools = tools
+
+    async def _call_tool(self, call: ToolCall, tools_kwargs: dict[str, Any]) -> ToolResult:
+        if call.error is not None:
+            return ToolResult(f"Error: {call.error}. Call a tool as <tool_call>{{\"name\": ..., "
+                              f"\"arguments\": {{...}}}}</tool_call>", ok=False)
+        return await self.tools.call(call.name, call.arguments, tools_kwargs.get(call.name) or {})
+
+    async def run(self, session: Session) -> Trajectory:
+        """Run the conversation of one session until a stop condition; return its Trajectory."""
+        row, config, turns = session.row, self.config, self.config.multi_turn
+        messages = [dict(message) for message in row.messages]
+        prompt = self.chat_format.prompt_ids(messages, self.tools.schemas())
+        check_prompt_length(len(prompt), config, row.uid)
+        builder = ResponseBuilder(prompt, expect_log_probs=config.calculate_log_probs)
+        assistant_turns = user_turns = tool_calls = tool_errors = 0
+        while True:
+            budget = remaining_budget(config, len(prompt), len(builder))
+            if budget <= 0:
+                stop_reason = "length"
+                break
+            params = sampling_params(config, session.validate, row.do_sample, budget)
+            output = await self.client.generate(session.request_id, prompt + builder.token_ids,
+                                                params)
+            builder.add_model_output(output, budget)
+            assistant_turns += 1
+            text = self.chat_format.strip_stop_text(self.chat_format.decode(output.token_ids))
+            messages.append({"role": "assistant", "content": text})
+            _, calls = parse_tool_calls(text)
+            if output.stop_reason in ("aborted", "length"):
+                stop_reason = output.stop_reason  # nothing may follow a cut-off turn
+                break
+            if not calls:
+                stop_reason = "completed"
+                break
+            if assistant_turns >= turns.max_assistant_turns:
+                stop_reason = "max_assistant_turns"
+                break
+            if user_turns >= turns.max_user_turns:
+                stop_reason = "max_user_turns"
+                break
+            results = await asyncio.gather(*(self._call_tool(c, row.tools_kwargs) for c in calls))
+            tool_calls += len(calls)
+            tool_errors += sum(not result.ok for result in results)
+            tool_messages = [{"role": "tool", "content": truncate_tool_text(
+                result.text, turns.max_tool_response_length, turns.tool_response_truncate_side,
+                self.chat_format)} for result in results]
+            messages.extend(tool_messages)
+            user_turns += 1
+            ended = bool(output.token_ids) and output.token_ids[-1] in self.chat_format.stop_token_ids
+            delta = self.chat_format.tool_turn_ids(tool_messages, after_stop_token=ended)
+            room = config.response_length - len(builder)
+            builder.add_context_tokens(delta[:room])
+            if len(delta) >= room:
+                stop_reason = "length"
+                break
+        replies = [m["content"] for m in messages[len(row.messages):] if m["role"] == "assistant"]
+        metadata = {"response_text": replies[-1],
+                    "messages": messages, "extra_info": row.extra_info,
+                    "assistant_turns": assistant_turns, "user_turns": user_turns,
+                    "tool_calls": tool_calls, "tool_errors": tool_errors,
+                    "validate": session.validate}
+        return builder.to_trajectory(row.uid, session.session_id,
+                                     num_turns=1 + assistant_turns + user_turns,
+                                     stop_reason=stop_reason, data_source=row.data_source,
+                                     ground_truth=row.ground_truth, metadata=metadata)

@@ -1,0 +1,381 @@
+"""The engine loop: requests in, TokenOutputs out; memory and weight control in between.
+
+A background asyncio task repeats schedule -> forward + sample (in a worker thread, so the event
+loop keeps serving calls) -> record tokens. Control calls (sleep, wake_up, update_weights,
+clear_kv_cache) take the same lock as a step, so they never run in the middle of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from tandem.config.schema import RolloutConfig
+from tandem.rollout.engine.block_manager import BlockManager
+from tandem.rollout.engine.model_runner import ModelRunner, torch_dtype
+from tandem.rollout.engine.sampler import sample
+from tandem.rollout.engine.scheduler import ScheduledSequence, Scheduler
+from tandem.rollout.engine.sequence import Sequence, SequenceStatus
+from tandem.types import SamplingParams, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+LOGPROBS_MODES = ("raw", "processed")
+
+
+class AsyncEngine:
+    def __init__(self, model_path: str | Path, config: RolloutConfig, dtype: str = "float32",
+                 device: str = "cpu") -> None:
+        _check_config(config)
+        self.config = config
+        self.device = torch.device(device)
+        self.runner = ModelRunner(model_path, torch_dtype(dtype), self.device)
+        self.block_size = config.block_size
+        self.num_blocks = self._plan_num_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks, self.block_size)
+        self.blocks = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.eos_token_ids = _eos_token_ids(self.runner.model)
+        self.max_model_len = self.runner.max_model_len
+        self.version = 0
+        self.requests: dict[str, Sequence] = {}
+        self.kv_released = False
+        self.weights_state = "loaded"  # loaded | offloaded (GPU: on CPU) | dropped (CPU)
+        self.unfilled_weights: set[str] = set()  # names still to refill after a CPU drop
+        self.weight_shapes: dict[str, torch.Size] = {}
+        self.counters = {"steps": 0, "prompt_tokens_computed": 0, "generated_tokens": 0,
+                         "failed_steps": 0}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+
+    # ---- sizing ---------------------------------------------------------------------------
+    def _plan_num_blocks(self) -> int:
+        config = self.config
+        block_bytes = self.runner.block_bytes(self.block_size)
+        budget = config.kv_cache_memory_bytes
+        default_budget = RolloutConfig.__dataclass_fields__["kv_cache_memory_bytes"].default
+        if self.device.type == "cuda" and budget == default_budget:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = int(total * config.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device)
+        # more blocks than max_num_seqs full-length sequences could only ever hold cache
+        useful = config.max_num_seqs * -(-self.runner.max_model_len // self.block_size)
+        num_blocks = min(budget // block_bytes, useful)
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget {budget} bytes holds no block of {block_bytes} bytes "
+                             "(rollout.kv_cache_memory_bytes / gpu_memory_utilization / block_size)")
+        return int(num_blocks)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        """Start the background task in the running loop (again, if the caller's loop changed)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._task is not None and not self._task.done():
+            return
+        if self._loop is not loop:
+            for seq in list(self.requests.values()):  # futures of a dead loop can never resolve
+                self._finish(seq, error=RuntimeError("the event loop that submitted this request "
+                                                     "is gone"))
+            self._lock = asyncio.Lock()
+            self._work = asyncio.Event()
+            self._loop = loop
+        self._task = loop.create_task(self._run(), name="tandem-native-engine")
+        self._work.set()
+
+    def _ready(self) -> bool:
+        return (self.scheduler.has_work() and not self.kv_released
+                and self.weights_state == "loaded" and not self.unfilled_weights)
+
+    async def _run(self) -> None:
+        while True:
+            await self._work.wait()
+            async with self._lock:
+                try:
+                    await self._iteration()
+                except Exception as error:  # a bug outside the model step: fail all, keep serving
+                    logger.exception("native engine iteration failed")
+                    self._fail_everything(error)
+            await asyncio.sleep(0)  # let waiting control calls take the lock
+
+    async def _iteration(self) -> None:
+        self._finish_aborted()
+        if not self._ready():
+            self._work.clear()
+            return
+        batch = self.scheduler.schedule()
+        if not batch:
+            self._work.clear()
+            return
+        try:
+            tokens, log_probs = await asyncio.to_thread(self._step, batch)
+        except Exception as error:
+            self.counters["failed_steps"] += 1
+            logger.exception("native engine step failed")
+            self.blocks.clear_prefix_cache()  # blocks keyed for this step were never written
+            failure = RuntimeError(f"native engine step failed: {type(error).__name__}: {error}")
+            failure.__cause__ = error
+            for item in batch:
+                self._finish(item.seq, error=failure)
+            return
+        self._record(batch, tokens, log_probs)
+
+    def _step(self, batch: list[ScheduledSequence]) -> tuple[list[int], list[float]]:
+        """Forward + sample; runs in a worker thread and touches no queue."""
+        logits = self.runner.forward(batch)
+        sampling = [item.seq for item in batch if item.samples]
+        if not sampling:
+            return [], []
+        with torch.inference_mode():
+            return sample(logits, sampling, self.config.logprobs_mode, self.generator)
+
+    def _record(self, batch: list[ScheduledSequence], tokens: list[int],
+                log_probs: list[float]) -> None:
+        self.counters["steps"] += 1
+        sampled = iter(zip(tokens, log_probs))
+        for item in batch:
+            seq = item.seq
+            end = item.start + item.num_new
+            seq.num_computed_tokens = end
+            self.counters["prompt_tokens_computed"] += max(
+                0, min(end, seq.num_tokens_at_admission) - item.start)
+            if not item.samples:
+                continue
+            token, log_prob = next(sampled)
+            if seq.aborted or seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.append(token, log_prob, self.version)
+            self.counters["generated_tokens"] += 1
+            if seq.stop_reason is not None:
+                self._finish(seq)
+        self._finish_aborted()
+
+    def _finish_aborted(self) -> None:
+        for seq in [seq for seq in self.requests.values() if seq.aborted]:
+            seq.stop_reason = "aborted"
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence, error: BaseException | None = None) -> None:
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        future = seq.future
+        if future is None or future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+            return
+        version = seq.max_version if seq.max_version is not None else self.version
+        extra: dict[str, Any] = {"global_steps": version}
+        if seq.min_version is not None and seq.min_version != seq.max_version:
+            extra.update(min_global_steps=seq.min_version, max_global_steps=seq.max_version)
+        future.set_result(TokenOutput(
+            token_ids=seq.generated_ids, log_probs=list(seq.log_probs) if seq.params.logprobs else None,
+            stop_reason=seq.stop_reason, extra_fields=extra))
+
+    def _fail_everything(self, error: BaseException) -> None:
+        failure = RuntimeError(f"native engine failed: {type(error).__name__}: {error}")
+        for seq in list(self.requests.values()):
+            self._finish(seq, error=failure)
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        self.blocks.reset(self.blocks.num_blocks)
+
+    # ---- requests -------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       sampling_params: Mapping[str, Any]) -> TokenOutput:
+        self._ensure_loop()
+        params = SamplingParams.from_dict(sampling_params)
+        prompt = self._check_prompt(prompt_ids)
+        if self.weights_state != "loaded" or self.unfilled_weights:
+            raise RuntimeError(self._weights_missing_message())
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running; ids must be unique")
+        total = min(len(prompt) + params.max_tokens, self.max_model_len)
+        if -(-total // self.block_size) > self.num_blocks:
+            raise ValueError(f"request {request_id!r} needs up to {total} tokens of KV but the cache "
+                             f"holds {self.num_blocks * self.block_size}; lower max_tokens or raise "
+                             "rollout.kv_cache_memory_bytes")
+        seq = Sequence(request_id, prompt, params, self.eos_token_ids, self.max_model_len,
+                       future=asyncio.get_running_loop().create_future())
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self._work.set()
+        try:
+            return await asyncio.shield(seq.future)
+        except asyncio.CancelledError:  # the caller went away: stop computing for it
+            seq.aborted = True
+            self._work.set()
+            raise
+
+    def _check_prompt(self, prompt_ids: list[int]) -> list[int]:
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.tolist()
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt_ids must be a list of ints")
+        vocab = self.runner.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt_ids must lie in [0, {vocab}); got min {min(prompt)}, "
+                             f"max {max(prompt)}")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the model's "
+                             f"context of {self.max_model_len} tokens")
+        return prompt
+
+    async def abort(self, request_id: str) -> None:
+        self._ensure_loop()
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return
+        seq.aborted = True
+        self._work.set()
+        await asyncio.wait([seq.future])
+
+    async def abort_all(self) -> None:
+        self._ensure_loop()
+        futures = []
+        for seq in self.requests.values():
+            seq.aborted = True
+            futures.append(seq.future)
+        self._work.set()
+        if futures:
+            await asyncio.wait(futures)
+
+    # ---- memory ---------------------------------------------------------------------------
+    async def sleep(self, tags: list[str]) -> None:
+        self._ensure_loop()
+        async with self._lock:
+            if "kv_cache" in tags and not self.kv_released:
+                self.scheduler.preempt_all()  # unfinished requests recompute after wake_up
+                self.runner.free_kv_cache()
+                self.blocks.reset(0)
+                self.kv_released = True
+            if "weights" in tags and self.weights_state == "loaded":
+                self.scheduler.preempt_all()
+                self.blocks.clear_prefix_cache()
+                self._release_weights()
+
+    async def wake_up(self, tags: list[str]) -> None:
+        self._ensure_loop()
+        async with self._lock:
+            if "weights" in tags and self.weights_state != "loaded":
+                self._restore_weights()
+            if "kv_cache" in tags and self.kv_released:
+                self.runner.allocate_kv_cache(self.num_blocks, self.block_size)
+                self.blocks.reset(self.num_blocks)
+                self.kv_released = False
+            self._work.set()
+
+    def _release_weights(self) -> None:
+        """GPU: move the weights to CPU memory. CPU: drop them (update_weights refills them)."""
+        parameters = self.runner.named_parameters()
+        self.weight_shapes = {name: p.shape for name, p in parameters.items()}
+        for param in parameters.values():
+            if self.device.type == "cpu":
+                param.data = torch.empty(0, dtype=param.dtype)
+            else:
+                param.data = param.data.to("cpu")
+        self.weights_state = "dropped" if self.device.type == "cpu" else "offloaded"
+
+    def _restore_weights(self) -> None:
+        parameters = self.runner.named_parameters()
+        for name, param in parameters.items():
+            if self.weights_state == "offloaded":
+                param.data = param.data.to(self.device)
+            else:
+                param.data = torch.empty(self.weight_shapes[name], dtype=param.dtype,
+                                         device=self.device)
+        if self.weights_state == "dropped":
+            self.unfilled_weights = set(parameters)
+        self.weights_state = "loaded"
+
+    def _weights_missing_message(self) -> str:
+        if self.weights_state != "loaded":
+            return (f"the engine's weights are {self.weights_state} by sleep(['weights']); call "
+                    "wake_up(['weights']) first")
+        missing = sorted(self.unfilled_weights)
+        return (f"the engine's weights were dropped by sleep(['weights']) on CPU and {len(missing)} "
+                f"tensors are not refilled yet (e.g. {missing[:3]}); call update_weights with the "
+                "full state dict after wake_up(['weights'])")
+
+    async def clear_kv_cache(self) -> None:
+        self._ensure_loop()
+        async with self._lock:
+            self.blocks.clear_prefix_cache()
+
+    def memory_bytes(self) -> dict[str, int]:
+        weights = sum(p.numel() * p.element_size() for p in self.runner.named_parameters().values()
+                      if p.device.type == self.device.type)
+        return {"weights": weights, "kv_cache": self.runner.kv_cache_bytes()}
+
+    # ---- weights --------------------------------------------------------------------------
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                             version: int) -> None:
+        self._ensure_loop()
+        async with self._lock:
+            if self.weights_state != "loaded":
+                raise RuntimeError(self._weights_missing_message())
+            # nothing computed with the old weights may be reused: running requests recompute
+            self.scheduler.preempt_all()
+            self.blocks.clear_prefix_cache()
+            parameters = self.runner.named_parameters()
+            tied = getattr(self.runner.config, "tie_word_embeddings", False)
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    key = name
+                    if key not in parameters and tied and name == "lm_head.weight":
+                        key = "model.embed_tokens.weight"
+                    param = parameters.get(key)
+                    if param is None:
+                        raise ValueError(f"update_weights: unknown weight {name!r} (expected HF "
+                                         f"names such as {next(iter(parameters))!r})")
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"the model expects {tuple(param.shape)}")
+                    if not tensor.is_floating_point():
+                        raise TypeError(f"update_weights: {name!r} has dtype {tensor.dtype}; "
+                                        "weights must be floating point")
+                    param.copy_(tensor)
+                    self.unfilled_weights.discard(key)
+            self.version = int(version)
+            self._work.set()
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counters, "prompt_tokens_cached": self.scheduler.prompt_tokens_cached,
+                "preemptions": self.scheduler.num_preemptions,
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "num_blocks": self.blocks.num_blocks, "free_blocks": self.blocks.num_free_blocks,
+                "cached_blocks": self.blocks.num_cached_blocks}
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            await self.abort_all()
+            self._task.cancel()
+            self._task = None
+
+
+def _check_config(config: RolloutConfig) -> None:
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"rollout.{name}={value!r}: must be a positive integer")
+    if config.logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"rollout.logprobs_mode={config.logprobs_mode!r}: use one of {LOGPROBS_MODES}")
+
+
+def _eos_token_ids(model) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (model.config, getattr(model, "generation_config", None)):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return frozenset(ids)

@@ -1,0 +1,83 @@
+"""Next-token sampling for a batch of sequences, each with its own sampling parameters.
+
+Processing order: repetition penalty, temperature, top-k, top-p; then greedy rows take the
+argmax and the others sample by inverse CDF (one uniform per row: ~20x cheaper on CPU than
+drawing a noise value per vocabulary entry); a seeded request draws its uniform from its own
+generator, the rest share the engine's.
+The returned logprob is the sampled token's under the raw model distribution
+(logprobs_mode "raw") or under the processed one ("processed"; greedy rows use temperature 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.rollout.engine.sequence import Sequence
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """HF semantics: tokens already in prompt or output get logit / p if positive, else * p."""
+    for row, seq in enumerate(seqs):
+        penalty = seq.params.repetition_penalty
+        if penalty == 1.0:
+            continue
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
+        values = logits[row, seen]
+        logits[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf what top-k (then top-p, on the top-k distribution) removes."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits.masked_fill_(mass_before >= top_p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _inverse_cdf_sample(logits: torch.Tensor, seqs: list[Sequence],
+                        generator: torch.Generator) -> torch.Tensor:
+    """One uniform per row, looked up in the row's cumulative distribution. Tokens of zero
+    probability have an empty interval and are never chosen. A seeded request draws its uniform
+    from its own generator, so its tokens do not depend on the rest of the batch."""
+    cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
+    uniform = torch.rand(len(seqs), 1, generator=generator, device=logits.device)
+    for row, seq in enumerate(seqs):
+        if seq.generator is not None:
+            uniform[row] = torch.rand(1, generator=seq.generator, device=logits.device)
+    tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)
+    return tokens[:, 0].clamp_(max=logits.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], logprobs_mode: str,
+           generator: torch.Generator) -> tuple[list[int], list[float]]:
+    """logits [S, V] fp32 (one row per sequence) -> sampled token ids and their logprobs."""
+    device = logits.device
+    raw_logprobs = logits.log_softmax(dim=-1) if logprobs_mode == "raw" else None
+    params = [seq.params for seq in seqs]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        logits = logits.clone()
+        _apply_repetition_penalty(logits, seqs)
+    temperatures = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    if any(t != 1.0 for t in temperatures):
+        logits = logits / torch.tensor(temperatures, device=device)[:, None]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+        logits = _apply_top_k_top_p(logits, top_k, top_p)
+    greedy = [p.temperature == 0 for p in params]
+    if all(greedy):
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = _inverse_cdf_sample(logits, seqs, generator)
+        if any(greedy):
+            tokens = torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), tokens)
+    chosen = tokens[:, None]
+    if raw_logprobs is None:
+        token_logprobs = logits.log_softmax(dim=-1).gather(-1, chosen)
+    else:
+        token_logprobs = raw_logprobs.gather(-1, chosen)
+    return tokens.tolist(), token_logprobs[:, 0].tolist()

@@ -1,0 +1,116 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step first continues the running sequences (oldest first: one decode token each, or the
+next chunk of an unfinished prompt), then admits waiting ones while the token budget
+(`max_num_batched_tokens`), the sequence budget (`max_num_seqs`) and free KV blocks allow. When
+a running sequence needs a block and none is free, the newest running sequence is preempted:
+its blocks are released and it waits to be recomputed (its full blocks usually stay cached).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.rollout.engine.block_manager import BlockManager
+from tandem.rollout.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step: tokens [start, start + num_new) are computed; the step
+    samples its next token when those reach the end of the sequence."""
+
+    seq: Sequence
+    start: int
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_new == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prompt_tokens_cached = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[ScheduledSequence]:
+        blocks = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        queue = deque(self.running)
+        kept: list[Sequence] = []
+        preempted = False
+        while queue and budget > 0:
+            seq = queue.popleft()
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not blocks.allocate(seq, seq.num_computed_tokens + num_new):
+                preempted = True
+                if queue:
+                    self.preempt(queue.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                kept.append(seq)
+                scheduled.append(self._take(seq, num_new))
+                budget -= num_new
+        kept.extend(queue)  # running sequences left without budget this step
+        self.running = kept
+        while (self.waiting and not preempted and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            prefix = blocks.find_prefix(seq)
+            cached = len(prefix) * blocks.block_size
+            num_new = min(seq.num_tokens - cached, budget)
+            if not blocks.can_admit(seq, prefix, cached + num_new):
+                break
+            self.waiting.popleft()
+            blocks.share_prefix(seq, prefix)
+            blocks.allocate(seq, cached + num_new)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_tokens_at_admission = seq.num_tokens
+            self.prompt_tokens_cached += cached
+            self.running.append(seq)
+            scheduled.append(self._take(seq, num_new))
+            budget -= num_new
+        return scheduled
+
+    def _take(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        item = ScheduledSequence(seq, seq.num_computed_tokens, num_new)
+        self.block_manager.register_full_blocks(seq, seq.num_computed_tokens + num_new)
+        return item
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free seq's blocks and put it first in line; it is recomputed from its tokens."""
+        self.block_manager.release(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def preempt_all(self) -> None:
+        for seq in reversed(self.running):
+            self.preempt(seq)
+        self.running = []
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove seq from the queues and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.release(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED

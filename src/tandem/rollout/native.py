@@ -1,0 +1,65 @@
+"""The `native` rollout backend: BaseRollout over tandem's own engine (rollout/engine/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from tandem.config.schema import RolloutConfig
+from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags
+from tandem.rollout.engine import AsyncEngine
+from tandem.types import TokenOutput
+
+
+class NativeRollout(BaseRollout):
+    """Continuous batching, paged KV cache, prefix cache, per-token logprobs; CPU or CUDA."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    @classmethod
+    def create(cls, model_path: str | Path, config: RolloutConfig | None = None,
+               dtype: str = "float32", device: str = "cpu") -> "NativeRollout":
+        from tandem.models import resolve_model_path
+
+        return cls(AsyncEngine(resolve_model_path(str(model_path)), config or RolloutConfig(),
+                               dtype, device))
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       sampling_params: Mapping[str, Any]) -> TokenOutput:
+        return await self.engine.generate(request_id, prompt_ids, sampling_params)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def abort_all(self) -> None:
+        await self.engine.abort_all()
+
+    async def sleep(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        await self.engine.sleep(check_tags(tags))
+
+    async def wake_up(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        await self.engine.wake_up(check_tags(tags))
+
+    async def clear_kv_cache(self) -> None:
+        await self.engine.clear_kv_cache()
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                             version: int) -> None:
+        await self.engine.update_weights(named_tensors, version)
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.version
+
+    def memory_bytes(self) -> dict[str, int]:
+        return self.engine.memory_bytes()
+
+    def stats(self) -> dict[str, int]:
+        """Engine counters: steps, prompt tokens computed / served from the prefix cache, ..."""
+        return self.engine.stats()
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()

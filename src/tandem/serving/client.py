@@ -1,0 +1,86 @@
+"""The client: the one token-in/token-out API an agent loop sees.
+
+Routing is sticky on the caller's request_id; every backend call gets a fresh id, so a second
+turn of one conversation never collides with the first inside the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any, Mapping
+
+from tandem.serving.remote import is_actor, resolve, submit
+from tandem.types import TokenOutput
+
+
+class ServerClient:
+    """generate(request_id, prompt_ids, sampling_params) -> TokenOutput through the balancer.
+
+    `balancer` is a LoadBalancer (local) or its Ray actor; `servers` maps server ids to local
+    RolloutServer objects or Ray handles (ids missing here are looked up in the balancer).
+    """
+
+    def __init__(self, balancer: Any, servers: dict[str, Any] | None = None,
+                 timeout_s: float | None = None) -> None:
+        self.balancer = balancer
+        # Kept as given (not copied): a manager adding servers at run time updates it in place.
+        self.servers: dict[str, Any] = servers if servers is not None else {}
+        self.timeout_s = timeout_s  # per generate call; None waits as long as generation takes
+        self._pending_releases: set[asyncio.Future] = set()
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       sampling_params: Mapping[str, Any]) -> TokenOutput:
+        """Acquire a server, generate once with a fresh backend id, always release the server.
+
+        extra_fields gets min_global_steps / max_global_steps (both = global_steps) unless set.
+        """
+        server_id = await self._acquire(request_id)
+        try:
+            server = await self._server(server_id)
+            backend_request_id = f"{request_id}-{uuid.uuid4().hex}"
+            output = await resolve(
+                submit(server, "generate", backend_request_id, list(prompt_ids),
+                       dict(sampling_params)),
+                self.timeout_s, f"generate({request_id!r}) on server {server_id!r}")
+        finally:
+            # Submitted before any await: the release happens even if we are cancelled here.
+            release = asyncio.ensure_future(resolve(submit(self.balancer, "release", server_id),
+                                                    cancel_remote=False))
+            await asyncio.shield(release)
+        steps = output.extra_fields["global_steps"]
+        output.extra_fields.setdefault("min_global_steps", steps)
+        output.extra_fields.setdefault("max_global_steps", steps)
+        return output
+
+    async def _acquire(self, request_id: str) -> str:
+        acquire = asyncio.ensure_future(resolve(submit(self.balancer, "acquire", request_id),
+                                                cancel_remote=False))
+        try:
+            return await asyncio.shield(acquire)
+        except asyncio.CancelledError:
+            # The balancer may still count this request: release as soon as it answers.
+            self._pending_releases.add(acquire)
+            acquire.add_done_callback(self._release_if_acquired)
+            raise
+
+    def _release_if_acquired(self, acquire: asyncio.Future) -> None:
+        self._pending_releases.discard(acquire)
+        if not acquire.cancelled() and acquire.exception() is None:
+            release = asyncio.ensure_future(resolve(submit(self.balancer, "release",
+                                                           acquire.result()), cancel_remote=False))
+            self._pending_releases.add(release)
+            release.add_done_callback(self._pending_releases.discard)
+
+    async def _server(self, server_id: str) -> Any:
+        server = self.servers.get(server_id)
+        if server is None:
+            if not is_actor(self.balancer):
+                raise KeyError(f"server {server_id!r} is registered in the balancer but this "
+                               "client was not given it; pass it in `servers`")
+            server = await resolve(submit(self.balancer, "server_handle", server_id))
+            if server is None:
+                raise KeyError(f"server {server_id!r} was registered without a Ray handle; "
+                               "in-process servers must be passed to the client in `servers`")
+            self.servers[server_id] = server
+        return server

@@ -1,0 +1,223 @@
+"""The server manager: replicas = devices // footprint, one global load balancer, clients.
+
+Servers that are Ray actors get a LoadBalancerActor; servers living in this process (the hybrid
+in-process mode) get a plain LoadBalancer, so the whole path runs on the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Iterable, Iterator, Sequence
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup
+
+from tandem.config.load import ConfigError
+from tandem.config.schema import RolloutConfig
+from tandem.rollout.base import MEMORY_TAGS
+from tandem.serving.balancer import BalancerStatus, LoadBalancer, LoadBalancerActor
+from tandem.serving.client import ServerClient
+from tandem.serving.footprint import check_backend_fits, replica_count, replica_world_size
+from tandem.serving.remote import call, is_actor
+from tandem.serving.replica import ReplicaLayout, RolloutReplica, ServerOptions
+from tandem.serving.resumable_client import ResumableClient
+
+
+class ServerManager:
+    """Owns the replicas and the balancer; fans trainer control calls out to every replica."""
+
+    def __init__(self, config: RolloutConfig, options: ServerOptions, layout: ReplicaLayout,
+                 balancer: Any) -> None:
+        self.config = config
+        self.options = options
+        self.layout = layout
+        self.balancer = balancer
+        self.replicas: dict[str, RolloutReplica] = {}
+        self.servers: dict[str, Any] = {}  # server_id -> main server; clients share this dict
+
+    @classmethod
+    async def create(cls, config: RolloutConfig, options: ServerOptions,
+                     layout: ReplicaLayout | str, *, hosts: Sequence[Any] | None = None,
+                     placement_group: PlacementGroup | None = None,
+                     bundle_indices: Sequence[int] | None = None,
+                     total_devices: int | None = None,
+                     max_sticky_entries: int = 100_000) -> "ServerManager":
+        """Create every replica for `layout` and register it with a fresh balancer.
+
+        HYBRID: `hosts` are the workers (one per device) that will host engines: local
+        RolloutServer objects or Ray handles of RolloutServer subclasses. COLOCATED:
+        `placement_group` (and optionally `bundle_indices`, one per device) of another role.
+        STANDALONE: `total_devices`, default rollout.nnodes x rollout.n_gpus_per_node.
+        """
+        layout = ReplicaLayout(layout)
+        world_size = replica_world_size(config)
+        check_backend_fits(config, world_size)
+        if layout is ReplicaLayout.COLOCATED and placement_group is not None:
+            bundle_indices = list(bundle_indices if bundle_indices is not None
+                                  else range(placement_group.bundle_count))
+        devices, remote = _device_pool(config, layout, hosts, placement_group, bundle_indices,
+                                       total_devices)
+        count = replica_count(devices, world_size)
+        replicas = [RolloutReplica(rank, config, options) for rank in range(count)]
+        if remote and not ray.is_initialized():
+            raise RuntimeError(f"the {layout.value} layout starts Ray actors: call ray.init() first")
+        balancer = (LoadBalancerActor.remote(max_sticky_entries) if remote
+                    else LoadBalancer(max_sticky_entries))
+        manager = cls(config, options, layout, balancer)
+        if layout is ReplicaLayout.HYBRID:
+            inits = [r.init_hybrid(hosts[r.replica_rank * world_size:][:world_size]) for r in replicas]
+        elif layout is ReplicaLayout.COLOCATED:
+            inits = [r.init_colocated(placement_group,
+                                      bundle_indices[r.replica_rank * world_size:][:world_size])
+                     for r in replicas]
+        else:
+            inits = [r.init_standalone() for r in replicas]
+        results = await asyncio.gather(*inits, return_exceptions=True)
+        failures = [result for result in results if isinstance(result, BaseException)]
+        if failures:
+            # Do not leave half a fleet of actors and placement groups behind.
+            await asyncio.gather(*(r.shutdown() for r in replicas), return_exceptions=True)
+            if remote:
+                ray.kill(balancer)
+            raise failures[0]
+        for replica in replicas:
+            await manager.add_replica(replica)
+        return manager
+
+    # -- clients ------------------------------------------------------------------------------
+
+    def client(self, timeout_s: float | None = None) -> ServerClient:
+        """A client for agent loops (picklable to other Ray processes when servers are actors)."""
+        return ServerClient(self.balancer, self.servers, timeout_s)
+
+    def resumable_client(self, resume: bool = True,
+                         timeout_s: float | None = None) -> ResumableClient:
+        """A client that resumes aborted requests across weight updates."""
+        return ResumableClient(self.client(timeout_s), resume)
+
+    # -- servers at run time (spillover) ---------------------------------------------------
+
+    async def add_replica(self, replica: RolloutReplica) -> None:
+        """Route new requests to an initialised replica too."""
+        handle = replica.main_server if replica.is_remote else None
+        await call(self.balancer, "add_server", replica.server_id, handle)
+        self.replicas[replica.server_id] = replica
+        self.servers[replica.server_id] = replica.main_server
+
+    async def remove_replica(self, server_id: str, abort: bool = False) -> RolloutReplica:
+        """Stop routing to a replica and return it (it keeps running). With abort, its running
+        requests, and calls that were already on their way to it, come back "aborted" at once,
+        so resumable clients continue them on the other servers. resume_generation() on the
+        replica undoes that before add_replica() registers it again."""
+        if server_id not in self.replicas:
+            raise KeyError(f"no replica {server_id!r}; replicas: {list(self.replicas)}")
+        await call(self.balancer, "remove_server", server_id)
+        # self.servers keeps the handle: a request routed there just before removal still reaches it.
+        replica = self.replicas.pop(server_id)
+        if abort:
+            await replica.abort_all_requests(reroute=True)
+        return replica
+
+    async def status(self) -> BalancerStatus:
+        """The balancer's view: in-flight and total requests per server."""
+        return await call(self.balancer, "status")
+
+    async def stats(self) -> dict[str, dict[str, Any]]:
+        """server_id -> that replica's main-server counters."""
+        results = await asyncio.gather(*(r.stats() for r in self.replicas.values()))
+        return {sid: stats[0] for sid, stats in zip(self.replicas, results)}
+
+    # -- trainer control, fanned out to every replica -------------------------------------
+
+    async def _all(self, method: str, *args: Any) -> list[Any]:
+        return list(await asyncio.gather(*(getattr(r, method)(*args)
+                                           for r in self.replicas.values())))
+
+    async def sleep(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        """Release the tagged memory everywhere; generation waits until wake_up()."""
+        await self._all("sleep", list(tags))
+
+    async def wake_up(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        """Restore the tagged memory everywhere."""
+        await self._all("wake_up", list(tags))
+
+    async def abort_all_requests(self) -> int:
+        """Pause generation everywhere and abort running requests; returns how many ran."""
+        return sum(await self._all("abort_all_requests"))
+
+    async def resume_generation(self) -> None:
+        """Reopen generation everywhere; waiting (re-asked) requests proceed."""
+        await self._all("resume_generation")
+
+    async def release_kv_cache(self) -> None:
+        """Free every KV cache (after abort_all_requests())."""
+        await self._all("release_kv_cache")
+
+    async def resume_kv_cache(self) -> None:
+        """Re-allocate every KV cache."""
+        await self._all("resume_kv_cache")
+
+    async def clear_kv_cache(self) -> None:
+        """Drop every cached prefix."""
+        await self._all("clear_kv_cache")
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                             version: int, bucket_megabytes: int | None = None) -> None:
+        """Stream (name, tensor) pairs to every replica in buckets; stamp `version`.
+
+        Each bucket crosses the Ray object store once (ray.put) however many servers read it;
+        in-process servers get the tensors themselves, no copy. Call abort_all_requests() (or
+        let generation finish) first: servers refuse updates while requests generate.
+        """
+        megabytes = bucket_megabytes or self.config.checkpoint_engine.update_weights_bucket_megabytes
+        remote = any(r.is_remote for r in self.replicas.values())
+        for bucket in weight_buckets(named_tensors, megabytes << 20):
+            await self._all("update_weights", ray.put(bucket) if remote else bucket, version)
+
+    async def shutdown(self) -> None:
+        """Stop every replica and the balancer."""
+        await self._all("shutdown")
+        if is_actor(self.balancer):
+            ray.kill(self.balancer)
+        self.replicas.clear()
+        self.servers.clear()
+
+
+def _device_pool(config: RolloutConfig, layout: ReplicaLayout, hosts: Sequence[Any] | None,
+                 placement_group: PlacementGroup | None, bundle_indices: list[int] | None,
+                 total_devices: int | None) -> tuple[int, bool]:
+    """(devices the layout may use, whether its servers are Ray actors)."""
+    if layout is ReplicaLayout.HYBRID:
+        if not hosts:
+            raise ValueError("the hybrid layout needs `hosts`: the workers (one per device) that "
+                             "host the engines")
+        kinds = {is_actor(host) for host in hosts}
+        if len(kinds) != 1:
+            raise ValueError("hybrid hosts must be all Ray actor handles or all local objects")
+        return len(hosts), kinds.pop()
+    if layout is ReplicaLayout.COLOCATED:
+        if placement_group is None:
+            raise ValueError("the colocated layout needs the `placement_group` it shares")
+        return len(bundle_indices), True
+    devices = config.nnodes * config.n_gpus_per_node if total_devices is None else total_devices
+    if devices < 1:
+        raise ConfigError("rollout.nnodes / rollout.n_gpus_per_node: the standalone layout runs on "
+                          "devices of its own; set both to at least 1 (or pass total_devices)")
+    return devices, True
+
+
+def weight_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                   bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs into lists of at most bucket_bytes (a bigger tensor alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

@@ -1,0 +1,241 @@
+"""A rollout replica: the server(s) serving one model copy, placed by layout (seed §3.3, §5).
+
+HYBRID: the engine lives inside workers that already exist (training workers, or the driver
+process itself); no new process, no new devices. COLOCATED: a new server process placed on
+bundles of an existing Ray placement group (devices shared with another role). STANDALONE: a
+new server process on a placement group of its own devices. Every replica here spans one node
+and runs one server, which is its main server; control calls fan out over `servers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Iterable, Sequence
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tandem.config.load import ConfigError
+from tandem.config.schema import RolloutConfig
+from tandem.rollout.base import MEMORY_TAGS
+from tandem.rollout.registry import get_rollout_class
+from tandem.serving.footprint import check_backend_fits, replica_world_size
+from tandem.serving.remote import call, is_actor
+from tandem.serving.server import RolloutServerActor, ServerInfo
+
+
+class ReplicaLayout(str, Enum):
+    """Where a replica's engine runs relative to the training workers."""
+
+    HYBRID = "hybrid"
+    COLOCATED = "colocated"
+    STANDALONE = "standalone"
+
+
+@dataclass
+class ServerOptions:
+    """What every server of a manager hosts, and how it is started and placed."""
+
+    model_path: str  # an HF model directory
+    dtype: str = "float32"
+    device: str = "cpu"
+    device_bundle: dict[str, float] | None = None  # Ray resources of one device (see bundle())
+    torch_threads: int | None = None  # CPU threads per engine; default: the bundle's CPUs
+    colocated_fraction: float = 0.1  # share of a colocated bundle's resources the server takes
+    pause_timeout_s: float = 3600.0  # how long generate() waits while paused or asleep
+    drain_timeout_s: float = 60.0  # how long abort_all_requests() waits for calls to return
+    start_timeout_s: float = 600.0  # placement plus engine start
+    control_timeout_s: float = 600.0  # sleep / wake / update_weights / abort fan-out calls
+
+    def bundle(self) -> dict[str, float]:
+        """Resources of one device: one GPU (plus a CPU) on cuda, one CPU otherwise."""
+        if self.device_bundle is not None:
+            return dict(self.device_bundle)
+        return {"CPU": 1.0, "GPU": 1.0} if self.device.startswith("cuda") else {"CPU": 1.0}
+
+    def threads(self) -> int | None:
+        """torch threads for a placed CPU server: the bundle's CPU count, at least 1."""
+        if self.device.startswith("cuda"):
+            return self.torch_threads
+        return self.torch_threads or max(1, int(self.bundle().get("CPU", 1)))
+
+
+def actor_resources(resources: dict[str, float]) -> dict[str, Any]:
+    """Ray actor options asking for exactly `resources`."""
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+    return {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0),
+            **({"resources": custom} if custom else {})}
+
+
+class RolloutReplica:
+    """One model copy: world_size devices, one server, initialised by one of three layouts."""
+
+    def __init__(self, replica_rank: int, config: RolloutConfig, options: ServerOptions) -> None:
+        self.replica_rank = replica_rank
+        self.config = config
+        self.options = options
+        self.world_size = replica_world_size(config)
+        check_backend_fits(config, self.world_size)
+        self.backend_class = get_rollout_class(config.name)
+        self.server_id = f"replica-{replica_rank}"
+        self.layout: ReplicaLayout | None = None
+        self.servers: list[Any] = []
+        self.infos: list[ServerInfo] = []
+        self.placement_group: PlacementGroup | None = None
+        self._owns_placement_group = False
+
+    # -- the three init paths ---------------------------------------------------------------
+
+    async def init_hybrid(self, hosts: Sequence[Any]) -> None:
+        """Start the engine inside existing workers: local RolloutServer objects (the driver
+        process) or Ray handles of actors whose class subclasses RolloutServer."""
+        self._check_hosts(hosts)
+        self._begin(ReplicaLayout.HYBRID)
+        # The workers already own their devices and threads: nothing is placed or pinned.
+        await self._start([hosts[0]], torch_threads=None)
+
+    async def init_colocated(self, group: PlacementGroup, bundle_indices: Sequence[int]) -> None:
+        """Start a new server process on bundles of a placement group another role also uses."""
+        if len(bundle_indices) != self.world_size:
+            raise ValueError(f"replica {self.replica_rank}: got {len(bundle_indices)} bundle(s) "
+                             f"for a footprint of {self.world_size}")
+        self._begin(ReplicaLayout.COLOCATED)
+        self.placement_group = group
+        share = self.options.colocated_fraction
+        resources = {k: round(v * share, 4) for k, v in group.bundle_specs[bundle_indices[0]].items()
+                     if k in ("CPU", "GPU")}
+        await resolve_ready(group, self.options.start_timeout_s, f"colocated replica "
+                            f"{self.replica_rank}")
+        await self._start([self._place_server(group, bundle_indices[0], resources)],
+                          self.options.threads())
+
+    async def init_standalone(self) -> None:
+        """Reserve world_size devices in a placement group of its own and start a server there."""
+        per_node = self.config.n_gpus_per_node
+        if per_node and self.world_size > per_node:
+            raise ConfigError(f"rollout.n_gpus_per_node: a replica needs {self.world_size} devices "
+                              f"but a node has {per_node}; replicas must fit on one node")
+        self._begin(ReplicaLayout.STANDALONE)
+        bundle = self.options.bundle()
+        group = placement_group([bundle] * self.world_size, strategy="STRICT_PACK")
+        self.placement_group, self._owns_placement_group = group, True
+        await resolve_ready(group, self.options.start_timeout_s,
+                            f"standalone replica {self.replica_rank} ({self.world_size} x {bundle})")
+        await self._start([self._place_server(group, 0, bundle)], self.options.threads())
+
+    def _begin(self, layout: ReplicaLayout) -> None:
+        if self.layout is not None:
+            raise RuntimeError(f"replica {self.replica_rank} was already initialised as "
+                               f"{self.layout.value}")
+        self.layout = layout
+
+    def _check_hosts(self, hosts: Sequence[Any]) -> None:
+        if len(hosts) != self.world_size:
+            raise ValueError(f"replica {self.replica_rank}: got {len(hosts)} hybrid worker(s) for "
+                             f"a footprint of {self.world_size}")
+
+    def _place_server(self, group: PlacementGroup, bundle_index: int,
+                      resources: dict[str, float]) -> Any:
+        strategy = PlacementGroupSchedulingStrategy(placement_group=group,
+                                                    placement_group_bundle_index=bundle_index)
+        return RolloutServerActor.options(scheduling_strategy=strategy,
+                                          **actor_resources(resources)).remote(
+            self.server_id, self.options.pause_timeout_s, self.options.drain_timeout_s)
+
+    async def _start(self, servers: list[Any], torch_threads: int | None) -> None:
+        options = self.options
+        self.servers = servers
+        self.infos = list(await asyncio.gather(*(
+            call(server, "start", self.backend_class, options.model_path, self.config,
+                 options.dtype, options.device, torch_threads,
+                 timeout_s=options.start_timeout_s) for server in servers)))
+
+    # -- what the manager and balancer see --------------------------------------------------
+
+    @property
+    def main_server(self) -> Any:
+        """The server requests go to (node-rank 0)."""
+        if not self.servers:
+            raise RuntimeError(f"replica {self.replica_rank} is not initialised")
+        return self.servers[0]
+
+    @property
+    def address(self) -> str:
+        """node_ip:pid of the main server."""
+        return self.infos[0].address
+
+    @property
+    def is_remote(self) -> bool:
+        """True when the servers are Ray actors, False when they live in this process."""
+        return is_actor(self.main_server)
+
+    # -- control, fanned out to every server concurrently -----------------------------------
+
+    async def _fan_out(self, method: str, *args: Any) -> list[Any]:
+        return list(await asyncio.gather(*(
+            call(server, method, *args, timeout_s=self.options.control_timeout_s)
+            for server in self.servers)))
+
+    async def sleep(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        """Release the tagged memory on every server."""
+        await self._fan_out("sleep", list(tags))
+
+    async def wake_up(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        """Restore the tagged memory on every server."""
+        await self._fan_out("wake_up", list(tags))
+
+    async def abort_all_requests(self, reroute: bool = False) -> int:
+        """Pause and abort; returns how many requests were running (reroute: see the server)."""
+        return sum(await self._fan_out("abort_all_requests", reroute))
+
+    async def resume_generation(self) -> None:
+        """Reopen generation after abort_all_requests()."""
+        await self._fan_out("resume_generation")
+
+    async def release_kv_cache(self) -> None:
+        """Free the KV caches (weights stay)."""
+        await self._fan_out("release_kv_cache")
+
+    async def resume_kv_cache(self) -> None:
+        """Re-allocate the KV caches."""
+        await self._fan_out("resume_kv_cache")
+
+    async def clear_kv_cache(self) -> None:
+        """Drop every cached prefix."""
+        await self._fan_out("clear_kv_cache")
+
+    async def update_weights(self, named_tensors: Any, version: int) -> None:
+        """Load one bucket of (name, tensor) pairs (a list, or an ObjectRef to one) everywhere."""
+        await self._fan_out("update_weights", named_tensors, version)
+
+    async def stats(self) -> list[dict[str, Any]]:
+        """Each server's counters."""
+        return await self._fan_out("stats")
+
+    async def shutdown(self) -> None:
+        """Stop the engines; kill processes and placement groups this replica created."""
+        try:
+            if self.servers:
+                await self._fan_out("shutdown")
+        finally:
+            if self.layout is not ReplicaLayout.HYBRID:
+                for server in self.servers:
+                    ray.kill(server)
+            if self._owns_placement_group and self.placement_group is not None:
+                remove_placement_group(self.placement_group)
+                self.placement_group = None
+            self.servers = []
+
+
+async def resolve_ready(group: PlacementGroup, timeout_s: float, what: str) -> None:
+    """Wait for a placement group to be placed; a clear error instead of a silent hang."""
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(group.ready().future()), timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"{what}: placement group not placed within {timeout_s} s; the cluster "
+                           f"has {ray.available_resources()} available. Lower "
+                           "ServerOptions.device_bundle or the replica count.") from None
+

@@ -1,0 +1,65 @@
+"""The resumable client: partial rollout across weight updates (seed §3.6, §12.2).
+
+When a request comes back "aborted" (the trainer is swapping weights), the tokens it already
+has are appended to the prompt and the request is asked again, with the same request_id (so it
+sticks to the same server) and the remaining budget. The re-ask waits inside the server until
+generation resumes, so nothing spins here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from tandem.serving.client import ServerClient
+from tandem.types import SamplingParams, TokenOutput
+
+
+class ResumableClient:
+    """Same API as ServerClient; resumes aborted requests unless resume=False."""
+
+    def __init__(self, client: ServerClient, resume: bool = True) -> None:
+        self.client = client
+        self.resume = resume
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       sampling_params: Mapping[str, Any]) -> TokenOutput:
+        """Generate up to max_tokens in total across aborts; the caller's dict is not mutated.
+
+        extra_fields: global_steps (last version), min_global_steps / max_global_steps (first
+        and last versions that produced tokens), resumes (how many times it asked again).
+        """
+        budget = SamplingParams.from_dict(sampling_params).max_tokens
+        params = dict(sampling_params)
+        token_ids: list[int] = []
+        log_probs: list[float] | None = [] if params.get("logprobs", True) else None
+        versions: list[int] = []
+        resumes = 0
+        while True:
+            params["max_tokens"] = budget - len(token_ids)
+            output = await self.client.generate(request_id, list(prompt_ids) + token_ids, params)
+            token_ids.extend(output.token_ids)
+            log_probs = _join_log_probs(log_probs, output, request_id)
+            if output.token_ids:
+                versions.append(output.global_steps)
+            stop_reason = output.stop_reason
+            if stop_reason != "aborted" or not self.resume:
+                break
+            if len(token_ids) >= budget:
+                stop_reason = "length"  # aborted exactly at the budget: nothing left to ask for
+                break
+            resumes += 1
+        versions = versions or [output.global_steps]
+        extra = dict(output.extra_fields)
+        extra.update(global_steps=versions[-1], min_global_steps=min(versions),
+                     max_global_steps=max(versions), resumes=resumes)
+        return TokenOutput(token_ids, log_probs, stop_reason, extra)
+
+
+def _join_log_probs(log_probs: list[float] | None, output: TokenOutput,
+                    request_id: str) -> list[float] | None:
+    if log_probs is None:
+        return None
+    if output.log_probs is None:
+        raise ValueError(f"request {request_id!r}: logprobs were asked for but the server "
+                         "returned none; the backend breaks the one-logprob-per-token contract")
+    return log_probs + list(output.log_probs)

@@ -1,0 +1,130 @@
+"""Tools the model may call: the Tool contract, JSON-schema descriptions and a registry by name.
+
+A tool returns a ToolResult for anything the model got wrong (bad input, failing code); an
+exception from a tool means the host is broken and propagates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Protocol
+
+JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+    "object": (dict,), "array": (list,), "null": (type(None),)}
+
+
+@dataclass
+class ToolResult:
+    """What the model sees as the tool message; ok=False marks an error message."""
+
+    text: str
+    ok: bool = True
+
+
+class Tool(Protocol):
+    """name, description and a JSON-schema `parameters` object; execute() is async."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    async def execute(self, arguments: dict[str, Any], context: dict[str, Any]) -> ToolResult:
+        """Run with validated arguments; context holds the row's tools_kwargs for this tool."""
+
+
+def tool_schema(tool: Tool) -> dict[str, Any]:
+    """The OpenAI-style function description a chat template's `tools` expects."""
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
+                                             "parameters": tool.parameters}}
+
+
+def validate_arguments(parameters: dict[str, Any], arguments: Any) -> str | None:
+    """Check arguments against a flat JSON schema; return an error message or None."""
+    if not isinstance(arguments, dict):
+        return f"arguments must be a JSON object, got {type(arguments).__name__}"
+    properties = parameters.get("properties", {})
+    missing = [name for name in parameters.get("required", []) if name not in arguments]
+    if missing:
+        return f"missing required argument(s) {missing}"
+    if parameters.get("additionalProperties") is False:
+        unknown = sorted(set(arguments) - set(properties))
+        if unknown:
+            return f"unknown argument(s) {unknown}; expected {sorted(properties)}"
+    for name, value in arguments.items():
+        expected = properties.get(name, {}).get("type")
+        if expected is None:
+            continue
+        names = expected if isinstance(expected, list) else [expected]
+        python_types = tuple(t for n in names for t in JSON_TYPES.get(n, (object,)))
+        is_bool = isinstance(value, bool)
+        if not isinstance(value, python_types) or (is_bool and "boolean" not in names):
+            return f"argument {name!r} must be of type {expected}, got {type(value).__name__}"
+    return None
+
+
+class ToolRegistry:
+    """Tools by name, their schemas in registration order, and error-safe dispatch."""
+
+    def __init__(self, tools: Iterable[Tool] = ()) -> None:
+        self._tools: dict[str, Tool] = {}
+        for tool in tools:
+            self.register(tool)
+
+    def register(self, tool: Tool) -> None:
+        """Add a tool; a second tool with the same name is an error."""
+        if tool.name in self._tools:
+            raise ValueError(f"a tool named {tool.name!r} is already registered")
+        self._tools[tool.name] = tool
+
+    def names(self) -> list[str]:
+        """Registered names in registration order."""
+        return list(self._tools)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tools
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def get(self, name: str) -> Tool:
+        """The tool called `name`; KeyError listing the registered names otherwise."""
+        if name not in self._tools:
+            raise KeyError(f"no tool named {name!r}; registered: {self.names()}")
+        return self._tools[name]
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """The `tools` list for the chat template."""
+        return [tool_schema(tool) for tool in self._tools.values()]
+
+    async def call(self, name: str, arguments: Any, context: dict[str, Any] | None = None
+                   ) -> ToolResult:
+        """Run a tool; an unknown name or invalid arguments become an error result."""
+        if name not in self._tools:
+            return ToolResult(f"Error: unknown tool {name!r}; available tools: {self.names()}",
+                              ok=False)
+        tool = self._tools[name]
+        problem = validate_arguments(tool.parameters, arguments)
+        if problem:
+            return ToolResult(f"Error: invalid arguments for {name}: {problem}", ok=False)
+        return await tool.execute(arguments, context or {})
+
+
+def builtin_tool_names() -> tuple[str, ...]:
+    """Names accepted in rollout.multi_turn.tools."""
+    return ("calculator", "python")
+
+
+def build_tool_registry(names: Iterable[str]) -> ToolRegistry:
+    """A registry of built-in tools by name (the config field rollout.multi_turn.tools)."""
+    from tandem.tools.calculator import CalculatorTool
+    from tandem.tools.python_tool import PythonTool
+
+    factories = {"calculator": CalculatorTool, "python": PythonTool}
+    registry = ToolRegistry()
+    for name in names:
+        if name not in factories:
+            raise ValueError(f"rollout.multi_turn.tools: unknown tool {name!r}; built-in tools are "
+                             f"{list(factories)} (register others on a ToolRegistry yourself)")
+        registry.register(factories[name]())
+    return registry

@@ -1,0 +1,217 @@
+"""The child side of the Python sandbox: lock this process down, then run the user's code.
+
+Run as `python -I sandbox_boot.py SETTINGS_JSON` with cwd = a fresh temp dir holding main.py.
+Self-contained on purpose (stdlib only, no tandem import): it must work in any interpreter.
+Layers, in order: network namespace, resource limits, Landlock (filesystem, TCP, signals,
+abstract sockets), a Python audit hook. The first stderr line reports which layers hold.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import sys
+import traceback
+import types
+
+REPORT_PREFIX = "__tandem_sandbox__ "
+EXIT_SETUP_FAILED = 97
+
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+PR_SET_NO_NEW_PRIVS = 38
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+LANDLOCK_CREATE_RULESET_VERSION = 1
+LANDLOCK_RULE_PATH_BENEATH = 1
+
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FS_TRUNCATE, FS_IOCTL_DEV = 1 << 14, 1 << 15
+FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV
+NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1
+
+# Audit events that start programs or processes; the kernel layer (no execute right) backs this up.
+BLOCKED_EVENTS = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
+                  "subprocess.Popen", "socket.__new__", "gc.get_objects", "gc.get_referrers",
+                  "gc.get_referents")
+# ctypes may be imported (numpy needs it) but not used to call or read native code.
+BLOCKED_CTYPES_EVENTS = ("ctypes.call_function", "ctypes.dlsym", "ctypes.dlsym/handle",
+                         "ctypes.cdata", "ctypes.cdata/buffer", "ctypes.string_at",
+                         "ctypes.wstring_at", "ctypes.set_errno", "ctypes.set_exception")
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
+
+
+def isolate_network(libc) -> str:
+    """Move into a new, empty network namespace (no interfaces but a down loopback)."""
+    if libc.unshare(CLONE_NEWNET) == 0:
+        return "netns"
+    # Without CAP_SYS_ADMIN a user namespace grants it inside; the uid stays the same outside.
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
+        return "userns+netns"
+    return "unavailable: " + os.strerror(ctypes.get_errno())
+
+
+def set_limits(memory_bytes: int, cpu_seconds: int, file_bytes: int, open_files: int) -> None:
+    """Hard and soft limits alike, so the code cannot raise them again."""
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _landlock_abi(libc) -> int:
+    abi = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_CREATE_RULESET_VERSION)
+    return max(int(abi), 0)
+
+
+def _fs_rights(abi: int) -> int:
+    rights = (1 << 13) - 1  # EXECUTE .. MAKE_SYM (ABI 1)
+    if abi >= 2:
+        rights |= 1 << 13  # REFER
+    if abi >= 3:
+        rights |= FS_TRUNCATE
+    if abi >= 5:
+        rights |= FS_IOCTL_DEV
+    return rights
+
+
+def _add_path_rule(libc, ruleset_fd: int, path: str, access: int) -> None:
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        if not os.path.isdir(path):
+            access &= FILE_RIGHTS
+        rule = _PathBeneathAttr(allowed_access=access, parent_fd=fd)
+        if libc.syscall(SYS_LANDLOCK_ADD_RULE, ruleset_fd, LANDLOCK_RULE_PATH_BENEATH,
+                        ctypes.byref(rule), 0) != 0:
+            raise OSError(ctypes.get_errno(), f"landlock_add_rule({path})")
+    finally:
+        os.close(fd)
+
+
+def apply_landlock(libc, read_roots: list[str], write_root: str, devices: list[str]) -> str:
+    """Allow reading read_roots, everything but execute under write_root; deny all TCP."""
+    abi = _landlock_abi(libc)
+    if abi < 1:
+        return "unavailable: kernel without Landlock"
+    all_fs = _fs_rights(abi)
+    attr = _RulesetAttr(handled_access_fs=all_fs)
+    size = 8
+    if abi >= 4:
+        attr.handled_access_net = NET_BIND_TCP | NET_CONNECT_TCP
+        size = 16
+    if abi >= 6:
+        attr.scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL
+        size = 24
+    ruleset_fd = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), size, 0)
+    if ruleset_fd < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
+    try:
+        for root in read_roots:
+            if os.path.exists(root):
+                _add_path_rule(libc, ruleset_fd, root, FS_READ_FILE | FS_READ_DIR)
+        for device in devices:
+            if os.path.exists(device):
+                _add_path_rule(libc, ruleset_fd, device, FS_READ_FILE | FS_WRITE_FILE)
+        _add_path_rule(libc, ruleset_fd, write_root, all_fs & ~FS_EXECUTE)
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset_fd, 0) != 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self")
+    finally:
+        os.close(ruleset_fd)
+    return f"abi{abi}" + (" +tcp" if abi >= 4 else "") + (" +scopes" if abi >= 6 else "")
+
+
+def install_audit_hook(read_roots: list[str], write_root: str, devices: list[str]) -> None:
+    """Refuse process creation, sockets, ctypes and file access outside the allowed roots."""
+    readable = tuple(os.path.join(os.path.realpath(r), "") for r in read_roots)
+    writable = os.path.join(os.path.realpath(write_root), "")
+    devices = tuple(devices)
+
+    def allowed(path: str, writing: bool) -> bool:
+        full = os.path.realpath(path)
+        if full + os.sep == writable or full.startswith(writable):
+            return True
+        if full in devices:
+            return True
+        return not writing and (full + os.sep in readable or full.startswith(readable))
+
+    def hook(event: str, args: tuple) -> None:
+        if event in BLOCKED_EVENTS or event in BLOCKED_CTYPES_EVENTS:
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "ctypes.dlopen" and args[0] is not None:
+            raise PermissionError(f"sandbox: loading native library {args[0]!r} is not allowed")
+        if event == "open" and isinstance(args[0], (str, bytes)):
+            path = os.fsdecode(args[0])
+            mode = args[1] if isinstance(args[1], str) else ""
+            flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+            writing = any(c in mode for c in "wax+") or bool(flags & (os.O_WRONLY | os.O_RDWR))
+            if not allowed(path, writing):
+                raise PermissionError(f"sandbox: no access to {path!r} outside the work directory")
+        if event == "object.__setattr__" and args[1] in ("__code__", "__closure__"):
+            raise PermissionError("sandbox: replacing function code is not allowed")
+
+    sys.addaudithook(hook)
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1])
+    sys.dont_write_bytecode = True
+    work_dir = os.getcwd()
+    with open(os.path.join(work_dir, "main.py"), encoding="utf-8") as handle:
+        source = handle.read()
+    libc = _libc()
+    report = {"network": isolate_network(libc)}
+    try:
+        report["landlock"] = apply_landlock(libc, settings["read_roots"], work_dir,
+                                            settings["devices"])
+    except OSError as error:
+        report["landlock"] = f"unavailable: {error}"
+    if settings["strict"]:
+        missing = [k for k in ("network", "landlock") if report[k].startswith("unavailable")]
+        if missing:
+            sys.stderr.write(REPORT_PREFIX + json.dumps(report) + "\n")
+            sys.exit(EXIT_SETUP_FAILED)
+    set_limits(settings["memory_bytes"], settings["cpu_seconds"], settings["file_bytes"],
+               settings["open_files"])
+    if settings["python_guards"]:
+        install_audit_hook(settings["read_roots"], work_dir, settings["devices"])
+    del libc
+    sys.stderr.write(REPORT_PREFIX + json.dumps(report) + "\n")
+    sys.stderr.flush()
+    code = compile(source, "main.py", "exec")
+    module = types.ModuleType("__main__")  # the user's code must not see this module's globals
+    module.__file__ = os.path.join(work_dir, "main.py")
+    sys.modules["__main__"] = module
+    sys.argv = ["main.py"]
+    try:
+        exec(code, module.__dict__)
+    except SystemExit:
+        raise
+    except BaseException as error:  # report the user's frames only, as plain python would
+        frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+                  if frame.filename != __file__]
+        sys.stderr.write("Traceback (most recent call last):\n"
+                         + "".join(traceback.format_list(frames))
+                         + "".join(traceback.format_exception_only(type(error), error)))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

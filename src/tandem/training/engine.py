@@ -1,0 +1,235 @@
+"""The training engine: one HF model as actor, frozen reference or critic, with its optimizer.
+
+One engine per data-parallel rank; each rank gets its own shard of the batch. Gradients of a
+mini-batch are accumulated over micro-batches cut by a token budget. The loss callable returns
+its micro-batch's *share* of the mini-batch loss, normalised by the mini-batch totals in
+`outputs.mini_batch` (e.g. token-mean: sum(loss * mask) / global_tokens), so the gradient does
+not depend on how the mini-batch was cut, nor on the number of ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from tensordict import TensorDict
+
+from tandem.batch.jagged import field_lengths, padded_field, select_samples
+from tandem.config.schema import OptimConfig, TandemConfig
+from tandem.training import checkpoint
+from tandem.training.export import DeltaExporter, LocalShard, TensorDelta, iter_full_weights, iter_local_shards
+from tandem.training.forward import ForwardOutput, MiniBatchInfo, actor_forward, critic_forward
+from tandem.training.fsdp import all_reduce, dp_rank_and_size, shard_model
+from tandem.training.micro_batches import split_by_token_budget, split_into
+from tandem.training.optim import build_lr_scheduler, build_optimizer
+
+ROLES = ("actor", "reference", "critic")
+LossFn = Callable[[TensorDict, ForwardOutput], tuple[torch.Tensor, dict[str, float]]]
+
+
+class TrainingEngine:
+    """Actor, reference or critic over an HF model; `optim=None` makes it frozen (inference only)."""
+
+    def __init__(self, model: torch.nn.Module, role: str, max_token_len: int, use_remove_padding: bool = True,
+                 optim: OptimConfig | None = None, total_steps: int | None = None, device: str = "cpu"):
+        if role not in ROLES:
+            raise ValueError(f"TrainingEngine role={role!r}: use one of {ROLES}")
+        if role == "reference" and optim is not None:
+            raise ValueError("TrainingEngine role='reference' is frozen: pass optim=None")
+        self.role, self.max_token_len, self.use_remove_padding = role, max_token_len, use_remove_padding
+        self.device = device
+        self.rank, self.dp_size = dp_rank_and_size()
+        model = model.to(device)
+        if optim is None:
+            model.requires_grad_(False)
+        self.model = shard_model(model, device) if self.dp_size > 1 else model
+        self.optim_config = optim
+        self.optimizer = build_optimizer(self.model.parameters(), optim) if optim is not None else None
+        self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps) if optim is not None else None
+        self.global_step = 0  # optimizer steps taken
+        self._delta_exporter = DeltaExporter()
+
+    @classmethod
+    def from_config(cls, config: TandemConfig, role: str, total_steps: int | None = None,
+                    attn_implementation: str = "sdpa") -> "TrainingEngine":
+        """Load model.path as the actor, the reference (frozen copy) or the critic (value head)."""
+        from transformers import AutoModelForCausalLM
+
+        from tandem.models.tiny import resolve_model_path
+        from tandem.training.critic import ValueModel
+
+        path = resolve_model_path(config.model.path)
+        dtype = getattr(torch, config.model.dtype)
+        _, world_size = dp_rank_and_size()
+        if config.actor.fsdp_size != world_size:
+            raise ValueError(f"actor.fsdp_size={config.actor.fsdp_size} but this process group has "
+                             f"{world_size} rank(s); start one engine per rank after "
+                             "training.fsdp.init_process_group, or set actor.fsdp_size=1")
+        if role == "critic":
+            model = ValueModel.from_pretrained(path, dtype, attn_implementation, seed=config.trainer.seed)
+            optim = config.critic.optim
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                         attn_implementation=attn_implementation)
+            optim = config.actor.optim if role == "actor" else None
+        return cls(model, role, config.actor.ppo_max_token_len_per_micro_batch, config.actor.use_remove_padding,
+                   optim, total_steps, config.model.device)
+
+    # ---- forward passes -------------------------------------------------------------------
+
+    def _forward(self, batch: TensorDict, temperature: float, calculate_entropy: bool) -> ForwardOutput:
+        if self.role == "critic":
+            return critic_forward(self.model, batch, self.use_remove_padding)
+        return actor_forward(self.model, batch, self.use_remove_padding, temperature, calculate_entropy)
+
+    def _micro_batches(self, batch: TensorDict, max_token_len: int | None) -> list[torch.Tensor]:
+        groups = split_by_token_budget(field_lengths(batch["input_ids"]), max_token_len or self.max_token_len)
+        if self.dp_size > 1:  # every rank must run as many forwards as the busiest one
+            groups = split_into(groups, int(all_reduce([len(groups)], op="max")[0]))
+        return groups
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: TensorDict, temperature: float = 1.0,
+                         calculate_entropy: bool = False) -> ForwardOutput:
+        """Response log-probs (old_log_probs for the actor, ref_log_prob for the reference): [B, R_i]."""
+        if self.role == "critic":
+            raise ValueError("compute_log_prob is for the actor and reference; use compute_values on a critic")
+        return self._inference(batch, temperature, calculate_entropy)
+
+    @torch.no_grad()
+    def compute_values(self, batch: TensorDict) -> ForwardOutput:
+        """The critic's values for each response token: outputs.values [sum R_i]."""
+        if self.role != "critic":
+            raise ValueError(f"compute_values needs role='critic', this engine is {self.role!r}")
+        return self._inference(batch, 1.0, False)
+
+    def _inference(self, batch: TensorDict, temperature: float, calculate_entropy: bool) -> ForwardOutput:
+        self.model.eval()
+        groups = self._micro_batches(batch, None)
+        outputs = [self._forward(select_samples(batch, group), temperature, calculate_entropy) for group in groups]
+        return _merge_outputs(groups, outputs, field_lengths(batch["responses"]))
+
+    # ---- training -------------------------------------------------------------------------
+
+    def accumulate_gradients(self, batch: TensorDict, loss_fn: LossFn, temperature: float = 1.0,
+                             calculate_entropy: bool = False,
+                             max_token_len: int | None = None) -> dict[str, float]:
+        """Zero the gradients, then forward + backward every micro-batch of this mini-batch."""
+        if self.optimizer is None:
+            raise ValueError(f"the {self.role} engine is frozen (no optimizer); it cannot train")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_mask = padded_field(batch["loss_mask"]).bool()
+        tokens, sequences, processed = all_reduce([float(loss_mask.sum()), float(loss_mask.any(dim=-1).sum()),
+                                                   float(field_lengths(batch["input_ids"]).sum())])
+        info = MiniBatchInfo(global_tokens=tokens, global_sequences=int(sequences), dp_size=self.dp_size)
+        started = time.perf_counter()
+        total_loss, collected = 0.0, defaultdict(list)
+        for group in self._micro_batches(batch, max_token_len):
+            micro_batch = select_samples(batch, group)
+            outputs = self._forward(micro_batch, temperature, calculate_entropy)
+            outputs.mini_batch = info
+            loss, metrics = loss_fn(micro_batch, outputs)
+            # FSDP averages gradients over ranks; the loss is already a share of the global total
+            (loss * self.dp_size).backward()
+            total_loss += float(loss.detach())
+            for key, value in metrics.items():
+                collected[key].append(float(value))
+        elapsed = max(all_reduce([time.perf_counter() - started], op="max")[0], 1e-9)
+        result = {key: sum(values) / len(values) for key, values in collected.items()}
+        result.update({"loss": all_reduce([total_loss])[0], "tokens_per_second": processed / elapsed,
+                       "global_tokens": tokens})
+        return {f"{self.role}/{key}": value for key, value in result.items()}
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip the gradient norm, step (skipped if the norm is not finite), advance the schedule."""
+        if self.optimizer is None or self.scheduler is None or self.optim_config is None:
+            raise ValueError(f"the {self.role} engine is frozen (no optimizer); it cannot step")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_config.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        learning_rate = self.scheduler.get_last_lr()[0]
+        finite = bool(torch.isfinite(torch.tensor(grad_norm)))
+        if finite:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.global_step += 1
+        return {f"{self.role}/grad_norm": grad_norm, f"{self.role}/lr": learning_rate,
+                f"{self.role}/step_skipped": float(not finite)}
+
+    def train_mini_batch(self, batch: TensorDict, loss_fn: LossFn, temperature: float = 1.0,
+                         calculate_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step on this mini-batch; returns its metrics (loss, grad norm, lr, tokens/s)."""
+        metrics = self.accumulate_gradients(batch, loss_fn, temperature, calculate_entropy)
+        metrics.update(self.optimizer_step())
+        return metrics
+
+    def update(self, batch: TensorDict, loss_fn: LossFn, mini_batch_size: int, epochs: int = 1,
+               temperature: float = 1.0, calculate_entropy: bool = False) -> dict[str, float]:
+        """`epochs` passes over this rank's batch in order, one optimizer step per mini-batch.
+
+        mini_batch_size counts trajectories over all ranks (ppo_mini_batch_size x rollout.n);
+        each rank takes mini_batch_size / dp_size of its own shard. Returns metric means.
+        """
+        if mini_batch_size % self.dp_size:
+            raise ValueError(f"mini_batch_size={mini_batch_size} does not split over {self.dp_size} "
+                             "data-parallel ranks; choose a multiple of actor.fsdp_size")
+        local = mini_batch_size // self.dp_size
+        size = batch.batch_size[0]
+        if size % local:
+            raise ValueError(f"this rank's {size} samples are not a multiple of its mini-batch of {local}; "
+                             "pad the batch with batch.padding.pad_to_multiple first")
+        collected: dict[str, list[float]] = defaultdict(list)
+        for _ in range(epochs):
+            for start in range(0, size, local):
+                mini_batch = select_samples(batch, torch.arange(start, start + local))
+                for key, value in self.train_mini_batch(mini_batch, loss_fn, temperature,
+                                                        calculate_entropy).items():
+                    collected[key].append(value)
+        return {key: sum(values) / len(values) for key, values in collected.items()}
+
+    # ---- weights and checkpoints ----------------------------------------------------------
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, full tensor) one at a time; a collective under FSDP (all ranks drain it)."""
+        return iter_full_weights(self.model)
+
+    def export_local_shards(self) -> Iterator[LocalShard]:
+        """This rank's shards, without communication."""
+        return iter_local_shards(self.model)
+
+    def export_delta(self) -> Iterator[TensorDelta]:
+        """Changes of this rank's shards since the previous export_delta (all of them the first time)."""
+        return self._delta_exporter.export(self.model)
+
+    def save_checkpoint(self, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Weights, optimizer, scheduler, step and RNG; every rank calls it."""
+        return checkpoint.save_checkpoint(directory, self.model, self.optimizer, self.scheduler,
+                                          self.global_step, extra)
+
+    def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
+        """Resume from save_checkpoint's directory; returns its extra dict."""
+        state = checkpoint.load_checkpoint(directory, self.model, self.optimizer, self.scheduler)
+        self.global_step = state["step"]
+        return state["extra"]
+
+
+def _merge_outputs(groups: list[torch.Tensor], outputs: list[ForwardOutput],
+                   response_lengths: torch.Tensor) -> ForwardOutput:
+    """Put micro-batch outputs back into the batch's sample order."""
+    count = sum(group.numel() for group in groups)
+    merged = ForwardOutput(response_lengths=response_lengths)
+    for name in ("log_probs", "entropy", "values"):
+        pieces = [getattr(out, name) for out in outputs]
+        if pieces[0] is None:
+            continue
+        per_sample: list[torch.Tensor] = [None] * count  # type: ignore[list-item]
+        for out, group, values in zip(outputs, groups, pieces):
+            for index, sample_values in zip(group.tolist(), values.split(out.response_lengths.tolist())):
+                per_sample[index] = sample_values
+        setattr(merged, name, torch.cat(per_sample) if per_sample else pieces[0])
+    return merged

@@ -1,0 +1,114 @@
+"""Forward passes over a jagged batch, returning outputs only where they score response tokens.
+
+Packed (remove padding): all valid tokens in one row [1, T] with positions restarting at 0 per
+sequence, no attention mask and no KV cache. transformers 5 then derives the sequence ids from
+the position resets and builds a block-diagonal causal mask (sdpa / eager; its flash-attention
+path reads the same resets), so attention never crosses sequences. With a cache object
+present it does not, hence `use_cache=False` (tests/test_training_forward.py holds this).
+
+Padded: the dense layout (prompts left-padded, responses right-padded) with an attention mask;
+every response then starts at column P, so one column range serves the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from tandem.batch.jagged import field_lengths, field_values, make_field, padded_field
+from tandem.batch.layouts import to_dense, to_packed
+
+
+@dataclass
+class MiniBatchInfo:
+    """Totals over the whole mini-batch on every data-parallel rank, for loss normalisation."""
+
+    global_tokens: float  # sum of loss_mask
+    global_sequences: int  # samples with at least one loss_mask token (padding samples have none)
+    dp_size: int
+
+
+@dataclass
+class ForwardOutput:
+    """Per-response-token outputs, flat in batch order [sum R_i]; `field()` gives [B, R_i]."""
+
+    response_lengths: torch.Tensor  # [B]
+    log_probs: torch.Tensor | None = None  # [sum R_i]
+    entropy: torch.Tensor | None = None  # [sum R_i]
+    values: torch.Tensor | None = None  # [sum R_i], critic only
+    mini_batch: MiniBatchInfo | None = None  # set by the engine when training
+
+    def field(self, name: str) -> torch.Tensor:
+        """One output as a batch field [B, R_i]: jagged, or stacked when the lengths agree."""
+        values = getattr(self, name)
+        if values is None:
+            raise ValueError(f"ForwardOutput.{name} was not computed for this forward")
+        return make_field(values, self.response_lengths)
+
+    def padded(self, name: str, pad_value: float = 0.0) -> torch.Tensor:
+        """One output right-padded to [B, max R_i], aligned with padded_field(batch[...])."""
+        return padded_field(self.field(name), pad_value)
+
+
+def response_head_outputs(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool,
+                          output_key: str = "logits") -> torch.Tensor:
+    """Run `model` and return its `output_key` at the positions predicting response tokens.
+
+    `model(input_ids, position_ids, attention_mask, use_cache, logits_to_keep)` is the HF causal
+    LM call (ValueModel mirrors it). Returns [sum R_i, ...] in batch order.
+    """
+    device = _model_device(model)
+    if use_remove_padding:
+        packed = to_packed(batch, response_fields=())
+        starts = packed.cu_seqlens[:-1].long()
+        if not bool(packed.position_ids[0, starts].eq(0).all()):
+            raise ValueError("packed forward: position_ids must restart at 0 for every sequence; "
+                             "otherwise neighbouring sequences would attend to each other")
+        out = model(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),
+                    attention_mask=None, use_cache=False,
+                    logits_to_keep=packed.response_positions().to(device))
+        return getattr(out, output_key)[0]
+    dense = to_dense(batch, pad_token_id=0, response_fields=())
+    width, response_width = dense.prompt_width, dense.responses.shape[1]
+    out = model(input_ids=dense.input_ids.to(device), position_ids=dense.position_ids.to(device),
+                attention_mask=dense.attention_mask.to(device), use_cache=False,
+                logits_to_keep=torch.arange(width - 1, width + response_width - 1, device=device))
+    return getattr(out, output_key)[dense.response_attention().to(device)]
+
+
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[label]: logits [N, V], labels [N] -> [N] float32."""
+    logits = logits.float() / temperature
+    return logits.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature): [N, V] -> [N] float32."""
+    logits = logits.float() / temperature
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def actor_forward(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool,
+                  temperature: float = 1.0, calculate_entropy: bool = False) -> ForwardOutput:
+    """Log-probabilities (and entropy) of every response token under `model`."""
+    logits = response_head_outputs(model, batch, use_remove_padding, "logits")
+    labels = field_values(batch["responses"]).to(logits.device)
+    return ForwardOutput(
+        response_lengths=field_lengths(batch["responses"]),
+        log_probs=token_log_probs(logits, labels, temperature),
+        entropy=token_entropy(logits, temperature) if calculate_entropy else None,
+    )
+
+
+def critic_forward(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool) -> ForwardOutput:
+    """Value estimates V(s_t) at the state before each response token."""
+    values = response_head_outputs(model, batch, use_remove_padding, "values")
+    return ForwardOutput(response_lengths=field_lengths(batch["responses"]), values=values.float())
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    parameter = next(model.parameters())
+    local = getattr(parameter, "to_local", None)  # an FSDP2 DTensor lives on its mesh's device
+    return local().device if local is not None else parameter.device

@@ -1,0 +1,99 @@
+"""Prompt datasets: parquet and JSONL rows keep raw messages and metadata; a uid per draw."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tandem.agent.dataset import PromptDataset, read_records
+from tandem.config.schema import DataConfig
+
+ROWS = [
+    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}],
+     "data_source": "arithmetic", "reward_model": {"style": "rule", "ground_truth": "2"},
+     "extra_info": {"index": 0, "tools_kwargs": {"calculator": {"k": 1}}}},
+    {"prompt": [{"role": "user", "content": "2+2?"}], "data_source": "arithmetic",
+     "ground_truth": "4", "extra_info": {"index": 1}, "tools_kwargs": {"python": {"timeout": 5}},
+     "interaction_kwargs": {"name": "x"}, "rollout_n": 3, "do_sample": False},
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(params=["jsonl", "parquet"])
+def dataset_file(request, tmp_path):
+    if request.param == "jsonl":
+        return write_jsonl(tmp_path / "train.jsonl", ROWS)
+    path = tmp_path / "train.parquet"
+    columns = sorted({key for row in ROWS for key in row})  # parquet rows share one schema
+    pq.write_table(pa.Table.from_pylist([{key: row.get(key) for key in columns} for row in ROWS]),
+                   path)
+    return path
+
+
+def test_rows_keep_messages_and_metadata(dataset_file):
+    dataset = PromptDataset([dataset_file])
+    assert len(dataset) == 2
+    first, second = dataset[0], dataset[1]
+    assert first.messages == ROWS[0]["prompt"] and second.messages == ROWS[1]["prompt"]
+    assert first.data_source == "arithmetic" and first.ground_truth == "2"
+    assert first.tools_kwargs == {"calculator": {"k": 1}}  # found inside extra_info
+    assert first.rollout_n is None and first.do_sample is None
+    assert second.ground_truth == "4" and second.tools_kwargs == {"python": {"timeout": 5}}
+    assert second.interaction_kwargs == {"name": "x"}
+    assert second.rollout_n == 3 and second.do_sample is False
+    assert second.extra_info["index"] == 1 and second.raw["data_source"] == "arithmetic"
+
+
+def test_every_draw_gets_a_fresh_uid(dataset_file):
+    dataset = PromptDataset([dataset_file])
+    uids = {dataset[0].uid, dataset[0].uid, dataset[1].uid}
+    assert len(uids) == 3 and all(uids)
+
+
+def test_batches_cover_every_row_once_per_epoch(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": str(i)}]} for i in range(7)]
+    dataset = PromptDataset(write_jsonl(tmp_path / "d.jsonl", rows))
+    batches = list(dataset.batches(3, epoch=1, shuffle=True, seed=5))
+    assert [len(b) for b in batches] == [3, 3, 1]
+    indices = [row.index for batch in batches for row in batch]
+    assert sorted(indices) == list(range(7)) and indices != list(range(7))
+    assert [r.index for b in dataset.batches(3, epoch=1, shuffle=True, seed=5) for r in b] == indices
+    assert [len(b) for b in dataset.batches(3, drop_last=True)] == [3, 3]
+    assert [len(b) for b in dataset.batches(0)] == [7]
+
+
+def test_from_config_reads_the_split(tmp_path):
+    train = write_jsonl(tmp_path / "t.jsonl", [{"q": [{"role": "user", "content": "a"}]}])
+    dataset = PromptDataset.from_config(DataConfig(train_files=[str(train)], prompt_key="q"))
+    assert dataset[0].messages == [{"role": "user", "content": "a"}]
+
+
+@pytest.mark.parametrize("row, words", [
+    ({"question": "x"}, "no column 'prompt' (data.prompt_key)"),
+    ({"prompt": "just text"}, "must be a non-empty list of chat messages"),
+    ({"prompt": [{"content": "x"}]}, "needs a string 'role'"),
+    ({"prompt": [{"role": "user", "content": "x"}], "rollout_n": 0}, "rollout_n must be"),
+    ({"prompt": [{"role": "user", "content": "x"}], "do_sample": "no"}, "do_sample must be"),
+    ({"prompt": [{"role": "user", "content": "x"}], "extra_info": [1]}, "'extra_info' must be"),
+])
+def test_bad_rows_name_file_row_and_field(tmp_path, row, words):
+    path = write_jsonl(tmp_path / "bad.jsonl", [row])
+    with pytest.raises(ValueError, match="bad.jsonl: row 0") as error:
+        PromptDataset([path])
+    assert words in str(error.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_records(tmp_path / "missing.jsonl")
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="unknown format '.csv'"):
+        read_records(tmp_path / "d.csv")
+    (tmp_path / "d.jsonl").write_text('{"a": 1}\nnot json\n')
+    with pytest.raises(ValueError, match="d.jsonl:2: not a JSON line"):
+        read_records(tmp_path / "d.jsonl")

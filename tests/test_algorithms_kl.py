@@ -1,0 +1,122 @@
+"""KL penalties (values and gradients), KL-in-reward, KL loss and the KL controllers."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.algorithms import (AdaptiveKLController, FixedKLController, kl_controller_from_config,
+                               kl_in_reward, kl_loss, kl_penalty)
+from tandem.config.schema import KLControlConfig
+
+PROPERTY = settings(max_examples=60, deadline=None)
+LOG2 = math.log(2.0)
+# log_probs = log 0.5, ref = log 0.25 -> x = log_probs - ref = log 2
+EXPECTED = {  # kind: (value, d value / d log_probs)
+    "k1": (LOG2, 1.0),
+    "abs": (LOG2, 1.0),
+    "k2": (0.5 * LOG2**2, LOG2),
+    "k3": (0.5 + LOG2 - 1, 1 - 0.5),
+    "low_var_kl": (0.5 + LOG2 - 1, 1 - 0.5),
+    "k3+": (0.5 + LOG2 - 1, LOG2),  # value of k3, gradient of k2
+}
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
+def test_kl_value_and_gradient_hand_computed(kind):
+    log_probs = torch.tensor([[math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[math.log(0.25)]], dtype=torch.float64)
+    value = kl_penalty(log_probs, ref, kind)
+    value.sum().backward()
+    expected_value, expected_grad = EXPECTED[kind]
+    assert float(value.detach()) == pytest.approx(expected_value, abs=1e-12)
+    assert float(log_probs.grad) == pytest.approx(expected_grad, abs=1e-12)
+
+
+def test_abs_gradient_sign_follows_the_difference():
+    log_probs = torch.tensor([[math.log(0.25)]], requires_grad=True)
+    kl_penalty(log_probs, torch.tensor([[math.log(0.5)]]), "abs").sum().backward()
+    assert float(log_probs.grad) == -1.0
+
+
+def test_k3_is_clamped_for_stability():
+    value = kl_penalty(torch.tensor([[-40.0]]), torch.tensor([[0.0]]), "k3")
+    assert float(value) == 10.0
+
+
+def test_unknown_kl_type_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="valid types are k1, abs, k2, low_var_kl, k3, k3\\+"):
+        kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "kl")
+
+
+pairs = st.lists(st.tuples(st.floats(-8, 0), st.floats(-8, 0)), min_size=1, max_size=12)
+
+
+@PROPERTY
+@given(pairs)
+def test_k3_plus_matches_k3_in_value_and_k2_in_gradient(values):
+    log_probs = torch.tensor([[a for a, _ in values]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[b for _, b in values]], dtype=torch.float64)
+    straight = kl_penalty(log_probs, ref, "k3+")
+    torch.testing.assert_close(straight, kl_penalty(log_probs, ref, "k3"))
+    (grad,) = torch.autograd.grad(straight.sum(), log_probs)
+    (k2_grad,) = torch.autograd.grad(kl_penalty(log_probs, ref, "k2").sum(), log_probs)
+    torch.testing.assert_close(grad, k2_grad)
+    assert torch.all(kl_penalty(log_probs, ref, "k3") >= 0)
+
+
+@PROPERTY
+@given(st.lists(st.booleans(), min_size=1, max_size=10), st.sampled_from(sorted(EXPECTED)),
+       st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]))
+def test_kl_loss_gives_masked_tokens_exactly_zero_gradient(mask, kind, mode):
+    mask = torch.tensor([mask])
+    log_probs = torch.where(mask, torch.linspace(-3, -0.1, mask.shape[1]), math.nan).requires_grad_()
+    ref = torch.where(mask, torch.full(mask.shape, -1.0), math.inf)
+    loss = kl_loss(log_probs, ref, mask, kind, mode)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.all(log_probs.grad[~mask] == 0)
+
+
+def test_kl_in_reward_hand_computed():
+    scores = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0], [0.0, 0.0, 0.0]])
+    log_probs = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -9.0], [-1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5], [-2.0, -1.5, 0.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])  # the last row is a padding sample
+    rewards, current_kl = kl_in_reward(scores, log_probs, ref, mask, kl_coef=0.1, kl_type="k1")
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.0, 1.05], [-0.1, 1.95, 0.0],
+                                                      [0.0, 0.0, 0.0]]))
+    # per-sequence means: (0.5 + 0 - 0.5) / 3 = 0 and (1 + 0.5) / 2 = 0.75; padding row excluded
+    assert current_kl == pytest.approx(0.375)
+
+
+def test_fixed_controller_never_moves():
+    controller = kl_controller_from_config(KLControlConfig(type="fixed", kl_coef=0.05))
+    assert isinstance(controller, FixedKLController)
+    controller.update(current_kl=10.0, n_steps=1000)
+    assert controller.value == 0.05
+
+
+def test_adaptive_controller_hand_computed():
+    controller = kl_controller_from_config(KLControlConfig(type="adaptive", kl_coef=0.1,
+                                                           target_kl=0.05, horizon=100))
+    assert isinstance(controller, AdaptiveKLController)
+    controller.update(current_kl=0.055, n_steps=10)  # error 0.1 -> x (1 + 0.1 * 10 / 100)
+    assert controller.value == pytest.approx(0.101)
+    controller.update(current_kl=1.0, n_steps=10)  # error 19 clipped to 0.2 -> x 1.02
+    assert controller.value == pytest.approx(0.10302)
+    controller.update(current_kl=0.0, n_steps=10)  # error -1 clipped to -0.2 -> x 0.98
+    assert controller.value == pytest.approx(0.1009596)
+
+    restored = AdaptiveKLController(0.5, 0.05, 100)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.value == controller.value
+
+
+def test_adaptive_controller_rejects_bad_settings():
+    with pytest.raises(ValueError, match="target_kl"):
+        AdaptiveKLController(0.1, 0.0, 100)
+    with pytest.raises(ValueError, match="horizon"):
+        AdaptiveKLController(0.1, 0.1, 0)

@@ -1,0 +1,159 @@
+"""The Python sandbox: hostile code comes back as an error result within its limit, the host
+carries on, and the kernel layers (network namespace, Landlock) hold even without the Python
+audit hook."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import pytest
+
+from tandem.tools.python_sandbox import PythonSandbox, SandboxLimits, SandboxUnavailableError
+from tandem.tools.python_tool import PythonTool
+
+LIMITS = SandboxLimits(wall_seconds=8.0, cpu_seconds=2, memory_bytes=512 << 20)
+
+
+def _kernel_isolation() -> str | None:
+    try:
+        PythonSandbox(LIMITS).probe()
+    except SandboxUnavailableError as error:
+        return str(error)
+    return None
+
+
+MISSING_ISOLATION = _kernel_isolation()
+needs_kernel = pytest.mark.skipif(MISSING_ISOLATION is not None,
+                                  reason=f"kernel isolation unavailable: {MISSING_ISOLATION}")
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    return PythonSandbox(LIMITS, strict=MISSING_ISOLATION is None)
+
+
+async def test_ordinary_code_runs_in_a_fresh_scrubbed_directory(sandbox, monkeypatch):
+    monkeypatch.setenv("TANDEM_TEST_SECRET", "hunter2")
+    code = ("import os, json; open('f.txt', 'w').write('x'); "
+            "print(json.dumps([os.getcwd(), sorted(os.listdir('.')), "
+            "'TANDEM_TEST_SECRET' in os.environ]))")
+    first, second = await asyncio.gather(sandbox.run(code), sandbox.run(code))
+    assert first.ok and second.ok, first.stderr
+    cwd, files, leaked = json.loads(first.stdout)
+    assert files == ["f.txt", "main.py"] and leaked is False
+    assert cwd != json.loads(second.stdout)[0] and not os.path.exists(cwd)  # fresh and removed
+
+
+async def test_reading_etc_passwd_is_an_error(sandbox):
+    result = await sandbox.run("print(open('/etc/passwd').read())")
+    assert not result.ok and result.error == "exception"
+    assert "PermissionError" in result.stderr and "root:" not in result.stdout
+
+
+async def test_opening_a_socket_is_an_error(sandbox):
+    result = await sandbox.run("import socket\ns = socket.create_connection(('127.0.0.1', 22), 2)")
+    assert not result.ok and result.error == "exception"
+    assert "PermissionError" in result.stderr
+
+
+async def test_infinite_loop_hits_the_cpu_limit(sandbox):
+    start = time.monotonic()
+    result = await sandbox.run("while True:\n    pass")
+    assert not result.ok and result.error in ("cpu_limit", "wall_time")
+    assert time.monotonic() - start < LIMITS.wall_seconds + 3
+
+
+async def test_sleeping_forever_hits_the_wall_time_limit():
+    sandbox = PythonSandbox(SandboxLimits(wall_seconds=1.0), strict=MISSING_ISOLATION is None)
+    start = time.monotonic()
+    result = await sandbox.run("import time\ntime.sleep(1000)")
+    assert not result.ok and result.error == "wall_time" and "wall time" in result.stderr
+    assert time.monotonic() - start < 4
+
+
+async def test_ten_gigabytes_hit_the_memory_limit(sandbox):
+    result = await sandbox.run("x = bytearray(10 * 2**30)")
+    assert not result.ok and result.error == "memory_limit" and "MemoryError" in result.stderr
+
+
+async def test_host_carries_on_after_hostile_code(sandbox):
+    hostile = ["import os\nos.system('ls')", "import subprocess\nsubprocess.run(['ls'])",
+               "import ctypes\nctypes.CDLL('libc.so.6')", "raise SystemExit(3)",
+               "print('y' * 10**6)"]
+    results = await asyncio.gather(*(sandbox.run(code) for code in hostile))
+    assert [r.ok for r in results[:4]] == [False] * 4
+    assert results[3].exit_code == 3
+    assert results[4].ok and len(results[4].stdout) < LIMITS.output_bytes + 100
+    assert "bytes dropped" in results[4].stdout
+    assert (await sandbox.run("print(6 * 7)")).stdout == "42\n"
+
+
+@needs_kernel
+async def test_kernel_layers_hold_without_the_python_guards():
+    bare = PythonSandbox(LIMITS, python_guards=False)
+    code = """
+import errno, os, socket
+def attempt(action):
+    try:
+        action()
+        return "allowed"
+    except OSError as error:
+        return errno.errorcode.get(error.errno, str(error.errno))
+print(attempt(lambda: open('/etc/passwd').read()))
+print(attempt(lambda: open('/tmp/tandem-escape.txt', 'w').write('x')))
+print(attempt(lambda: socket.create_connection(('127.0.0.1', 22), 2)))
+print(attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('8.8.8.8', 53))))
+print(attempt(lambda: os.execv('/bin/ls', ['ls'])))
+"""
+    result = await bare.run(code)
+    assert result.ok, result.stderr
+    assert result.stdout.split() == ["EACCES", "EACCES", "EACCES", "ENETUNREACH", "EACCES"]
+    assert not os.path.exists("/tmp/tandem-escape.txt")
+    assert result.isolation["network"].endswith("netns")
+
+
+@needs_kernel
+async def test_processes_left_behind_are_killed():
+    # A run lasts until everything holding its output is gone, so a lingering child makes it a
+    # wall-time error, and the kill takes the whole process group with it.
+    bare = PythonSandbox(SandboxLimits(wall_seconds=1.0), python_guards=False)
+    code = ("import os, sys, time\nif os.fork() == 0:\n    time.sleep(60)\n"
+            "else:\n    print(os.getpid())\n    sys.stdout.flush()")
+    result = await bare.run(code)
+    assert result.error == "wall_time"
+    group = int(result.stdout)
+    await asyncio.sleep(0.2)
+    assert _live_members(group) == []
+
+
+def _live_members(group: int) -> list[int]:
+    """Processes of a process group that are not dead (zombies wait for init to reap them)."""
+    live = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        if int(fields[2]) == group and fields[0] != "Z":
+            live.append(int(entry))
+    return live
+
+
+def test_strict_mode_reports_missing_isolation():
+    if MISSING_ISOLATION is None:
+        assert PythonSandbox(LIMITS).probe()["landlock"].startswith("abi")
+    else:
+        assert "PythonSandbox(strict=False)" in MISSING_ISOLATION
+
+
+async def test_python_tool_shows_stdout_and_errors(sandbox):
+    tool = PythonTool(sandbox)
+    assert (await tool.execute({"code": "print(2 ** 10)"}, {})).text == "1024\n"
+    failed = await tool.execute({"code": "print('partial')\n1 / 0"}, {})
+    assert not failed.ok
+    assert failed.text.startswith("partial\nError (exception):")
+    assert failed.text.endswith("ZeroDivisionError: division by zero")

@@ -1,0 +1,77 @@
+"""Packed and padded forwards agree with each other and with one sequence at a time."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandem.batch.jagged import field_values, trajectories_to_batch
+from tandem.batch.trajectory import Trajectory
+from tandem.models.tiny import TinyModelSpec, build_tiny_model
+from tandem.training.forward import actor_forward, token_entropy, token_log_probs
+
+TOLERANCE = 1e-5
+
+
+def mixed_batch(seed=0, shapes=((3, 9), (7, 2), (1, 5), (12, 1), (4, 6))):
+    generator = torch.Generator().manual_seed(seed)
+    return trajectories_to_batch([
+        Trajectory(prompts=torch.randint(10, 500, (p,), generator=generator),
+                   responses=torch.randint(10, 500, (r,), generator=generator),
+                   response_mask=torch.ones(r, dtype=torch.long), rollout_log_probs=torch.zeros(r),
+                   min_global_steps=0, max_global_steps=0)
+        for p, r in shapes])
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model(request):
+    path = build_tiny_model(TinyModelSpec(architecture=request.param))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def per_sequence(model, batch, temperature=1.0):
+    log_probs, entropies = [], []
+    for i in range(batch.batch_size[0]):
+        ids, prompt_length = batch["input_ids"][i], batch["prompts"][i].numel()
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0, prompt_length - 1:-1]
+        log_probs.append(token_log_probs(logits, ids[prompt_length:], temperature))
+        entropies.append(token_entropy(logits, temperature))
+    return torch.cat(log_probs), torch.cat(entropies)
+
+
+def test_packed_equals_padded_equals_per_sequence(model):
+    batch = mixed_batch()
+    with torch.no_grad():
+        packed = actor_forward(model, batch, use_remove_padding=True, temperature=0.7, calculate_entropy=True)
+        padded = actor_forward(model, batch, use_remove_padding=False, temperature=0.7, calculate_entropy=True)
+    reference_log_probs, reference_entropy = per_sequence(model, batch, temperature=0.7)
+    assert packed.log_probs.shape == (int(field_values(batch["responses"]).numel()),)
+    assert (packed.log_probs - padded.log_probs).abs().max() < TOLERANCE
+    assert (packed.log_probs - reference_log_probs).abs().max() < TOLERANCE
+    assert (padded.log_probs - reference_log_probs).abs().max() < TOLERANCE
+    assert (packed.entropy - reference_entropy).abs().max() < TOLERANCE
+    assert packed.field("log_probs")[0].shape == (9,)  # per-sample view [B, R_i]
+
+
+def test_packed_attention_never_crosses_sequences(model):
+    batch = mixed_batch()
+    changed = mixed_batch()
+    ids = changed["input_ids"]  # rewrite sample 1 entirely (prompt and response tokens)
+    values = field_values(ids)
+    start, end = int(ids.offsets()[1]), int(ids.offsets()[2])
+    values[start:end] = (values[start:end] + 37) % 500
+    with torch.no_grad():
+        before = actor_forward(model, batch, use_remove_padding=True).field("log_probs")
+        after = actor_forward(model, changed, use_remove_padding=True).field("log_probs")
+    for i in (0, 2, 3, 4):  # sample 2 follows the rewritten one in the packed row
+        assert torch.equal(before[i], after[i]), i
+    assert not torch.equal(before[1], after[1])
+
+
+def test_packed_forward_rejects_positions_that_do_not_restart():
+    batch = mixed_batch(shapes=((2, 2), (3, 1)))
+    field_values(batch["position_ids"])[4:] += 4  # sample 1 continues sample 0's positions
+    path = build_tiny_model(TinyModelSpec())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with pytest.raises(ValueError, match="restart at 0"):
+        actor_forward(model, batch, use_remove_padding=True)
