@@ -126,3 +126,20 @@ async def test_a_failing_session_fails_the_run_and_cancels_the_rest():
         await runner.run(rows(10))
     assert len(client.request_ids) < 20  # the remaining sessions were cancelled
 
+
+
+def test_a_given_registry_must_hold_the_configured_tools():
+    config = RolloutConfig(multi_turn=MultiTurnConfig(enable=True, tools=["calculator", "python"]))
+    with pytest.raises(ValueError, match=r"lists \['python'\], which the given ToolRegistry lacks"):
+        AgentLoopRunner(CountingClient(), Format(), config, tools=ToolRegistry([CalculatorTool()]))
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["rollout.multi_turn.tools=[search]"], "rollout.multi_turn.tools: unknown value 'search'"),
+    (["rollout.multi_turn.enable=true"], "rollout.multi_turn.tools: is empty"),
+])
+def test_tool_names_are_checked_at_config_load(overrides, words):
+    from tandem.config.load import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=words):
+        load_config(overrides=overrides)

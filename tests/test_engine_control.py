@@ -247,7 +247,7 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(mo
     runner = rollout.engine.runner
     real_forward = runner.forward
 
-    def broken(batch):
+    def broken(batch, *args):
         raise RuntimeError("boom")
 
     runner.forward = broken

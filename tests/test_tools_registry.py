@@ -45,3 +45,8 @@ async def test_call_turns_mistakes_into_error_results():
     assert not unknown.ok and "unknown tool 'search'" in unknown.text
     invalid = await registry.call("calculator", {"expression": 3})
     assert not invalid.ok and "must be of type string" in invalid.text
+
+
+def test_build_builtin_registry():
+    registry = build_tool_registry(["calculator"])
+    assert registry.names() == ["calculator"] and "python" not in registry

@@ -9,6 +9,7 @@ template would write them, and the model's own tokens are never decoded and enco
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Iterable, Sequence
 
 # A fixed conversation the tool turn is rendered after; its content never reaches the stream.
@@ -46,6 +47,10 @@ class ChatFormat:
         """The initial prompt with the tool schemas and the assistant generation prompt."""
         return self._render(messages, tools, add_generation_prompt=True)
 
+    @cached_property
+    def _history(self) -> list[int]:
+        return self._render(_DUMMY_HISTORY, None, add_generation_prompt=False)
+
     def tool_turn_ids(self, tool_messages: Sequence[dict[str, Any]], after_stop_token: bool
                       ) -> list[int]:
         """Tokens that follow a finished assistant turn: its closing boundary, the rendered
@@ -54,7 +59,7 @@ class ChatFormat:
         after_stop_token: the model's tokens already end with the end-of-turn token, so the
         delta starts after it; otherwise the delta includes it.
         """
-        history = self._render(_DUMMY_HISTORY, None, add_generation_prompt=False)
+        history = self._history
         full = self._render([*_DUMMY_HISTORY, *tool_messages], None, add_generation_prompt=True)
         if full[:len(history)] != history:
             raise ValueError("the chat template renders earlier turns differently once a tool "

@@ -32,7 +32,8 @@ class AgentLoopRunner:
 
     def __init__(self, client: TokenClient, chat_format: ChatFormat, config: RolloutConfig,
                  tools: ToolRegistry | None = None, reward_fn: RewardFn | None = None) -> None:
-        """tools: defaults to the built-ins named in rollout.multi_turn.tools."""
+        """tools: defaults to the built-ins named in rollout.multi_turn.tools; a registry given
+        instead must hold at least those (and may add tools of its own)."""
         if config.agent_concurrency < 1:
             raise ValueError(f"rollout.agent_concurrency={config.agent_concurrency}: must be >= 1")
         self.config = config
@@ -40,6 +41,10 @@ class AgentLoopRunner:
         self.loop: SingleTurnLoop | ToolAgentLoop
         if config.multi_turn.enable:
             tools = tools if tools is not None else build_tool_registry(config.multi_turn.tools)
+            missing = [name for name in config.multi_turn.tools if name not in tools]
+            if missing:
+                raise ValueError(f"rollout.multi_turn.tools lists {missing}, which the given "
+                                 f"ToolRegistry lacks (it has {tools.names()})")
             if not len(tools):
                 raise ValueError("rollout.multi_turn.enable=true but no tools are registered: list "
                                  "them in rollout.multi_turn.tools (e.g. [calculator]) or pass a "

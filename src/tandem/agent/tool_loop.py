@@ -101,7 +101,8 @@ class ToolAgentLoop:
                 self.chat_format)} for result in results]
             messages.extend(tool_messages)
             user_turns += 1
-            ended = bool(output.token_ids) and output.token_ids[-1] in self.chat_format.stop_token_ids
+            stop_ids = self.chat_format.stop_token_ids
+            ended = bool(output.token_ids) and output.token_ids[-1] in stop_ids
             delta = self.chat_format.tool_turn_ids(tool_messages, after_stop_token=ended)
             room = config.response_length - len(builder)
             builder.add_context_tokens(delta[:room])

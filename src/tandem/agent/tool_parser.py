@@ -1,4 +1,5 @@
-"""Find Hermes/Qwen tool calls in a model turn: <tool_call>{"name": ..., "arguments": {...}}</tool_call>.
+"""Find Hermes/Qwen tool calls in a model turn:
+<tool_call>{"name": ..., "arguments": {...}}</tool_call>.
 
 Malformed calls are returned as ToolCall records with an `error`, so the loop can answer them
 with a tool error message instead of crashing.

@@ -85,6 +85,7 @@ def _choice(field_name: str, value: str, valid: Iterable[str]) -> None:
 def validate(config: TandemConfig) -> None:
     """Raise ConfigError on the first invalid field; return None when the config is usable."""
     from tandem.rollout.registry import rollout_backend_names
+    from tandem.tools.registry import builtin_tool_names
     from tandem.weight_sync.registry import checkpoint_engine_names
 
     rollout = config.rollout
@@ -135,6 +136,11 @@ def validate(config: TandemConfig) -> None:
     for name in ("max_assistant_turns", "max_user_turns", "max_tool_response_length"):
         if getattr(turns, name) < 1:
             _fail(f"rollout.multi_turn.{name}", "must be >= 1")
+    for tool in turns.tools:
+        _choice("rollout.multi_turn.tools", tool, builtin_tool_names())
+    if turns.enable and not turns.tools:
+        _fail("rollout.multi_turn.tools", "is empty but rollout.multi_turn.enable=true; list the "
+              f"tools the model may call ({', '.join(builtin_tool_names())}) or disable multi_turn")
 
     _choice("model.dtype", config.model.dtype, DTYPES)
     if config.model.device not in ("cpu", "cuda") and not config.model.device.startswith("cuda:"):

@@ -1,14 +1,15 @@
 """Run untrusted Python in a separate, locked-down process (the child side is sandbox_boot.py).
 
-What is enforced, and by what (see docs/agent_loops.md for the full table):
+What is enforced, and by what (docs/agent_loops.md has the full table):
 - network: a fresh network namespace (unshare; as non-root inside a user namespace), plus
   Landlock denying every TCP bind/connect (kernel ABI >= 4), plus an audit hook refusing sockets;
 - filesystem: Landlock allows reading only the interpreter's stdlib/site-packages and system
   library folders, reading and writing only the fresh temp dir (cwd), and executing nothing;
+- processes: the code runs as PID 1 of a fresh PID namespace, so nothing it starts outlives it;
 - memory: RLIMIT_AS; CPU: RLIMIT_CPU; wall time: the whole process group is SIGKILLed;
 - file size RLIMIT_FSIZE, open files RLIMIT_NOFILE, no core dumps, a scrubbed environment;
 - an audit hook refuses process creation, native calls through ctypes and gc introspection.
-strict=True (default) refuses to run when the network namespace or Landlock is unavailable.
+strict=True (default) refuses to run when the namespaces or Landlock are unavailable.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class SandboxLimits:
     memory_bytes: int = 1 << 30
     file_bytes: int = 16 << 20
     open_files: int = 64
+    processes: int = 16  # RLIMIT_NPROC; applied only inside a user namespace (see docs)
     output_bytes: int = 16 << 10  # per stream; the rest is read and dropped
 
 
@@ -87,7 +89,7 @@ class PythonSandbox:
             "read_roots": _read_roots(), "devices": list(DEVICES), "strict": strict,
             "python_guards": python_guards, "memory_bytes": limits.memory_bytes,
             "cpu_seconds": limits.cpu_seconds, "file_bytes": limits.file_bytes,
-            "open_files": limits.open_files})
+            "open_files": limits.open_files, "processes": limits.processes})
         # One semaphore per event loop: asyncio primitives must not cross loops.
         self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -114,9 +116,13 @@ class PythonSandbox:
 
     def _check_setup(self, exit_code: int | None, isolation: dict[str, str] | None,
                      stderr: str) -> None:
-        if exit_code == EXIT_SETUP_FAILED and isolation is not None:
+        missing = [layer for layer, state in (isolation or {}).items()
+                   if state.startswith("unavailable")]
+        # only the bootstrap exits this way with a layer missing; the code's own exit 97 cannot
+        if self.strict and exit_code == EXIT_SETUP_FAILED and missing:
             raise SandboxUnavailableError(
-                f"the Python sandbox needs a network namespace and Landlock, got {isolation}. "
+                f"the Python sandbox needs network and PID namespaces and Landlock, got "
+                f"{isolation}. "
                 "Run on a Linux kernel with Landlock and unprivileged user namespaces, or accept "
                 "weaker isolation explicitly with PythonSandbox(strict=False).")
         if isolation is None and exit_code not in (None, 0) and exit_code > 0:

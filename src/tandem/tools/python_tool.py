@@ -18,8 +18,8 @@ class PythonTool:
                   "properties": {"code": {"type": "string", "description": "a Python program"}},
                   "required": ["code"], "additionalProperties": False}
 
-    def __init__(self, sandbox: PythonSandbox | None = None, limits: SandboxLimits = SandboxLimits(),
-                 check: bool = True) -> None:
+    def __init__(self, sandbox: PythonSandbox | None = None,
+                 limits: SandboxLimits = SandboxLimits(), check: bool = True) -> None:
         self.sandbox = sandbox or PythonSandbox(limits)
         if check:
             self.isolation = self.sandbox.probe()  # fail at build time, not mid-rollout

@@ -6,6 +6,7 @@ exception from a tool means the host is broken and propagates.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
 
@@ -110,21 +111,23 @@ class ToolRegistry:
         return await tool.execute(arguments, context or {})
 
 
+# name -> "module:class" of the built-in tools; imported only when built.
+BUILTIN_TOOLS = {"calculator": "tandem.tools.calculator:CalculatorTool",
+                 "python": "tandem.tools.python_tool:PythonTool"}
+
+
 def builtin_tool_names() -> tuple[str, ...]:
     """Names accepted in rollout.multi_turn.tools."""
-    return ("calculator", "python")
+    return tuple(BUILTIN_TOOLS)
 
 
 def build_tool_registry(names: Iterable[str]) -> ToolRegistry:
     """A registry of built-in tools by name (the config field rollout.multi_turn.tools)."""
-    from tandem.tools.calculator import CalculatorTool
-    from tandem.tools.python_tool import PythonTool
-
-    factories = {"calculator": CalculatorTool, "python": PythonTool}
     registry = ToolRegistry()
     for name in names:
-        if name not in factories:
+        if name not in BUILTIN_TOOLS:
             raise ValueError(f"rollout.multi_turn.tools: unknown tool {name!r}; built-in tools are "
-                             f"{list(factories)} (register others on a ToolRegistry yourself)")
-        registry.register(factories[name]())
+                             f"{list(BUILTIN_TOOLS)} (register others on a ToolRegistry yourself)")
+        module_name, class_name = BUILTIN_TOOLS[name].split(":")
+        registry.register(getattr(importlib.import_module(module_name), class_name)())
     return registry

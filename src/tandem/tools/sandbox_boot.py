@@ -2,14 +2,17 @@
 
 Run as `python -I sandbox_boot.py SETTINGS_JSON` with cwd = a fresh temp dir holding main.py.
 Self-contained on purpose (stdlib only, no tandem import): it must work in any interpreter.
-Layers, in order: network namespace, resource limits, Landlock (filesystem, TCP, signals,
-abstract sockets), a Python audit hook. The first stderr line reports which layers hold.
+Layers, in order: network and PID namespaces (the code runs as PID 1 of its own namespace),
+Landlock (filesystem, execute, TCP, signals, abstract sockets), resource limits, a Python audit
+hook. The first stderr line reports which layers hold.
 """
 
 import ctypes
 import json
 import os
 import resource
+import select
+import signal
 import sys
 import traceback
 import types
@@ -19,6 +22,8 @@ EXIT_SETUP_FAILED = 97
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWPID = 0x20000000
+PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 LANDLOCK_CREATE_RULESET_VERSION = 1
@@ -56,20 +61,55 @@ def _libc():
     return libc
 
 
-def isolate_network(libc) -> str:
-    """Move into a new, empty network namespace (no interfaces but a down loopback)."""
-    if libc.unshare(CLONE_NEWNET) == 0:
-        return "netns"
+def isolate_namespaces(libc) -> str:
+    """New network namespace (no interfaces but a down loopback) and PID namespace (for the
+    children of this process); inside a user namespace when not privileged."""
+    if libc.unshare(CLONE_NEWNET | CLONE_NEWPID) == 0:
+        return "netns+pidns"
     # Without CAP_SYS_ADMIN a user namespace grants it inside; the uid stays the same outside.
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
-        return "userns+netns"
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID) == 0:
+        return "userns+netns+pidns"
     return "unavailable: " + os.strerror(ctypes.get_errno())
 
 
-def set_limits(memory_bytes: int, cpu_seconds: int, file_bytes: int, open_files: int) -> None:
+def fork_namespace_init(libc, cpu_seconds: int) -> None:
+    """Fork; the child returns as PID 1 of the new PID namespace and runs the code, while this
+    process waits and exits the way the child did. When PID 1 dies the kernel kills everything
+    left in the namespace (setsid cannot escape that), and PDEATHSIG kills PID 1 when this
+    process is killed, so a wall-time kill of this process group ends every process of the run."""
+    alive_read, alive_write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(alive_write)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if select.select([alive_read], [], [], 0)[0]:  # EOF: the parent died before prctl
+            os._exit(EXIT_SETUP_FAILED)
+        os.close(alive_read)
+        return
+    os.close(alive_read)
+    _, status, usage = os.wait4(child, 0)
+    exit_code = os.waitstatus_to_exitcode(status)
+    if exit_code < 0:  # die of the same signal, so the host sees what happened to the code
+        signal_number = -exit_code
+        # PID 1 ignores SIGXCPU, so the CPU limit arrives as SIGKILL; only it or the OOM killer
+        # can kill PID 1 here. rusage lags the kernel's limit clock (seen: 1.7 s at a 2 s
+        # limit on a VM), hence the loose bound.
+        if signal_number == signal.SIGKILL and usage.ru_utime + usage.ru_stime >= cpu_seconds / 2:
+            signal_number = signal.SIGXCPU
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if signal_number not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(signal_number, signal.SIG_DFL)
+        os.kill(os.getpid(), signal_number)
+    os._exit(exit_code)
+
+
+def set_limits(memory_bytes: int, cpu_seconds: int, file_bytes: int, open_files: int,
+               processes: int | None) -> None:
     """Hard and soft limits alike, so the code cannot raise them again."""
+    if processes is not None:
+        resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
     resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -168,6 +208,12 @@ def install_audit_hook(read_roots: list[str], write_root: str, devices: list[str
             raise PermissionError("sandbox: replacing function code is not allowed")
 
     sys.addaudithook(hook)
+    import _posixsubprocess  # subprocess's fork+exec raises no audit event of its own
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("sandbox: starting processes is not allowed")
+
+    _posixsubprocess.fork_exec = refuse
 
 
 def main() -> None:
@@ -177,19 +223,23 @@ def main() -> None:
     with open(os.path.join(work_dir, "main.py"), encoding="utf-8") as handle:
         source = handle.read()
     libc = _libc()
-    report = {"network": isolate_network(libc)}
+    report = {"namespaces": isolate_namespaces(libc)}
+    if not report["namespaces"].startswith("unavailable"):
+        fork_namespace_init(libc, settings["cpu_seconds"])
     try:
         report["landlock"] = apply_landlock(libc, settings["read_roots"], work_dir,
                                             settings["devices"])
     except OSError as error:
         report["landlock"] = f"unavailable: {error}"
     if settings["strict"]:
-        missing = [k for k in ("network", "landlock") if report[k].startswith("unavailable")]
+        missing = [k for k in ("namespaces", "landlock") if report[k].startswith("unavailable")]
         if missing:
             sys.stderr.write(REPORT_PREFIX + json.dumps(report) + "\n")
             sys.exit(EXIT_SETUP_FAILED)
+    # RLIMIT_NPROC counts every process of the uid, so it is safe only in our own user namespace
+    in_user_namespace = report["namespaces"].startswith("userns")
     set_limits(settings["memory_bytes"], settings["cpu_seconds"], settings["file_bytes"],
-               settings["open_files"])
+               settings["open_files"], settings["processes"] if in_user_namespace else None)
     if settings["python_guards"]:
         install_audit_hook(settings["read_roots"], work_dir, settings["devices"])
     del libc

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -52,6 +53,8 @@ class AsyncEngine:
                          "failed_steps": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        # one long-lived worker thread for the steps (its OpenMP team is reused)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
 
     # ---- sizing ---------------------------------------------------------------------------
     def _plan_num_blocks(self) -> int:
@@ -111,7 +114,8 @@ class AsyncEngine:
             self._work.clear()
             return
         try:
-            tokens, log_probs = await asyncio.to_thread(self._step, batch)
+            tokens, log_probs = await asyncio.get_running_loop().run_in_executor(
+                self._worker, self._step, batch, torch.get_num_threads())
         except Exception as error:
             self.counters["failed_steps"] += 1
             logger.exception("native engine step failed")
@@ -123,8 +127,11 @@ class AsyncEngine:
             return
         self._record(batch, tokens, log_probs)
 
-    def _step(self, batch: list[ScheduledSequence]) -> tuple[list[int], list[float]]:
-        """Forward + sample; runs in a worker thread and touches no queue."""
+    def _step(self, batch: list[ScheduledSequence], num_threads: int) -> tuple[list[int], list[float]]:
+        """Forward + sample; runs in the worker thread and touches no queue."""
+        if torch.get_num_threads() != num_threads:
+            # OpenMP thread counts are per thread: follow the caller's torch.set_num_threads
+            torch.set_num_threads(num_threads)
         logits = self.runner.forward(batch)
         sampling = [item.seq for item in batch if item.samples]
         if not sampling:
@@ -359,6 +366,7 @@ class AsyncEngine:
             await self.abort_all()
             self._task.cancel()
             self._task = None
+        self._worker.shutdown(wait=False)
 
 
 def _check_config(config: RolloutConfig) -> None:

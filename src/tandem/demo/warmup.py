@@ -1,0 +1,107 @@
+"""Supervised warm-up on generated tool-use transcripts, so GRPO starts from a model that knows
+the format. The result is cached: later runs with the same recipe load it in a second."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tandem import algorithms
+from tandem.batch.jagged import trajectories_to_batch
+from tandem.batch.trajectory import Trajectory
+from tandem.config.schema import OptimConfig
+from tandem.demo.tasks import CALCULATOR_TOOL, make_problem, transcript
+from tandem.models.cache import build_once
+from tandem.training.engine import TrainingEngine
+
+
+@dataclass(frozen=True)
+class WarmupRecipe:
+    """How the warm-up model is made; any change gives a new cache entry."""
+
+    base_model: str  # directory of the randomly initialised tiny model
+    steps: int = 300
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    tool_fraction: float = 0.35  # the rest answer directly (and are mostly wrong at test time)
+    seed: int = 0
+
+    def key(self) -> str:
+        digest = hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+        return f"demo-warmup-{digest[:10]}"
+
+
+def transcript_trajectory(tokenizer, messages: list[dict], tools: list[dict]) -> Trajectory:
+    """Tokenise a transcript the way the tool loop builds one: prompt, then assistant tokens
+    (through the end-of-turn token, mask 1) and template/tool tokens (mask 0)."""
+    def render(upto: int, generation_prompt: bool) -> list[int]:
+        return list(tokenizer.apply_chat_template(messages[:upto], tools=tools, return_dict=False,
+                                                  add_generation_prompt=generation_prompt))
+
+    prompt = render(2, True)
+    tokens, mask, previous = [], [], prompt
+    for index in range(2, len(messages)):
+        assistant = messages[index]["role"] == "assistant"
+        current = render(index + 1, not assistant)
+        if current[: len(previous)] != previous:
+            raise ValueError("chat template rendering of a prefix is not stable")
+        delta = current[len(previous):]
+        if assistant:  # content + eos are the policy's; the trailing boundary is the template's
+            end = delta.index(tokenizer.eos_token_id) + 1
+            tokens += delta
+            mask += [1] * end + [0] * (len(delta) - end)
+        else:
+            tokens += delta
+            mask += [0] * len(delta)
+        previous = current
+    while mask and mask[-1] == 0:  # the response ends with the final eos
+        tokens.pop()
+        mask.pop()
+    return Trajectory(prompts=torch.tensor(prompt), responses=torch.tensor(tokens),
+                      response_mask=torch.tensor(mask, dtype=torch.float32),
+                      rollout_log_probs=torch.zeros(len(tokens)), min_global_steps=0,
+                      max_global_steps=0)
+
+
+def sft_loss_fn(micro_batch, outputs):
+    """Token-mean negative log-likelihood of the policy's tokens over the whole mini-batch."""
+    from tandem.batch.jagged import padded_field
+
+    mask = padded_field(micro_batch["loss_mask"], 0).float()
+    loss = algorithms.aggregate_loss(-outputs.padded("log_probs"), mask, "token-mean",
+                                     global_token_count=outputs.mini_batch.global_tokens)
+    return loss, {}
+
+
+def warm_up(recipe: WarmupRecipe, progress: bool = True) -> Path:
+    """Train (once) and return the directory of the warmed-up model (HF format + tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def build(directory: Path) -> None:
+        torch.manual_seed(recipe.seed)
+        rng = random.Random(recipe.seed)
+        tokenizer = AutoTokenizer.from_pretrained(recipe.base_model)
+        model = AutoModelForCausalLM.from_pretrained(recipe.base_model, dtype=torch.float32)
+        optim = OptimConfig(lr=recipe.lr, warmup_steps=recipe.warmup_steps, schedule="cosine",
+                            min_lr_ratio=0.1, grad_clip=1.0)
+        engine = TrainingEngine(model, "actor", max_token_len=16384, use_remove_padding=False,
+                                optim=optim, total_steps=recipe.steps)
+        bar = tqdm(range(recipe.steps), desc="warm-up (supervised)", disable=not progress)
+        for _ in bar:
+            trajectories = [transcript_trajectory(tokenizer, transcript(make_problem(rng),
+                                                                        rng.random() < recipe.tool_fraction),
+                                                  [CALCULATOR_TOOL])
+                            for _ in range(recipe.batch_size)]
+            metrics = engine.train_mini_batch(trajectories_to_batch(trajectories), sft_loss_fn)
+            bar.set_postfix(loss=f"{metrics['actor/loss']:.3f}")
+        engine.model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+
+    return build_once(recipe.key(), build)

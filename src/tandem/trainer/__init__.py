@@ -1,0 +1,1 @@
+"""The outer RL loop, one module per trainer mode, plus metrics logging and plots."""

@@ -1,0 +1,88 @@
+"""Per-step metrics: JSONL always, TensorBoard when installed and enabled."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to `<output_dir>/metrics.jsonl` (and TensorBoard)."""
+
+    def __init__(self, output_dir: str | Path, tensorboard: bool = True) -> None:
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._writer = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+            except ImportError:  # tensorboard is an optional extra
+                self._writer = None
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps > step (a resumed run rewrites them)."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Write the step's metrics; non-finite floats become null in JSON."""
+        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self._writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._writer.add_scalar(key, value, step)
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close TensorBoard."""
+        if self._writer is not None:
+            self._writer.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+
+
+def _clean(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class PhaseTimer:
+    """Wall time per named phase of a step: `with timer.phase("generate"): ...`."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []  # (phase, start, end) for the timeline
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            self.times[name] = self.times.get(name, 0.0) + end - start
+            self.spans.append((name, start, end))
+
+    def metrics(self) -> dict[str, float]:
+        """{"time/<phase>": seconds} for the step."""
+        return {f"time/{name}": seconds for name, seconds in self.times.items()}
+
+    def reset(self) -> None:
+        self.times = {}

@@ -1,0 +1,120 @@
+"""The PPO/GRPO glue between a jagged batch and the pure functions of tandem.algorithms.
+
+Batch fields read and written here (all [B, R_i] response-aligned unless noted): responses,
+response_mask, loss_mask, rollout_log_probs, reward [B], uid (non-tensor), old_log_probs,
+ref_log_prob, values, advantages, returns, importance_weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from tandem import algorithms
+from tandem.batch.jagged import field_lengths, make_field, non_tensor_list, padded_field
+from tandem.config.schema import TandemConfig
+from tandem.training.forward import ForwardOutput
+
+
+def dense(batch: TensorDict, key: str) -> torch.Tensor:
+    """A response-aligned field right-padded to [B, R_max] (float)."""
+    return padded_field(batch[key], 0).float()
+
+
+def set_dense(batch: TensorDict, key: str, values: torch.Tensor) -> None:
+    """Store [B, R_max] values as a response-aligned field, cut back to each R_i."""
+    lengths = field_lengths(batch["responses"])
+    flat = torch.cat([values[i, : int(n)] for i, n in enumerate(lengths)])
+    batch[key] = make_field(flat, lengths)
+
+
+def token_level_scores(batch: TensorDict) -> torch.Tensor:
+    """The outcome reward placed on each trajectory's last policy token: [B, R_max]."""
+    mask = dense(batch, "response_mask")
+    scores = torch.zeros_like(mask)
+    last = (mask * torch.arange(1, mask.shape[1] + 1)).argmax(dim=1)
+    has_token = mask.sum(dim=1) > 0
+    scores[has_token, last[has_token]] = batch["reward"].float()[has_token]
+    return scores
+
+
+def compute_advantages(batch: TensorDict, config: TandemConfig, kl_coef: float = 0.0) -> dict[str, float]:
+    """Fill batch["advantages"] (and "returns" for GAE); KL-in-reward when configured."""
+    mask = dense(batch, "response_mask")
+    scores = token_level_scores(batch)
+    metrics: dict[str, float] = {}
+    if config.algorithm.use_kl_in_reward:
+        scores, current_kl = algorithms.kl_in_reward(scores, dense(batch, "old_log_probs"),
+                                                     dense(batch, "ref_log_prob"), mask, kl_coef,
+                                                     config.algorithm.kl_penalty)
+        metrics.update({"kl_in_reward/kl": float(current_kl), "kl_in_reward/coef": kl_coef})
+    if config.algorithm.adv_estimator == "grpo":
+        advantages = algorithms.grpo_outcome_advantage(
+            scores.sum(dim=1), mask, non_tensor_list(batch, "uid"),
+            norm_adv_by_std_in_grpo=config.algorithm.norm_adv_by_std_in_grpo)
+    else:
+        advantages, returns = algorithms.gae_advantage(scores, dense(batch, "values"), mask,
+                                                       config.algorithm.gamma, config.algorithm.lam)
+        set_dense(batch, "returns", returns)
+    set_dense(batch, "advantages", advantages)
+    metrics["advantages/abs_mean"] = float(algorithms.masked_mean(advantages.abs(), mask))
+    return metrics
+
+
+def apply_rollout_correction(batch: TensorDict, config: TandemConfig) -> dict[str, float]:
+    """Compare rollout and actor log-probs; set importance_weights and the corrected loss_mask."""
+    correction_config = config.algorithm.rollout_correction
+    mask = dense(batch, "response_mask")
+    rollout, old = dense(batch, "rollout_log_probs"), dense(batch, "old_log_probs")
+    metrics = algorithms.logprob_gap_metrics(rollout, old, mask)
+    correction = algorithms.rollout_correction(old, rollout, mask, correction_config)
+    set_dense(batch, "loss_mask", correction.loss_mask.float() * dense(batch, "loss_mask"))
+    if correction.weights is not None:
+        set_dense(batch, "importance_weights", correction.weights)
+    metrics.update(correction.metrics)
+    return metrics
+
+
+def actor_loss_fn(config: TandemConfig):
+    """The actor's loss callable for TrainingEngine.update: PPO clip + optional KL and entropy."""
+    actor = config.actor
+    horizon = config.rollout.response_length
+
+    def loss_fn(micro_batch: TensorDict, outputs: ForwardOutput) -> tuple[torch.Tensor, dict[str, Any]]:
+        mask = dense(micro_batch, "loss_mask")
+        log_probs = outputs.padded("log_probs")
+        counts = dict(global_token_count=outputs.mini_batch.global_tokens,
+                      global_seq_count=outputs.mini_batch.global_sequences, horizon=horizon)
+        weights = dense(micro_batch, "importance_weights") if "importance_weights" in micro_batch.keys() else None
+        policy = algorithms.ppo_clip_loss(log_probs, dense(micro_batch, "old_log_probs"),
+                                          dense(micro_batch, "advantages"), mask, actor.clip_ratio_low,
+                                          actor.clip_ratio_high, actor.clip_ratio_c, importance_weights=weights)
+        loss = algorithms.aggregate_loss(policy.loss, mask, actor.loss_agg_mode, **counts)
+        kl = None
+        if actor.use_kl_loss:
+            kl = algorithms.kl_penalty(log_probs, dense(micro_batch, "ref_log_prob"), actor.kl_loss_type, mask)
+            loss = loss + actor.kl_loss_coef * algorithms.aggregate_loss(kl, mask, actor.loss_agg_mode, **counts)
+        entropy = outputs.padded("entropy") if outputs.entropy is not None else None
+        if actor.entropy_coeff and entropy is not None:
+            loss = loss + algorithms.entropy_bonus(entropy, mask, actor.entropy_coeff, actor.loss_agg_mode,
+                                                   **counts)
+        metrics = algorithms.policy_metrics(policy, mask, kl=kl, entropy=entropy)
+        return loss, metrics
+
+    return loss_fn
+
+
+def critic_loss_fn(config: TandemConfig):
+    """The critic's loss callable: clipped value loss, token-mean over the mini-batch."""
+    def loss_fn(micro_batch: TensorDict, outputs: ForwardOutput) -> tuple[torch.Tensor, dict[str, Any]]:
+        mask = dense(micro_batch, "response_mask")
+        loss, clip_fraction = algorithms.clipped_value_loss(
+            outputs.padded("values"), dense(micro_batch, "values"), dense(micro_batch, "returns"), mask,
+            config.critic.cliprange_value)
+        total = algorithms.aggregate_loss(loss, mask, "token-mean",
+                                          global_token_count=outputs.mini_batch.global_tokens)
+        return total, {"critic/value_clip_fraction": float(clip_fraction)}
+
+    return loss_fn
