@@ -165,3 +165,4 @@ async def test_cuda_greedy_and_logprobs_match_hf(model_path, hf_model):
     await rollout.wake_up()
     again = await rollout.generate("again", prompts[0], {"temperature": 0, "max_tokens": 16})
     assert again.token_ids == outs[0].token_ids
+

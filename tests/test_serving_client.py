@@ -190,3 +190,15 @@ async def test_resumable_client_stops_when_an_abort_lands_exactly_on_the_budget(
                                                                "length")
     # Versions count only where tokens were produced: the empty segment at step 3 does not.
     assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (2, 4)
+
+
+async def test_resumable_client_keeps_versions_a_single_segment_spanned() -> None:
+    # An engine that swaps weights under a running request reports min/max itself.
+    stub = ScriptedAborts([
+        TokenOutput([1, 2], [-0.1, -0.2], "aborted",
+                    {"global_steps": 5, "min_global_steps": 4, "max_global_steps": 5}),
+        TokenOutput([3], [-0.3], "length", {"global_steps": 6}),
+    ])
+    out = await ResumableClient(stub).generate("r", [9], {"max_tokens": 3})
+    assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"],
+            out.global_steps) == (4, 6, 6)

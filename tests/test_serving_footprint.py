@@ -38,7 +38,8 @@ def test_disaggregated_footprint_adds_prefill_and_decode_devices() -> None:
 
 @pytest.mark.parametrize("config, message", [
     (RolloutConfig(name="native", disaggregation=pd()), "needs rollout.name in"),
-    (RolloutConfig(name="vllm", disaggregation=pd(prefill_replicas=2)), "prefill_replicas.*exactly 1"),
+    (RolloutConfig(name="vllm", disaggregation=pd(prefill_replicas=2)),
+     "prefill_replicas.*exactly 1"),
     (RolloutConfig(name="vllm", data_parallel_size=2, disaggregation=pd()),
      "data_parallel_size.*must be 1"),
     (RolloutConfig(name="vllm", disaggregation=pd(decode_replicas=0)), "decode_replicas.*>= 1"),

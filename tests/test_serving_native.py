@@ -18,6 +18,7 @@ from tandem.models import build_tiny_model
 from tandem.rollout.native import NativeRollout
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ServerOptions
+from tandem.serving.server import RolloutServer
 
 CONFIG = RolloutConfig(kv_cache_memory_bytes=16 << 20, block_size=16)
 
@@ -56,7 +57,7 @@ async def test_greedy_through_the_stack_equals_the_engine_called_directly(manage
 
 
 async def test_partial_rollout_abort_update_weights_resume(manager, model_path) -> None:
-    budget = 96
+    budget = 160
     client = manager.resumable_client()
     start = await generated_tokens(manager)
     tasks = [asyncio.ensure_future(client.generate(
@@ -83,3 +84,26 @@ async def test_partial_rollout_abort_update_weights_resume(manager, model_path) 
     # The engines sampled exactly the tokens returned: none was generated twice.
     assert await generated_tokens(manager) - start == 32 * budget
     assert sum((await manager.status()).in_flight().values()) == 0
+
+
+async def test_hybrid_in_process_sync_cycle(model_path) -> None:
+    """The sync trainer's cycle with the engine in the driver: generate, sleep, wake, update."""
+    host = RolloutServer("driver")
+    manager = await ServerManager.create(CONFIG, ServerOptions(str(model_path)), "hybrid",
+                                         hosts=[host])
+    client = manager.resumable_client()
+    params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+    before = await client.generate("a", [5, 6, 7], params)
+    await manager.sleep()
+    assert host.backend.memory_bytes()["kv_cache"] == 0
+    await manager.wake_up()
+    weights = load_file(model_path / "model.safetensors")
+    await manager.update_weights(((name, tensor * 1.5) for name, tensor in weights.items()),
+                                 version=3)
+    after = await client.generate("a", [5, 6, 7], params)
+    assert after.global_steps == after.extra_fields["min_global_steps"] == 3
+    assert after.token_ids != before.token_ids  # the new weights are in use
+    await manager.update_weights(weights.items(), version=4)
+    again = await client.generate("b", [5, 6, 7], params)
+    assert again.token_ids == before.token_ids and again.global_steps == 4
+    await manager.shutdown()

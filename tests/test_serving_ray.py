@@ -127,6 +127,13 @@ async def test_in_flight_counts_return_to_zero_after_errors_and_cancellations(ma
     await asyncio.gather(*doomed, return_exceptions=True)
     with pytest.raises(TimeoutError):
         await manager.client(timeout_s=0.2).generate("slow", [1], {"max_tokens": 100_000})
+    # Cancelled while the balancer's answer is still on its way: released once it arrives.
+    early = [asyncio.ensure_future(client.generate(f"early{i}", [1], {"max_tokens": 100_000}))
+             for i in range(20)]
+    await asyncio.sleep(0)
+    for task in early:
+        task.cancel()
+    await asyncio.gather(*early, return_exceptions=True)
     for _ in range(500):
         if (await in_flight_total(manager) == 0
                 and sum(s["running"] for s in (await backend_stats(manager)).values()) == 0):
@@ -136,6 +143,17 @@ async def test_in_flight_counts_return_to_zero_after_errors_and_cancellations(ma
     # ray.cancel reached the servers: the engines stopped those requests.
     assert sum(s["running"] for s in (await backend_stats(manager)).values()) == 0
     assert sum(s["cancelled"] for s in (await manager.stats()).values()) == 9
+
+
+async def test_a_client_shipped_to_another_ray_process_reaches_the_servers(manager) -> None:
+    @ray.remote(num_cpus=0)
+    def agent_loop_worker(client) -> tuple[int, int]:
+        first = asyncio.run(client.generate("remote", [1, 2], {"max_tokens": 6}))
+        return len(first.token_ids), os.getpid()
+
+    length, pid = await agent_loop_worker.remote(manager.resumable_client())
+    assert length == 6 and pid != os.getpid()
+    assert await in_flight_total(manager) == 0
 
 
 async def test_removing_a_server_mid_run_reroutes_without_losing_requests(manager) -> None:

@@ -113,7 +113,8 @@ class ScriptedRollout(BaseRollout):
         return {tag: 0 if tag in self._asleep else 1 for tag in MEMORY_TAGS}
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "running": len(self._aborts), "request_ids": list(self.request_ids)}
+        return {**self.counters, "running": len(self._aborts),
+                "request_ids": list(self.request_ids)}
 
 
 def scripted_sequence(prompt: list[int], count: int, version: int = 0) -> list[int]:

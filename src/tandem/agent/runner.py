@@ -91,22 +91,30 @@ class AgentLoopRunner:
                 trajectory.reward_extra = dict(extra)
             return trajectory
 
-    async def run_prompt(self, row: DatasetRow, validate: bool = False) -> list[Trajectory]:
-        """All sessions of one prompt (one GRPO group), ordered by session_id."""
+    async def run_prompt(self, row: DatasetRow, validate: bool = False,
+                         seed: int | None = None) -> list[Trajectory]:
+        """All sessions of one prompt (one GRPO group), ordered by session_id. With a seed,
+        session s samples turn t with seed + s * 1000 + t, so a rerun draws the same tokens."""
         if not row.uid:
             raise ValueError(f"row {row.index} has no uid; draw rows from PromptDataset (which "
                              "gives each draw a fresh uid) or set row.uid")
-        sessions = [Session(row, session_id, f"{row.uid}-{session_id}", validate)
+        sessions = [Session(row, session_id, f"{row.uid}-{session_id}", validate,
+                            None if seed is None else seed + session_id * 1000)
                     for session_id in range(self.sessions_per_prompt(row, validate))]
         return await _all_or_nothing([self._run_session(session) for session in sessions])
 
-    async def run(self, rows: Sequence[DatasetRow], validate: bool = False) -> list[Trajectory]:
-        """Every session of every row, concurrently; ordered by row, then session_id."""
+    async def run(self, rows: Sequence[DatasetRow], validate: bool = False,
+                  seeds: Sequence[int] | None = None) -> list[Trajectory]:
+        """Every session of every row, concurrently; ordered by row, then session_id.
+        seeds: one base sampling seed per row (see run_prompt), or None for unseeded sampling."""
+        if seeds is not None and len(seeds) != len(rows):
+            raise ValueError(f"{len(seeds)} seeds for {len(rows)} rows: give one per row")
         uids = [row.uid for row in rows]
         if len(set(uids)) != len(uids):
             raise ValueError("two rows share a uid; GRPO would merge their groups. Draw each row "
                              "from PromptDataset, which assigns a fresh uid per draw")
-        groups = await _all_or_nothing([self.run_prompt(row, validate) for row in rows])
+        groups = await _all_or_nothing([self.run_prompt(row, validate, None if seeds is None else seeds[i])
+                                        for i, row in enumerate(rows)])
         return [trajectory for group in groups for trajectory in group]
 
 

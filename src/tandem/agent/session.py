@@ -25,3 +25,8 @@ class Session:
     session_id: int
     request_id: str
     validate: bool = False
+    seed: int | None = None  # base sampling seed; turn t samples with seed + t (reproducible runs)
+
+    def sampling_seed(self, turn: int) -> dict[str, int]:
+        """{"seed": ...} for this session's turn, or {} when the session is unseeded."""
+        return {} if self.seed is None else {"seed": (self.seed + turn) % (1 << 31)}

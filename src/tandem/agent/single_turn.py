@@ -25,7 +25,8 @@ class SingleTurnLoop:
         check_prompt_length(len(prompt), self.config, row.uid)
         builder = ResponseBuilder(prompt, expect_log_probs=self.config.calculate_log_probs)
         budget = remaining_budget(self.config, len(prompt), 0)
-        params = sampling_params(self.config, session.validate, row.do_sample, budget)
+        params = {**sampling_params(self.config, session.validate, row.do_sample, budget),
+                  **session.sampling_seed(0)}
         output = await self.client.generate(session.request_id, list(prompt), params)
         builder.add_model_output(output, budget)
         text = self.chat_format.strip_stop_text(self.chat_format.decode(output.token_ids))

@@ -73,7 +73,8 @@ class ToolAgentLoop:
             if budget <= 0:
                 stop_reason = "length"
                 break
-            params = sampling_params(config, session.validate, row.do_sample, budget)
+            params = {**sampling_params(config, session.validate, row.do_sample, budget),
+                      **session.sampling_seed(assistant_turns)}
             output = await self.client.generate(session.request_id, prompt + builder.token_ids,
                                                 params)
             builder.add_model_output(output, budget)

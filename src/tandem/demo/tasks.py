@@ -9,10 +9,13 @@ from pathlib import Path
 NAMES = ["Ann", "Bob", "Cai", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo"]
 THINGS = ["apples", "books", "coins", "pens", "cards", "boxes", "eggs", "cups", "shells", "stamps"]
 SYSTEM_PROMPT = "Use the calculator tool, then give the final number."
-CALCULATOR_TOOL = {"type": "function", "function": {
-    "name": "calculator", "description": "compute an arithmetic expression",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}
+
+
+def calculator_schemas() -> list[dict]:
+    """The calculator's JSON schema exactly as the tool loop renders it into the prompt."""
+    from tandem.tools.registry import build_tool_registry
+
+    return build_tool_registry(["calculator"]).schemas()
 
 
 def make_problem(rng: random.Random) -> dict:

@@ -16,7 +16,7 @@ from tandem import algorithms
 from tandem.batch.jagged import trajectories_to_batch
 from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import OptimConfig
-from tandem.demo.tasks import CALCULATOR_TOOL, make_problem, transcript
+from tandem.demo.tasks import calculator_schemas, make_problem, transcript
 from tandem.models.cache import build_once
 from tandem.training.engine import TrainingEngine
 
@@ -93,11 +93,12 @@ def warm_up(recipe: WarmupRecipe, progress: bool = True) -> Path:
                             min_lr_ratio=0.1, grad_clip=1.0)
         engine = TrainingEngine(model, "actor", max_token_len=16384, use_remove_padding=False,
                                 optim=optim, total_steps=recipe.steps)
+        tools = calculator_schemas()
         bar = tqdm(range(recipe.steps), desc="warm-up (supervised)", disable=not progress)
         for _ in bar:
             trajectories = [transcript_trajectory(tokenizer, transcript(make_problem(rng),
                                                                         rng.random() < recipe.tool_fraction),
-                                                  [CALCULATOR_TOOL])
+                                                  tools)
                             for _ in range(recipe.batch_size)]
             metrics = engine.train_mini_batch(trajectories_to_batch(trajectories), sft_loss_fn)
             bar.set_postfix(loss=f"{metrics['actor/loss']:.3f}")

@@ -21,7 +21,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", 
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
-_TOKENIZER_VERSION = 2  # bump when the corpus or the tokenizer recipe changes
+_TOKENIZER_VERSION = 3  # bump when the corpus or the tokenizer recipe changes
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,12 @@ def _corpus(seed: int = 0, lines: int = 4000) -> list[str]:
         out.append(f'{{"name": "calculator", "arguments": {{"expression": "{a} {op} {b}"}}}}')
         out.append(f"The answer is {a + b}. Result: {a * b}")
         out.append(" ".join(rng.choice(words) for _ in range(12)))
-    # tool schemas and the template's tool header recur in every tool-calling prompt
-    schema = {"type": "function", "function": {"name": "calculator", "description": "compute an "
-              "arithmetic expression", "parameters": {"type": "object", "properties": {
-                  "expression": {"type": "string"}}, "required": ["expression"]}}}
-    header = "# Tools\n<tools>\n" + json.dumps(schema) + "\n</tools>\nCall a tool as <tool_call>"
-    out += [header, "Use the calculator tool, then give the final number."] * 50
+    # the built-in tool schemas and the template's tool header recur in every tool-calling prompt
+    from tandem.tools.registry import build_tool_registry, builtin_tool_names
+
+    for schema in build_tool_registry(list(builtin_tool_names())).schemas():
+        out += ["# Tools\n<tools>\n" + json.dumps(schema) + "\n</tools>\nCall a tool as <tool_call>"] * 50
+    out += ["Use the calculator tool, then give the final number."] * 50
     return out
 
 

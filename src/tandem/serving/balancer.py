@@ -106,7 +106,7 @@ class LoadBalancer:
     def release(self, server_id: str) -> None:
         """One request on server_id finished (or failed, or was cancelled)."""
         if self._removed_in_flight.get(server_id):
-            # Releases of a removed (maybe re-added) id count down its old requests first; totals stay exact.
+            # A removed (maybe re-added) id counts its old requests down first: totals stay exact.
             self._removed_in_flight[server_id] -= 1
             return
         load = self._loads.get(server_id)

@@ -29,6 +29,10 @@ class ServerClient:
         self.timeout_s = timeout_s  # per generate call; None waits as long as generation takes
         self._pending_releases: set[asyncio.Future] = set()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Shipped to another process (an agent-loop worker): in-flight bookkeeping stays here.
+        return {**self.__dict__, "_pending_releases": set()}
+
     async def generate(self, request_id: str, prompt_ids: list[int],
                        sampling_params: Mapping[str, Any]) -> TokenOutput:
         """Acquire a server, generate once with a fresh backend id, always release the server.

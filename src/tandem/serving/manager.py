@@ -61,12 +61,14 @@ class ServerManager:
         count = replica_count(devices, world_size)
         replicas = [RolloutReplica(rank, config, options) for rank in range(count)]
         if remote and not ray.is_initialized():
-            raise RuntimeError(f"the {layout.value} layout starts Ray actors: call ray.init() first")
+            raise RuntimeError(f"the {layout.value} layout starts Ray actors: call ray.init() "
+                               "first")
         balancer = (LoadBalancerActor.remote(max_sticky_entries) if remote
                     else LoadBalancer(max_sticky_entries))
         manager = cls(config, options, layout, balancer)
         if layout is ReplicaLayout.HYBRID:
-            inits = [r.init_hybrid(hosts[r.replica_rank * world_size:][:world_size]) for r in replicas]
+            inits = [r.init_hybrid(hosts[r.replica_rank * world_size:][:world_size])
+                     for r in replicas]
         elif layout is ReplicaLayout.COLOCATED:
             inits = [r.init_colocated(placement_group,
                                       bundle_indices[r.replica_rank * world_size:][:world_size])
@@ -113,7 +115,7 @@ class ServerManager:
         if server_id not in self.replicas:
             raise KeyError(f"no replica {server_id!r}; replicas: {list(self.replicas)}")
         await call(self.balancer, "remove_server", server_id)
-        # self.servers keeps the handle: a request routed there just before removal still reaches it.
+        # self.servers keeps the handle: a request routed there just before removal still gets it.
         replica = self.replicas.pop(server_id)
         if abort:
             await replica.abort_all_requests(reroute=True)
@@ -170,7 +172,8 @@ class ServerManager:
         in-process servers get the tensors themselves, no copy. Call abort_all_requests() (or
         let generation finish) first: servers refuse updates while requests generate.
         """
-        megabytes = bucket_megabytes or self.config.checkpoint_engine.update_weights_bucket_megabytes
+        megabytes = (bucket_megabytes
+                     or self.config.checkpoint_engine.update_weights_bucket_megabytes)
         remote = any(r.is_remote for r in self.replicas.values())
         for bucket in weight_buckets(named_tensors, megabytes << 20):
             await self._all("update_weights", ray.put(bucket) if remote else bucket, version)

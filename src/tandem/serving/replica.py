@@ -105,8 +105,8 @@ class RolloutReplica:
         self._begin(ReplicaLayout.COLOCATED)
         self.placement_group = group
         share = self.options.colocated_fraction
-        resources = {k: round(v * share, 4) for k, v in group.bundle_specs[bundle_indices[0]].items()
-                     if k in ("CPU", "GPU")}
+        bundle = group.bundle_specs[bundle_indices[0]]
+        resources = {k: round(v * share, 4) for k, v in bundle.items() if k in ("CPU", "GPU")}
         await resolve_ready(group, self.options.start_timeout_s, f"colocated replica "
                             f"{self.replica_rank}")
         await self._start([self._place_server(group, bundle_indices[0], resources)],
@@ -123,7 +123,8 @@ class RolloutReplica:
         group = placement_group([bundle] * self.world_size, strategy="STRICT_PACK")
         self.placement_group, self._owns_placement_group = group, True
         await resolve_ready(group, self.options.start_timeout_s,
-                            f"standalone replica {self.replica_rank} ({self.world_size} x {bundle})")
+                            f"standalone replica {self.replica_rank} "
+                            f"({self.world_size} x {bundle})")
         await self._start([self._place_server(group, 0, bundle)], self.options.threads())
 
     def _begin(self, layout: ReplicaLayout) -> None:

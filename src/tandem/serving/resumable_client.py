@@ -32,7 +32,7 @@ class ResumableClient:
         params = dict(sampling_params)
         token_ids: list[int] = []
         log_probs: list[float] | None = [] if params.get("logprobs", True) else None
-        versions: list[int] = []
+        versions: list[tuple[int, int, int]] = []  # (min, max, last) of segments with tokens
         resumes = 0
         while True:
             params["max_tokens"] = budget - len(token_ids)
@@ -40,7 +40,10 @@ class ResumableClient:
             token_ids.extend(output.token_ids)
             log_probs = _join_log_probs(log_probs, output, request_id)
             if output.token_ids:
-                versions.append(output.global_steps)
+                fields = output.extra_fields
+                versions.append((fields.get("min_global_steps", output.global_steps),
+                                 fields.get("max_global_steps", output.global_steps),
+                                 output.global_steps))
             stop_reason = output.stop_reason
             if stop_reason != "aborted" or not self.resume:
                 break
@@ -48,10 +51,10 @@ class ResumableClient:
                 stop_reason = "length"  # aborted exactly at the budget: nothing left to ask for
                 break
             resumes += 1
-        versions = versions or [output.global_steps]
+        versions = versions or [(output.global_steps,) * 3]
         extra = dict(output.extra_fields)
-        extra.update(global_steps=versions[-1], min_global_steps=min(versions),
-                     max_global_steps=max(versions), resumes=resumes)
+        extra.update(global_steps=versions[-1][2], min_global_steps=min(v[0] for v in versions),
+                     max_global_steps=max(v[1] for v in versions), resumes=resumes)
         return TokenOutput(token_ids, log_probs, stop_reason, extra)
 
 

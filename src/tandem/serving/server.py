@@ -220,7 +220,7 @@ class RolloutServer:
         self._update_gate()
 
     async def release_kv_cache(self) -> None:
-        """Free only the KV cache (weight-sync critical section); call abort_all_requests() first."""
+        """Free only the KV cache (weight-sync critical section); abort_all_requests() first."""
         self._require_quiet("release_kv_cache()")
         self._asleep.add("kv_cache")
         self._update_gate()

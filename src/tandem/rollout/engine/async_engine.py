@@ -1,7 +1,8 @@
 """The engine loop: requests in, TokenOutputs out; memory and weight control in between.
 
-A background asyncio task repeats schedule -> forward + sample (in a worker thread, so the event
-loop keeps serving calls) -> record tokens. Control calls (sleep, wake_up, update_weights,
+A background asyncio task repeats schedule -> forward + sample -> record tokens, yielding to
+the event loop between steps; steps with many tokens run in a worker thread so the loop keeps
+serving calls meanwhile. Control calls (sleep, wake_up, update_weights,
 clear_kv_cache) take the same lock as a step, so they never run in the middle of one.
 """
 
@@ -26,6 +27,10 @@ from tandem.types import SamplingParams, TokenOutput
 logger = logging.getLogger(__name__)
 
 LOGPROBS_MODES = ("raw", "processed")
+# Steps up to this many tokens run in the event loop's thread (the loop yields between steps):
+# handing a short decode step to the worker thread and back costs more than the step itself
+# on a busy CPU. Longer steps (prompt chunks) run in the worker so the loop keeps serving.
+INLINE_STEP_TOKENS = 64
 
 
 class AsyncEngine:
@@ -114,8 +119,12 @@ class AsyncEngine:
             self._work.clear()
             return
         try:
-            tokens, log_probs = await asyncio.get_running_loop().run_in_executor(
-                self._worker, self._step, batch, torch.get_num_threads())
+            threads = torch.get_num_threads()
+            if sum(item.num_new for item in batch) <= INLINE_STEP_TOKENS:
+                tokens, log_probs = self._step(batch, threads)
+            else:
+                tokens, log_probs = await asyncio.get_running_loop().run_in_executor(
+                    self._worker, self._step, batch, threads)
         except Exception as error:
             self.counters["failed_steps"] += 1
             logger.exception("native engine step failed")

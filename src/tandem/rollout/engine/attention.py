@@ -1,10 +1,12 @@
 """Attention over the paged KV cache, for a step that mixes prompt chunks and decode tokens.
 
-The step's tokens are flat: first the tokens of sequences with more than one new token
-("prefill" group), then one token per decoding sequence ("decode" group). Each layer writes
-the new keys/values into their cache slots, then each group gathers its sequences' blocks
-(one `index_select` into a buffer reused by every layer of the step) and runs one batched
-scaled-dot-product attention.
+The step's tokens are flat, group after group (groups of similar query length and context, see
+`model_runner.attention_buckets`; decode tokens form one group). Each layer writes the new
+keys/values into their cache slots, then each group gathers its sequences' blocks (one
+`index_select` into a buffer reused by every layer of the step) and runs one batched
+scaled-dot-product attention. (A dense per-sequence copy of the decode K/V kept across steps,
+to skip the gather, measured no faster on CPU: the gather is a memcpy of what attention reads
+anyway.)
 
 Cache layout per layer: [kv_heads, num_blocks, block_size, head_dim]. Gathering a group's
 block tables along dim 1 gives [kv_heads, B, context, head_dim] contiguous, so each (kv head,
@@ -22,12 +24,12 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionGroup:
-    """Sequences of one group, padded to the same query length Q and context L.
+    """Sequences of one group, padded to the same query length Q and attended context L.
 
-    block_ids: [B * max_blocks] flat block tables (padded with block 0);
+    block_ids: [B * blocks_per_row] flat block tables, padded with block 0;
     mask: [kv_heads * B, 1, Q, L] (True = attend); query_index: flat token -> row of the
     padded [B * Q] queries (None when no padding is needed);
-    key_buffer/value_buffer: [kv_heads, B * max_blocks, block_size, head_dim] workspaces.
+    key_buffer/value_buffer: [kv_heads, B * blocks_per_row, block_size, head_dim] gather targets.
     """
 
     num_seqs: int
@@ -60,7 +62,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] of the step's tokens -> output [T, H * D]."""
     write_kv(key, value, key_cache, value_cache, meta.slots)
-    kv_heads, _, _, head_dim = key_cache.shape
+    kv_heads, _, block_size, head_dim = key_cache.shape
     groups_per_kv = query.shape[1] // kv_heads
     outputs = []
     offset = 0
@@ -74,8 +76,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             q = padded
         torch.index_select(key_cache, 1, group.block_ids, out=group.key_buffer)
         torch.index_select(value_cache, 1, group.block_ids, out=group.value_buffer)
-        k = group.key_buffer.view(kv_heads * batch, 1, context, head_dim)
-        v = group.value_buffer.view(kv_heads * batch, 1, context, head_dim)
+        k = group.key_buffer.view(kv_heads * batch, 1, -1, head_dim)[:, :, :context]
+        v = group.value_buffer.view(kv_heads * batch, 1, -1, head_dim)[:, :, :context]
         # [B, Q, KVH, G, D] -> [KVH, B, G, Q, D]: one attention batch entry per (kv head, seq)
         q = q.view(batch, q_len, kv_heads, groups_per_kv, head_dim).permute(2, 0, 3, 1, 4)
         if q_len == 1:  # decode: the G query heads become G query rows of one head
@@ -100,10 +102,11 @@ def build_group(starts: list[int], lengths: list[int], block_tables: list[list[i
     """Metadata of one group: sequence i computes tokens [starts[i], starts[i] + lengths[i])."""
     batch = len(starts)
     q_len = max(lengths)
-    max_blocks = max(len(table) for table in block_tables)
-    context = max_blocks * block_size
+    blocks_per_row = max(len(table) for table in block_tables)
+    context = max(s + n for s, n in zip(starts, lengths))
     block_ids = torch.tensor([b for table in block_tables
-                              for b in table + [0] * (max_blocks - len(table))], dtype=torch.long)
+                              for b in table + [0] * (blocks_per_row - len(table))],
+                             dtype=torch.long)
     start = torch.tensor(starts, dtype=torch.long)
     # query row j of sequence i sits at position starts[i] + j and sees keys up to itself
     query_pos = start[:, None] + torch.arange(q_len)[None, :]
@@ -114,9 +117,9 @@ def build_group(starts: list[int], lengths: list[int], block_tables: list[list[i
         length = torch.tensor(lengths, dtype=torch.long)
         row = torch.arange(batch)[:, None] * q_len + torch.arange(q_len)[None, :]
         query_index = row[torch.arange(q_len)[None, :] < length[:, None]].to(device)
-    buffer_shape = (kv_heads, batch * max_blocks, block_size, head_dim)
-    return AttentionGroup(
-        num_seqs=batch, query_len=q_len, context_len=context, num_tokens=sum(lengths),
-        block_ids=block_ids.to(device), mask=mask.to(device), query_index=query_index,
-        key_buffer=torch.empty(buffer_shape, dtype=dtype, device=device),
-        value_buffer=torch.empty(buffer_shape, dtype=dtype, device=device))
+    shape = (kv_heads, batch * blocks_per_row, block_size, head_dim)
+    return AttentionGroup(num_seqs=batch, query_len=q_len, context_len=context,
+                          num_tokens=sum(lengths), block_ids=block_ids.to(device),
+                          mask=mask.to(device), query_index=query_index,
+                          key_buffer=torch.empty(shape, dtype=dtype, device=device),
+                          value_buffer=torch.empty(shape, dtype=dtype, device=device))

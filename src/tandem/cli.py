@@ -1,0 +1,94 @@
+"""Command line: `tandem train CONFIG [a.b=c ...]`, `tandem eval CONFIG [...]`, `tandem demo [...]`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def _train(config_path: str, overrides: list[str]) -> None:
+    from tandem.config.load import load_config
+    from tandem.trainer.plots import plot_run
+    from tandem.trainer.rl_trainer import RLTrainer
+    from tandem.trainer.sync import fit_sync
+
+    config = load_config(config_path, overrides)
+    if config.trainer.trainer_mode != "sync":
+        sys.exit(f"trainer.trainer_mode={config.trainer.trainer_mode!r} is not available yet; "
+                 "use trainer.trainer_mode=sync")
+
+    async def run() -> dict:
+        trainer = RLTrainer(config)
+        await trainer.start()
+        try:
+            return await fit_sync(trainer)
+        finally:
+            await trainer.stop()
+
+    validation = asyncio.run(run())
+    plot_run(config.trainer.output_dir)
+    print(json.dumps(validation, indent=1))
+
+
+def _eval(config_path: str, overrides: list[str]) -> None:
+    from tandem.config.load import load_config
+    from tandem.trainer.rl_trainer import RLTrainer
+
+    config = load_config(config_path, overrides)
+
+    async def run() -> dict:
+        trainer = RLTrainer(config)
+        await trainer.start()
+        try:
+            if config.trainer.resume:
+                await trainer.load_latest_checkpoint()
+            await trainer.sync_weights()
+            return await trainer.validate()
+        finally:
+            await trainer.stop()
+
+    print(json.dumps(asyncio.run(run()), indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `tandem` command."""
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("train", "RL training from a YAML config"),
+                       ("eval", "validation metrics of a config's model (or its latest checkpoint)")):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("config", help="YAML config file")
+        command.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+    demo = commands.add_parser("demo", help="the CPU demo: GRPO teaches a tiny model a calculator tool")
+    demo.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the demo config")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _quiet_libraries()
+    if args.command == "train":
+        _train(args.config, args.overrides)
+    elif args.command == "eval":
+        _eval(args.config, args.overrides)
+    else:
+        from tandem.demo.run import run_demo
+
+        run_demo(args.overrides)
+
+
+if __name__ == "__main__":
+    main()

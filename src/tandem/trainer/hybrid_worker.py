@@ -1,0 +1,143 @@
+"""One device of the HYBRID layout: the training engines and a rollout engine in one process.
+
+The worker *is* a rollout server (the balancer routes generate calls to it) and also holds the
+actor (and the reference / critic when the config needs them). Weight sync is therefore
+in-process: the `naive` checkpoint engine hands the actor's (name, tensor) stream to the
+rollout engine. With trainer.n_devices > 1 the workers form a torch.distributed group and the
+actor is sharded with FSDP2; each worker still hosts a full rollout engine (rollout DP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ray
+import torch
+from tensordict import TensorDict
+
+from tandem.config.schema import TandemConfig
+from tandem.serving.server import RolloutServer
+from tandem.training.engine import TrainingEngine
+from tandem.weight_sync.registry import get_checkpoint_engine_class
+
+
+def needs_reference(config: TandemConfig) -> bool:
+    """A frozen reference is loaded when a KL term needs it (or ref.enable is set)."""
+    return config.ref.enable or config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
+
+
+class HybridWorker(RolloutServer):
+    """Training engines + rollout server in one process (one per device)."""
+
+    def __init__(self, config: TandemConfig, rank: int = 0, world_size: int = 1,
+                 init_method: str | None = None, total_steps: int | None = None,
+                 torch_threads: int | None = None) -> None:
+        self._init_rollout_server(f"hybrid-{rank}", pause_timeout_s=3600.0, drain_timeout_s=60.0)
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        if world_size > 1:
+            from tandem.training.fsdp import init_process_group
+
+            init_process_group(rank, world_size, init_method, config.model.device)
+        torch.manual_seed(config.trainer.seed + rank)
+        self.config = config
+        self.rank = rank
+        self.actor = TrainingEngine.from_config(config, "actor", total_steps)
+        self.reference = TrainingEngine.from_config(config, "reference") if needs_reference(config) else None
+        self.critic = TrainingEngine.from_config(config, "critic", total_steps) if config.critic.enable else None
+        ckpt = config.rollout.checkpoint_engine
+        self.checkpoint_engine = get_checkpoint_engine_class(ckpt.backend)(
+            ckpt.update_weights_bucket_megabytes, **dict(ckpt.engine_kwargs))
+
+    # ---- log-probabilities and values (the batch is this worker's shard) ------------------
+
+    async def compute_log_prob(self, batch: TensorDict, calculate_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """Actor re-forward: {"log_probs": [sum R_i], "entropy": ...} (old_log_probs)."""
+        out = await asyncio.to_thread(self.actor.compute_log_prob, batch, self._temperature(),
+                                      calculate_entropy)
+        return {"log_probs": out.log_probs, **({"entropy": out.entropy} if calculate_entropy else {})}
+
+    async def compute_ref_log_prob(self, batch: TensorDict) -> torch.Tensor:
+        """Frozen reference forward: [sum R_i] (ref_log_prob)."""
+        if self.reference is None:
+            raise RuntimeError("no reference model: set ref.enable, actor.use_kl_loss or "
+                               "algorithm.use_kl_in_reward")
+        out = await asyncio.to_thread(self.reference.compute_log_prob, batch, self._temperature())
+        return out.log_probs
+
+    async def compute_values(self, batch: TensorDict) -> torch.Tensor:
+        """Critic forward: [sum R_i]."""
+        out = await asyncio.to_thread(self.critic.compute_values, batch)
+        return out.values
+
+    def _temperature(self) -> float:
+        # processed logprobs are of the tempered distribution; raw ones of the model's own
+        rollout = self.config.rollout
+        return rollout.temperature if rollout.logprobs_mode == "processed" and rollout.temperature > 0 else 1.0
+
+    # ---- updates ---------------------------------------------------------------------------
+
+    async def update_actor(self, batch: TensorDict, mini_batch_size: int) -> dict[str, float]:
+        """PPO epochs over this shard's mini-batches; returns mean metrics."""
+        from tandem.trainer.ppo import actor_loss_fn
+
+        return await asyncio.to_thread(
+            self.actor.update, batch, actor_loss_fn(self.config), mini_batch_size,
+            self.config.actor.ppo_epochs, temperature=self._temperature(),
+            calculate_entropy=bool(self.config.actor.entropy_coeff))
+
+    async def update_critic(self, batch: TensorDict, mini_batch_size: int) -> dict[str, float]:
+        """Value-function epochs over this shard."""
+        from tandem.trainer.ppo import critic_loss_fn
+
+        return await asyncio.to_thread(self.critic.update, batch, critic_loss_fn(self.config),
+                                       mini_batch_size, self.config.critic.ppo_epochs)
+
+    # ---- weight sync ----------------------------------------------------------------------
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        """Wake weights, load the actor's weights through the checkpoint engine, wake KV."""
+        import time
+
+        start = time.perf_counter()
+        await self.wake_up(["weights"])
+        await self.checkpoint_engine.sync(self.actor.export_weights(), self, version)
+        await self.wake_up(["kv_cache"])
+        return {"sync/seconds": time.perf_counter() - start}
+
+    # ---- checkpoints and inspection ------------------------------------------------------
+
+    def save_checkpoint(self, directory: str, extra: dict[str, Any] | None = None) -> None:
+        """Actor (and critic) weights, optimizer, schedule and RNG."""
+        self.actor.save_checkpoint(f"{directory}/actor", extra)
+        if self.critic is not None:
+            self.critic.save_checkpoint(f"{directory}/critic")
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Restore what save_checkpoint wrote; returns its `extra`."""
+        extra = self.actor.load_checkpoint(f"{directory}/actor")
+        if self.critic is not None:
+            self.critic.load_checkpoint(f"{directory}/critic")
+        return extra
+
+    def actor_greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """The actor's own greedy continuation (HF generate), to compare with the engine."""
+        model = self.actor.model
+        model.eval()
+        eos = self.backend_eos_token_id()
+        with torch.no_grad():
+            output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                                    do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        return output[0, len(prompt_ids):].tolist()
+
+    def backend_eos_token_id(self) -> int:
+        return self.actor.model.config.eos_token_id
+
+    def ping(self) -> int:
+        """Readiness check: the rank."""
+        return self.rank
+
+
+# Generate calls overlap with control calls: an async actor with room for many of them.
+HybridWorkerActor = ray.remote(max_concurrency=10_000)(HybridWorker)
