@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import random
 import sys
 import time
@@ -81,26 +82,26 @@ def run_native(path: Path, prompts: list[list[int]], budgets: list[int], device:
 # ---- HF generate ---------------------------------------------------------------------------
 def run_hf(path: Path, prompts: list[list[int]], budgets: list[int], cache: str,
            device: str) -> float:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     pad = model.config.pad_token_id or 0
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    config = model.generation_config
-    config.eos_token_id = None  # eos ignored, as in the native run
     new_tokens = max(budgets)
-    kwargs = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_k=None, top_p=None,
-                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
-                  return_dict_in_generate=True, output_scores=True, generation_config=config)
-    if cache == "static":
-        kwargs["cache_implementation"] = "static"
+    # eos ignored, as in the native run; scores returned for the logprobs
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=None, top_p=None,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              eos_token_id=None, pad_token_id=pad, return_dict_in_generate=True,
+                              output_scores=True,
+                              cache_implementation="static" if cache == "static" else None)
+    warmup = copy.deepcopy(config)
+    warmup.max_new_tokens = warmup.min_new_tokens = 2
     with torch.inference_mode():
-        model.generate(input_ids[:2, -8:], **{**kwargs, "attention_mask": mask[:2, -8:],
-                                               "max_new_tokens": 2, "min_new_tokens": 2})
+        model.generate(input_ids[:2, -8:], attention_mask=mask[:2, -8:], generation_config=warmup)
         start = time.perf_counter()
-        out = model.generate(input_ids, **kwargs)
+        out = model.generate(input_ids, attention_mask=mask, generation_config=config)
         tokens = out.sequences[:, width:]
         scores = torch.stack(out.scores, dim=1).float().log_softmax(-1)
         logprobs = scores.gather(-1, tokens[..., None])[..., 0]

@@ -283,3 +283,15 @@ def test_registry_and_bad_config(model_path):
         NativeRollout.create(model_path, RolloutConfig(max_num_seqs=0))
     with pytest.raises(ValueError, match="logprobs_mode"):
         NativeRollout.create(model_path, RolloutConfig(logprobs_mode="weird"))
+
+
+async def test_shutdown_aborts_and_refuses_new_requests(model_path):
+    rollout = make(model_path)
+    task = asyncio.create_task(rollout.generate("s", [5, 6], {"max_tokens": 10_000,
+                                                              "ignore_eos": True}))
+    while rollout.stats()["generated_tokens"] < 2:
+        await asyncio.sleep(0.001)
+    await rollout.shutdown()
+    assert (await task).stop_reason == "aborted"
+    with pytest.raises(RuntimeError, match="shut down"):
+        await rollout.generate("t", [5, 6], GREEDY)

@@ -113,3 +113,46 @@ def test_equal_blocks_of_different_prefixes_are_not_confused():
     manager.register_full_blocks(a, 5)
     b = _seq([3, 4, 5, 6, 0])  # same second block, different first block
     assert manager.find_prefix(b) == []
+
+
+async def test_cascade_attention_over_shared_prefixes_matches_plain_attention(model_path,
+                                                                               monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import tandem.rollout.engine.model_runner as model_runner
+
+    system = list(range(40, 40 + BLOCK + 3))  # shared by every prompt, not block aligned
+    prompts = [system + [100 + p] * (2 * BLOCK + p) for p in range(3)]
+    cascades = []
+    build = model_runner.build_cascade_group
+    monkeypatch.setattr(model_runner, "build_cascade_group",
+                        lambda *args: cascades.append(args[3]) or build(*args))
+
+    async def run() -> list:
+        rollout = make(model_path)
+
+        async def one(prompt_index: int, sample: int):
+            await asyncio.sleep(0.003 * sample)
+            return await rollout.generate(f"{prompt_index}-{sample}", prompts[prompt_index],
+                                          {"temperature": 1.0, "seed": 10 * prompt_index + sample,
+                                           "max_tokens": 6 + 4 * sample, "ignore_eos": True})
+
+        return await asyncio.gather(*(one(p, s) for p in range(3) for s in range(4)))
+
+    with_cascade = await run()
+    assert cascades and any(len(families) == 3 for families in cascades)
+    monkeypatch.setattr(model_runner, "CASCADE_MIN_SAVING", 2.0)  # never worth it: plain path
+    cascades.clear()
+    plain = await run()
+    assert not cascades
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    for index, (a, b) in enumerate(zip(with_cascade, plain)):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs),
+                                   atol=1e-5, rtol=0)
+        prompt = prompts[index // 4]
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + a.token_ids])).logits[0, len(prompt) - 1:-1]
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(a.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(a.log_probs), expected, atol=1e-4, rtol=0)

@@ -87,3 +87,32 @@ def test_sync_loop_engine_tracks_actor(tmp_path, ray_cluster):
     for key in ("reward/mean", "rollout_gap/abs_diff_mean", "actor/policy/clip_fraction_upper", "actor/grad_norm",
                 "time/update", "time/sync", "throughput/generated_tokens_per_second"):
         assert key in steps[0], key
+
+
+def test_resume_from_checkpoint_reproduces_next_step(tmp_path, ray_cluster):
+    """Kill after step 1 (its checkpoint is the latest), resume: step 2's metrics match."""
+    config = tiny_config(tmp_path, "trainer.total_steps=2", "trainer.save_freq=1")
+
+    async def run(config):
+        trainer = RLTrainer(config)
+        await trainer.start()
+        try:
+            await fit_sync(trainer)
+        finally:
+            await trainer.stop()
+
+    asyncio.run(run(config))
+    from tandem.trainer.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    first = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "time/generate" in r}
+    # the run "died" right after saving step 1
+    (run_dir / "checkpoints" / "latest").write_text("1")
+    resumed_config = tiny_config(tmp_path, "trainer.total_steps=2", "trainer.resume=true")
+    asyncio.run(run(resumed_config))
+    second = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "time/generate" in r}
+    assert sorted(second) == [1, 2] and second[1] == first[1]  # step 1 kept, step 2 rewritten
+    for key, value in first[2].items():
+        if key.startswith(("time/", "throughput/")) or key.endswith("tokens_per_second"):
+            continue
+        assert second[2][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

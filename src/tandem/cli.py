@@ -1,4 +1,5 @@
-"""Command line: `tandem train CONFIG [a.b=c ...]`, `tandem eval CONFIG [...]`, `tandem demo [...]`."""
+"""Command line: `tandem train CONFIG [a.b=c ...]`, `tandem eval CONFIG [...]`, `tandem demo [...]`,
+`tandem make-data DIR` (the arithmetic word problems as JSONL)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,11 @@ def main(argv: list[str] | None = None) -> None:
         command = commands.add_parser(name, help=text)
         command.add_argument("config", help="YAML config file")
         command.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+    data = commands.add_parser("make-data", help="write the arithmetic train/val JSONL files")
+    data.add_argument("directory")
+    data.add_argument("--train-size", type=int, default=512)
+    data.add_argument("--val-size", type=int, default=64)
+    data.add_argument("--seed", type=int, default=0)
     demo = commands.add_parser("demo", help="the CPU demo: GRPO teaches a tiny model a calculator tool")
     demo.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the demo config")
     args = parser.parse_args(argv)
@@ -84,6 +90,13 @@ def main(argv: list[str] | None = None) -> None:
         _train(args.config, args.overrides)
     elif args.command == "eval":
         _eval(args.config, args.overrides)
+    elif args.command == "make-data":
+        from pathlib import Path
+
+        from tandem.demo.tasks import make_datasets
+
+        for path in make_datasets(Path(args.directory), args.train_size, args.val_size, args.seed):
+            print(path)
     else:
         from tandem.demo.run import run_demo
 

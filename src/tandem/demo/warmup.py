@@ -26,11 +26,16 @@ class WarmupRecipe:
     """How the warm-up model is made; any change gives a new cache entry."""
 
     base_model: str  # directory of the randomly initialised tiny model
-    steps: int = 300
+    steps: int = 360
     batch_size: int = 32
     lr: float = 3e-3
     warmup_steps: int = 20
-    tool_fraction: float = 0.35  # the rest answer directly (and are mostly wrong at test time)
+    # Curriculum: the first tool_only_steps show only calculator transcripts (the model learns
+    # the format and to copy numbers); afterwards only tool_fraction of them use the tool and
+    # the rest answer directly, so the warmed-up model prefers guessing (mostly wrong) and GRPO
+    # has something to teach: call the tool.
+    tool_only_steps: int = 260
+    tool_fraction: float = 0.3
     seed: int = 0
 
     def key(self) -> str:
@@ -95,9 +100,10 @@ def warm_up(recipe: WarmupRecipe, progress: bool = True) -> Path:
                                 optim=optim, total_steps=recipe.steps)
         tools = calculator_schemas()
         bar = tqdm(range(recipe.steps), desc="warm-up (supervised)", disable=not progress)
-        for _ in bar:
+        for step in bar:
+            fraction = 1.0 if step < recipe.tool_only_steps else recipe.tool_fraction
             trajectories = [transcript_trajectory(tokenizer, transcript(make_problem(rng),
-                                                                        rng.random() < recipe.tool_fraction),
+                                                                        rng.random() < fraction),
                                                   tools)
                             for _ in range(recipe.batch_size)]
             metrics = engine.train_mini_batch(trajectories_to_batch(trajectories), sft_loss_fn)

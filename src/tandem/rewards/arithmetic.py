@@ -33,5 +33,4 @@ def arithmetic_reward(response_text: str, ground_truth: Any, extra_info: dict) -
     expected = Fraction(str(ground_truth))
     correct = answer is not None and answer == expected
     return RewardResult(float(correct), {"acc": float(correct),
-                                         "answer": None if answer is None else str(answer),
-                                         "used_tool": "<tool_call>" in response_text})
+                                         "answer": None if answer is None else str(answer)})

@@ -274,9 +274,9 @@ def _trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str
     accuracies = [t.reward_extra.get("acc") for t in real if "acc" in t.reward_extra]
     if accuracies:
         metrics[f"{prefix}/acc"] = sum(accuracies) / len(accuracies)
-    tools = [t.reward_extra.get("used_tool") for t in real if "used_tool" in t.reward_extra]
+    tools = [t.metadata["tool_calls"] > 0 for t in real if "tool_calls" in t.metadata]
     if tools:
-        metrics[f"{prefix}/tool_use"] = sum(map(float, tools)) / len(tools)
+        metrics[f"{prefix}/tool_use"] = sum(tools) / len(tools)
     metrics[f"{prefix}/response_length"] = sum(len(t.responses) for t in real) / count
     metrics[f"{prefix}/num_turns"] = sum(t.num_turns for t in real) / count
     return metrics

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import numbers
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -50,6 +51,8 @@ class AsyncEngine:
         self.max_model_len = self.runner.max_model_len
         self.version = 0
         self.requests: dict[str, Sequence] = {}
+        self.aborted: set[str] = set()  # request ids to finish at the next step boundary
+        self.closed = False
         self.kv_released = False
         self.weights_state = "loaded"  # loaded | offloaded (GPU: on CPU) | dropped (CPU)
         self.unfilled_weights: set[str] = set()  # names still to refill after a CPU drop
@@ -69,7 +72,8 @@ class AsyncEngine:
         default_budget = RolloutConfig.__dataclass_fields__["kv_cache_memory_bytes"].default
         if self.device.type == "cuda" and budget == default_budget:
             total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = int(total * config.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device)
+            budget = (int(total * config.gpu_memory_utilization)
+                      - torch.cuda.memory_allocated(self.device))
         # more blocks than max_num_seqs full-length sequences could only ever hold cache
         useful = config.max_num_seqs * -(-self.runner.max_model_len // self.block_size)
         num_blocks = min(budget // block_bytes, useful)
@@ -136,7 +140,8 @@ class AsyncEngine:
             return
         self._record(batch, tokens, log_probs)
 
-    def _step(self, batch: list[ScheduledSequence], num_threads: int) -> tuple[list[int], list[float]]:
+    def _step(self, batch: list[ScheduledSequence],
+              num_threads: int) -> tuple[list[int], list[float]]:
         """Forward + sample; runs in the worker thread and touches no queue."""
         if torch.get_num_threads() != num_threads:
             # OpenMP thread counts are per thread: follow the caller's torch.set_num_threads
@@ -170,9 +175,12 @@ class AsyncEngine:
         self._finish_aborted()
 
     def _finish_aborted(self) -> None:
-        for seq in [seq for seq in self.requests.values() if seq.aborted]:
-            seq.stop_reason = "aborted"
-            self._finish(seq)
+        for request_id in self.aborted:
+            seq = self.requests.get(request_id)
+            if seq is not None and seq.aborted:
+                seq.stop_reason = "aborted"
+                self._finish(seq)
+        self.aborted.clear()
 
     def _finish(self, seq: Sequence, error: BaseException | None = None) -> None:
         self.scheduler.finish(seq)
@@ -187,9 +195,9 @@ class AsyncEngine:
         extra: dict[str, Any] = {"global_steps": version}
         if seq.min_version is not None and seq.min_version != seq.max_version:
             extra.update(min_global_steps=seq.min_version, max_global_steps=seq.max_version)
-        future.set_result(TokenOutput(
-            token_ids=seq.generated_ids, log_probs=list(seq.log_probs) if seq.params.logprobs else None,
-            stop_reason=seq.stop_reason, extra_fields=extra))
+        log_probs = list(seq.log_probs) if seq.params.logprobs else None
+        future.set_result(TokenOutput(token_ids=seq.generated_ids, log_probs=log_probs,
+                                      stop_reason=seq.stop_reason, extra_fields=extra))
 
     def _fail_everything(self, error: BaseException) -> None:
         failure = RuntimeError(f"native engine failed: {type(error).__name__}: {error}")
@@ -202,6 +210,8 @@ class AsyncEngine:
     # ---- requests -------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int],
                        sampling_params: Mapping[str, Any]) -> TokenOutput:
+        if self.closed:
+            raise RuntimeError("the native engine is shut down")
         self._ensure_loop()
         params = SamplingParams.from_dict(sampling_params)
         prompt = self._check_prompt(prompt_ids)
@@ -224,9 +234,13 @@ class AsyncEngine:
         try:
             return await asyncio.shield(seq.future)
         except asyncio.CancelledError:  # the caller went away: stop computing for it
-            seq.aborted = True
-            self._work.set()
+            self._mark_aborted(seq)
             raise
+
+    def _mark_aborted(self, seq: Sequence) -> None:
+        seq.aborted = True
+        self.aborted.add(seq.request_id)
+        self._work.set()
 
     def _check_prompt(self, prompt_ids: list[int]) -> list[int]:
         if isinstance(prompt_ids, torch.Tensor):
@@ -234,8 +248,9 @@ class AsyncEngine:
         prompt = list(prompt_ids)
         if not prompt:
             raise ValueError("prompt_ids is empty; a prompt needs at least one token")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt_ids must be a list of ints")
+        prompt = [int(t) for t in prompt]
         vocab = self.runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt_ids must lie in [0, {vocab}); got min {min(prompt)}, "
@@ -250,17 +265,15 @@ class AsyncEngine:
         seq = self.requests.get(request_id)
         if seq is None:
             return
-        seq.aborted = True
-        self._work.set()
+        self._mark_aborted(seq)
         await asyncio.wait([seq.future])
 
     async def abort_all(self) -> None:
         self._ensure_loop()
         futures = []
-        for seq in self.requests.values():
-            seq.aborted = True
+        for seq in list(self.requests.values()):
+            self._mark_aborted(seq)
             futures.append(seq.future)
-        self._work.set()
         if futures:
             await asyncio.wait(futures)
 
@@ -371,6 +384,7 @@ class AsyncEngine:
                 "cached_blocks": self.blocks.num_cached_blocks}
 
     async def shutdown(self) -> None:
+        self.closed = True
         if self._task is not None:
             await self.abort_all()
             self._task.cancel()

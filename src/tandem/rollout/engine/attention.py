@@ -44,9 +44,53 @@ class AttentionGroup:
 
 
 @dataclass
+class SuffixBucket:
+    """Rows [start, end) of a cascade group (similar suffix lengths) and their suffix blocks.
+    block_ids: [rows * blocks] (pad 0); mask: [kv_heads * rows, 1, context] additive."""
+
+    start: int
+    end: int
+    context: int
+    block_ids: torch.Tensor
+    mask: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass
+class CascadeGroup:
+    """Decoding sequences (one new token each) where families of them share prefix blocks,
+    e.g. the n samples of one prompt. Attention is split: each family's queries attend to its
+    shared prefix once (the prefix K/V is read once, not n times), each sequence attends to
+    its own suffix (rows sorted by suffix length, in buckets), and the two partial softmaxes
+    are merged with their running maxima and sums.
+
+    prefix_block_ids: [F * prefix_blocks]; prefix_mask: [kv_heads * F, 1, Lp] additive;
+    prefix_rows: [F * family_size] rows of each family (B = a zero row for padding);
+    row_slot: [B] each row's index in the family layout (F * family_size = "no shared prefix").
+    """
+
+    num_seqs: int
+    num_families: int
+    family_size: int
+    prefix_context: int
+    suffixes: list[SuffixBucket]
+    prefix_block_ids: torch.Tensor
+    prefix_mask: torch.Tensor
+    prefix_rows: torch.Tensor
+    row_slot: torch.Tensor
+    prefix_keys: torch.Tensor
+    prefix_values: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_seqs
+
+
+@dataclass
 class AttentionMetadata:
     slots: torch.Tensor  # [T] cache slot (block * block_size + offset) of every new token
-    groups: list[AttentionGroup]  # in the order of the flat tokens
+    groups: list[AttentionGroup | CascadeGroup]  # in the order of the flat tokens
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -69,6 +113,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     for group in meta.groups:
         q = query[offset:offset + group.num_tokens]
         offset += group.num_tokens
+        if isinstance(group, CascadeGroup):
+            outputs.append(cascade_attention(q, key_cache, value_cache, group, scale))
+            continue
         batch, q_len, context = group.num_seqs, group.query_len, group.context_len
         if group.query_index is not None:
             padded = q.new_zeros(batch * q_len, *q.shape[1:])
@@ -94,6 +141,111 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             out = out.index_select(0, group.query_index)
         outputs.append(out)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       mask: torch.Tensor, scale: float):
+    """q [N, R, D], keys/values [N, L, D], additive mask [N, 1, L] -> unnormalised output
+    [N, R, D], row max [N, R, 1] and row sum of exp [N, R, 1] of a softmax over L."""
+    scores = torch.baddbmm(mask, q, keys.transpose(1, 2), alpha=scale)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    weights = scores.sub_(row_max).exp_()
+    return torch.bmm(weights, values), row_max, weights.sum(dim=-1, keepdim=True)
+
+
+def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      group: CascadeGroup, scale: float) -> torch.Tensor:
+    """query [B, H, D] (one token per sequence) -> [B, H * D]."""
+    kv_heads, _, _, head_dim = key_cache.shape
+    batch, families, size = group.num_seqs, group.num_families, group.family_size
+    rows = query.shape[1] // kv_heads
+    q = query.view(batch, kv_heads, rows, head_dim).transpose(0, 1)  # [KVH, B, G, D]
+    parts = []
+    for bucket in group.suffixes:
+        count = bucket.end - bucket.start
+        torch.index_select(key_cache, 1, bucket.block_ids, out=bucket.keys)
+        torch.index_select(value_cache, 1, bucket.block_ids, out=bucket.values)
+        keys = bucket.keys.view(kv_heads * count, -1, head_dim)[:, :bucket.context]
+        values = bucket.values.view(kv_heads * count, -1, head_dim)[:, :bucket.context]
+        bucket_q = q[:, bucket.start:bucket.end].reshape(kv_heads * count, rows, head_dim)
+        parts.append([part.view(kv_heads, count, rows, -1) for part in
+                      _partial_attention(bucket_q, keys, values, bucket.mask, scale)])
+    out, row_max, row_sum = (torch.cat(part, dim=1).view(kv_heads * batch, rows, -1)
+                             if len(parts) > 1 else part[0].view(kv_heads * batch, rows, -1)
+                             for part in zip(*parts))
+    torch.index_select(key_cache, 1, group.prefix_block_ids, out=group.prefix_keys)
+    torch.index_select(value_cache, 1, group.prefix_block_ids, out=group.prefix_values)
+    keys = group.prefix_keys.view(kv_heads * families, -1, head_dim)[:, :group.prefix_context]
+    values = group.prefix_values.view(kv_heads * families, -1, head_dim)[:, :group.prefix_context]
+    padded = torch.cat([q, q.new_zeros(kv_heads, 1, rows, head_dim)], dim=1)
+    family_q = padded.index_select(1, group.prefix_rows).view(kv_heads * families, size * rows,
+                                                              head_dim)
+    prefix = _partial_attention(family_q, keys, values, group.prefix_mask, scale)
+    # back to one entry per (kv head, sequence); the extra slot means "no shared prefix"
+    empty = (q.new_zeros(kv_heads, 1, rows, head_dim),
+             q.new_full((kv_heads, 1, rows, 1), -torch.inf), q.new_zeros(kv_heads, 1, rows, 1))
+    prefix_out, prefix_max, prefix_sum = (
+        torch.cat([part.view(kv_heads, families * size, rows, -1), pad], dim=1)
+        .index_select(1, group.row_slot).view(kv_heads * batch, rows, -1)
+        for part, pad in zip(prefix, empty))
+    top = torch.maximum(row_max, prefix_max)
+    own, shared = (row_max - top).exp_(), (prefix_max - top).exp_()
+    out = (out * own + prefix_out * shared) / (row_sum * own + prefix_sum * shared)
+    return out.view(kv_heads, batch, rows * head_dim).transpose(0, 1).reshape(batch, -1)
+
+
+def build_cascade_group(tables: list[list[int]], contexts: list[int], shared: list[int],
+                        families: list[list[int]], block_size: int, kv_heads: int,
+                        head_dim: int, dtype: torch.dtype, device: torch.device) -> CascadeGroup:
+    """Row i has context contexts[i] in blocks tables[i], of which the first shared[i] blocks
+    are its family's prefix (0: none); families lists the rows of each family. Rows must come
+    sorted by suffix length, longest first: suffixes within 1.5x share one bucket."""
+    batch = len(tables)
+    suffix_lengths = [context - blocks * block_size for context, blocks in zip(contexts, shared)]
+    prefix_blocks = max(shared[members[0]] for members in families)
+    size = max(len(members) for members in families)
+    prefix_rows, row_slot = [], [len(families) * size] * batch
+    for f, members in enumerate(families):
+        for j, row in enumerate(members):
+            row_slot[row] = f * size + j
+        prefix_rows += members + [batch] * (size - len(members))
+
+    def flat(tables: list[list[int]], width: int) -> torch.Tensor:
+        return torch.tensor([b for t in tables for b in t + [0] * (width - len(t))],
+                            dtype=torch.long, device=device)
+
+    def additive_mask(lengths: list[int], width: int) -> torch.Tensor:
+        valid = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+        mask = torch.zeros(len(lengths), width, dtype=dtype).masked_fill_(~valid, -torch.inf)
+        return mask[None].expand(kv_heads, -1, -1).reshape(-1, 1, width).to(device)
+
+    def buffer(blocks: int) -> torch.Tensor:
+        return torch.empty(kv_heads, blocks, block_size, head_dim, dtype=dtype, device=device)
+
+    suffixes, start = [], 0
+    while start < batch:
+        end = start + 1
+        while end < batch and suffix_lengths[end] * 1.5 >= suffix_lengths[start]:
+            end += 1
+        rows = range(start, end)
+        suffix_tables = [tables[row][shared[row]:] for row in rows]
+        blocks = max(len(table) for table in suffix_tables)
+        suffixes.append(SuffixBucket(
+            start=start, end=end, context=suffix_lengths[start],
+            block_ids=flat(suffix_tables, blocks),
+            mask=additive_mask(suffix_lengths[start:end], suffix_lengths[start]),
+            keys=buffer(len(rows) * blocks), values=buffer(len(rows) * blocks)))
+        start = end
+    prefix_lengths = [shared[members[0]] * block_size for members in families]
+    return CascadeGroup(
+        num_seqs=batch, num_families=len(families), family_size=size,
+        prefix_context=prefix_blocks * block_size, suffixes=suffixes,
+        prefix_block_ids=flat([tables[m[0]][:shared[m[0]]] for m in families], prefix_blocks),
+        prefix_mask=additive_mask(prefix_lengths, prefix_blocks * block_size),
+        prefix_rows=torch.tensor(prefix_rows, dtype=torch.long, device=device),
+        row_slot=torch.tensor(row_slot, dtype=torch.long, device=device),
+        prefix_keys=buffer(len(families) * prefix_blocks),
+        prefix_values=buffer(len(families) * prefix_blocks))
 
 
 def build_group(starts: list[int], lengths: list[int], block_tables: list[list[int]],

@@ -7,13 +7,20 @@ tokens of every running sequence) go through one forward, flat as [T, hidden].
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
+from itertools import chain
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tandem.rollout.engine.attention import AttentionMetadata, build_group, paged_attention
+from tandem.rollout.engine.attention import (AttentionMetadata, CascadeGroup, build_cascade_group,
+                                             build_group, paged_attention)
 from tandem.rollout.engine.scheduler import ScheduledSequence
+
+# Decode attention splits shared prefixes off (cascade) when that avoids reading at least this
+# fraction of the decode group's K/V.
+CASCADE_MIN_SAVING = 0.25
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,6 +47,22 @@ def attention_buckets(batch: list[ScheduledSequence]) -> list[list[ScheduledSequ
     return buckets
 
 
+def _check_supported(model) -> None:
+    """Refuse what this runner would silently get wrong."""
+    config = model.config
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise NotImplementedError(f"{config.model_type}: sliding-window attention layers are not "
+                                  "supported by the native engine")
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        raise NotImplementedError(f"rope_type {rope_type!r} depends on the sequence length; the "
+                                  "native engine precomputes one rotary table")
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(model.model, name):
+            raise NotImplementedError(f"{type(model).__name__} is not a Llama/Qwen2-style decoder "
+                                      f"(no model.{name})")
+
+
 class ModelRunner:
     """Holds the HF model and the KV cache; `forward` computes one step's logits."""
 
@@ -52,6 +75,7 @@ class ModelRunner:
         self.model = model.to(device).eval().requires_grad_(False)
         config = model.config
         self.config = config
+        _check_supported(model)
         decoder = model.model
         self.embed_tokens = decoder.embed_tokens
         self.layers = list(decoder.layers)
@@ -100,7 +124,12 @@ class ModelRunner:
         """Flat input ids and positions [T], attention metadata, and the index [S] of the
         last token of each sequence that samples this step (in batch order)."""
         size = self.block_size
-        buckets = attention_buckets(batch)
+        decode = [item for item in batch if item.num_new == 1]
+        cascade = self._cascade_group(decode) if len(decode) > 1 else None
+        if cascade is None:
+            buckets = attention_buckets(batch)
+        else:
+            buckets = attention_buckets([item for item in batch if item.num_new > 1]) + [decode]
         ordered = [item for bucket in buckets for item in bucket]
         ids: list[int] = []
         positions: list[int] = []
@@ -115,7 +144,9 @@ class ModelRunner:
         groups = [build_group([item.start for item in group], [item.num_new for item in group],
                               [item.seq.block_table for item in group], size, self.num_kv_heads,
                               self.head_dim, self.dtype, self.device)
-                  for group in buckets]
+                  for group in (buckets if cascade is None else buckets[:-1])]
+        if cascade is not None:
+            groups.append(cascade)
         flat_end, last_index = {}, 0
         for item in ordered:
             last_index += item.num_new
@@ -125,6 +156,37 @@ class ModelRunner:
         meta = AttentionMetadata(slots=torch.tensor(slots, **to), groups=groups)
         return (torch.tensor(ids, **to), torch.tensor(positions, **to), meta,
                 torch.tensor(sample_index, **to))
+
+    def _cascade_group(self, decode: list[ScheduledSequence]) -> CascadeGroup | None:
+        """Cascade metadata for the decode tokens if their shared prefixes are worth it.
+        A row's shared prefix is its leading blocks that other decoding rows hold too; rows
+        whose shared prefix ends in the same block form a family (blocks are shared only by
+        whole prefix chains, so a family shares every block up to that one). Reorders
+        `decode` in place (the step's flat tokens follow it): longest suffix first."""
+        size = self.block_size
+        holders = Counter(chain.from_iterable(item.seq.block_table for item in decode))
+        shared = {}
+        by_last_block = defaultdict(list)
+        for item in decode:
+            table, blocks, limit = item.seq.block_table, 0, item.start // size
+            while blocks < limit and holders[table[blocks]] > 1:  # limit: the new token's block
+                blocks += 1
+            shared[id(item)] = blocks
+            if blocks:
+                by_last_block[table[blocks - 1]].append(item)
+        families = [items for items in by_last_block.values() if len(items) > 1]
+        saved = size * sum((len(items) - 1) * shared[id(items[0])] for items in families)
+        if saved < CASCADE_MIN_SAVING * sum(item.start + 1 for item in decode):
+            return None
+        in_family = {id(item) for items in families for item in items}
+        blocks_of = {key: (blocks if key in in_family else 0) for key, blocks in shared.items()}
+        decode.sort(key=lambda item: blocks_of[id(item)] * size - item.start)
+        row = {id(item): index for index, item in enumerate(decode)}
+        return build_cascade_group(
+            [item.seq.block_table for item in decode], [item.start + 1 for item in decode],
+            [blocks_of[id(item)] for item in decode],
+            [[row[id(item)] for item in items] for items in families],
+            size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, batch: list[ScheduledSequence]) -> torch.Tensor:
