@@ -77,8 +77,8 @@ async def test_logprobs_match_hf_forward(model_path, hf_model):
     rollout = NativeRollout.create(model_path, RolloutConfig(kv_cache_memory_bytes=SMALL_KV,
                                                              block_size=8))
     prompts = random_prompts(6, hf_model.config.vocab_size, 5, 40, seed=3)
-    outs = await asyncio.gather(*(rollout.generate(f"s{i}", p, {"temperature": 1.0, "max_tokens": 30,
-                                                                "ignore_eos": True})
+    params = {"temperature": 1.0, "max_tokens": 30, "ignore_eos": True}
+    outs = await asyncio.gather(*(rollout.generate(f"s{i}", p, params)
                                   for i, p in enumerate(prompts)))
     for prompt, out in zip(prompts, outs):
         assert len(out.token_ids) == len(out.log_probs) == 30
@@ -166,3 +166,24 @@ async def test_cuda_greedy_and_logprobs_match_hf(model_path, hf_model):
     again = await rollout.generate("again", prompts[0], {"temperature": 0, "max_tokens": 16})
     assert again.token_ids == outs[0].token_ids
 
+
+
+async def test_qwen3_style_qk_norm_matches_hf(tmp_path):
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    rollout = NativeRollout.create(tmp_path, RolloutConfig(kv_cache_memory_bytes=SMALL_KV))
+    prompt = [5, 6, 7, 8, 9, 10]
+    out = await rollout.generate("q3", prompt, {"temperature": 0, "max_tokens": 10,
+                                                "ignore_eos": True})
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                  eos_token_id=None)[0, len(prompt):].tolist()
+    assert out.token_ids == expected
+    torch.testing.assert_close(torch.tensor(out.log_probs),
+                               hf_token_logprobs(model, prompt, out.token_ids), atol=1e-4, rtol=0)

@@ -26,7 +26,7 @@ class WarmupRecipe:
     """How the warm-up model is made; any change gives a new cache entry."""
 
     base_model: str  # directory of the randomly initialised tiny model
-    steps: int = 360
+    steps: int = 500
     batch_size: int = 32
     lr: float = 3e-3
     warmup_steps: int = 20
@@ -34,7 +34,7 @@ class WarmupRecipe:
     # the format and to copy numbers); afterwards only tool_fraction of them use the tool and
     # the rest answer directly, so the warmed-up model prefers guessing (mostly wrong) and GRPO
     # has something to teach: call the tool.
-    tool_only_steps: int = 260
+    tool_only_steps: int = 400
     tool_fraction: float = 0.3
     seed: int = 0
 
@@ -94,8 +94,8 @@ def warm_up(recipe: WarmupRecipe, progress: bool = True) -> Path:
         rng = random.Random(recipe.seed)
         tokenizer = AutoTokenizer.from_pretrained(recipe.base_model)
         model = AutoModelForCausalLM.from_pretrained(recipe.base_model, dtype=torch.float32)
-        optim = OptimConfig(lr=recipe.lr, warmup_steps=recipe.warmup_steps, schedule="cosine",
-                            min_lr_ratio=0.1, grad_clip=1.0)
+        optim = OptimConfig(lr=recipe.lr, warmup_steps=recipe.warmup_steps, schedule="constant",
+                            grad_clip=1.0)
         engine = TrainingEngine(model, "actor", max_token_len=16384, use_remove_padding=False,
                                 optim=optim, total_steps=recipe.steps)
         tools = calculator_schemas()

@@ -66,20 +66,26 @@ class AsyncEngine:
 
     # ---- sizing ---------------------------------------------------------------------------
     def _plan_num_blocks(self) -> int:
+        """KV blocks from the budget: kv_cache_memory_bytes, except on CUDA when it is 0 or left
+        at its default, where gpu_memory_utilization x device memory minus what is allocated;
+        0 on CPU means the default budget. Capped at what max_num_seqs full-context sequences
+        could use."""
         config = self.config
         block_bytes = self.runner.block_bytes(self.block_size)
         budget = config.kv_cache_memory_bytes
         default_budget = RolloutConfig.__dataclass_fields__["kv_cache_memory_bytes"].default
-        if self.device.type == "cuda" and budget == default_budget:
+        if self.device.type == "cuda" and budget in (0, default_budget):
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = (int(total * config.gpu_memory_utilization)
                       - torch.cuda.memory_allocated(self.device))
-        # more blocks than max_num_seqs full-length sequences could only ever hold cache
+        elif budget == 0:
+            budget = default_budget
         useful = config.max_num_seqs * -(-self.runner.max_model_len // self.block_size)
         num_blocks = min(budget // block_bytes, useful)
         if num_blocks < 1:
-            raise ValueError(f"KV cache budget {budget} bytes holds no block of {block_bytes} bytes "
-                             "(rollout.kv_cache_memory_bytes / gpu_memory_utilization / block_size)")
+            raise ValueError(f"KV cache budget {budget} bytes holds no block of {block_bytes} "
+                             "bytes (rollout.kv_cache_memory_bytes / gpu_memory_utilization / "
+                             "block_size)")
         return int(num_blocks)
 
     # ---- the loop -------------------------------------------------------------------------
@@ -221,9 +227,9 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already running; ids must be unique")
         total = min(len(prompt) + params.max_tokens, self.max_model_len)
         if -(-total // self.block_size) > self.num_blocks:
-            raise ValueError(f"request {request_id!r} needs up to {total} tokens of KV but the cache "
-                             f"holds {self.num_blocks * self.block_size}; lower max_tokens or raise "
-                             "rollout.kv_cache_memory_bytes")
+            raise ValueError(f"request {request_id!r} needs up to {total} tokens of KV but the "
+                             f"cache holds {self.num_blocks * self.block_size}; lower max_tokens "
+                             "or raise rollout.kv_cache_memory_bytes")
         seq = Sequence(request_id, prompt, params, self.eos_token_ids, self.max_model_len,
                        future=asyncio.get_running_loop().create_future())
         if params.seed is not None:
@@ -330,9 +336,9 @@ class AsyncEngine:
             return (f"the engine's weights are {self.weights_state} by sleep(['weights']); call "
                     "wake_up(['weights']) first")
         missing = sorted(self.unfilled_weights)
-        return (f"the engine's weights were dropped by sleep(['weights']) on CPU and {len(missing)} "
-                f"tensors are not refilled yet (e.g. {missing[:3]}); call update_weights with the "
-                "full state dict after wake_up(['weights'])")
+        return (f"the engine's weights were dropped by sleep(['weights']) on CPU and "
+                f"{len(missing)} tensors are not refilled yet (e.g. {missing[:3]}); call "
+                "update_weights with the full state dict after wake_up(['weights'])")
 
     async def clear_kv_cache(self) -> None:
         self._ensure_loop()
@@ -366,8 +372,9 @@ class AsyncEngine:
                         raise ValueError(f"update_weights: unknown weight {name!r} (expected HF "
                                          f"names such as {next(iter(parameters))!r})")
                     if tuple(tensor.shape) != tuple(param.shape):
-                        raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                                         f"the model expects {tuple(param.shape)}")
+                        raise ValueError(f"update_weights: {name!r} has shape "
+                                         f"{tuple(tensor.shape)}, the model expects "
+                                         f"{tuple(param.shape)}")
                     if not tensor.is_floating_point():
                         raise TypeError(f"update_weights: {name!r} has dtype {tensor.dtype}; "
                                         "weights must be floating point")
@@ -393,12 +400,16 @@ class AsyncEngine:
 
 
 def _check_config(config: RolloutConfig) -> None:
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         value = getattr(config, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"rollout.{name}={value!r}: must be a positive integer")
+    if not isinstance(config.kv_cache_memory_bytes, int) or config.kv_cache_memory_bytes < 0:
+        raise ValueError(f"rollout.kv_cache_memory_bytes={config.kv_cache_memory_bytes!r}: must be "
+                         ">= 0 (0: derive from gpu_memory_utilization on CUDA)")
     if config.logprobs_mode not in LOGPROBS_MODES:
-        raise ValueError(f"rollout.logprobs_mode={config.logprobs_mode!r}: use one of {LOGPROBS_MODES}")
+        raise ValueError(f"rollout.logprobs_mode={config.logprobs_mode!r}: use one of "
+                         f"{LOGPROBS_MODES}")
 
 
 def _eos_token_ids(model) -> frozenset[int]:

@@ -18,7 +18,7 @@ def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    """Owns block ids: reference counts, free list, hash -> block map and the LRU of cached blocks."""
+    """Owns block ids: reference counts, free list, hash -> block map, LRU of cached blocks."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.block_size = block_size

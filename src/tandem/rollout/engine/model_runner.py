@@ -90,7 +90,7 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         positions = torch.arange(self.max_model_len, device=device)[None]
         probe = torch.zeros(1, dtype=dtype, device=device)
-        cos, sin = decoder.rotary_emb(probe, positions)  # the HF rotary embedding, once per position
+        cos, sin = decoder.rotary_emb(probe, positions)  # HF's rotary embedding, every position
         self.cos, self.sin = cos[0], sin[0]  # [max_model_len, head_dim]
         self.key_caches: list[torch.Tensor] = []
         self.value_caches: list[torch.Tensor] = []

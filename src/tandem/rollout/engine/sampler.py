@@ -26,7 +26,8 @@ def _apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> Non
         logits[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor) -> torch.Tensor:
     """Mask to -inf what top-k (then top-p, on the top-k distribution) removes."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)

@@ -67,5 +67,6 @@ class Sequence:
         if token_id in self.params.stop_token_ids or (
                 not self.params.ignore_eos and token_id in self.eos_token_ids):
             self.stop_reason = "completed"
-        elif self.num_generated >= self.params.max_tokens or self.num_tokens >= self.max_total_tokens:
+        elif (self.num_generated >= self.params.max_tokens
+              or self.num_tokens >= self.max_total_tokens):
             self.stop_reason = "length"
