@@ -26,16 +26,16 @@ class WarmupRecipe:
     """How the warm-up model is made; any change gives a new cache entry."""
 
     base_model: str  # directory of the randomly initialised tiny model
-    steps: int = 500
+    steps: int = 400
     batch_size: int = 32
-    lr: float = 3e-3
+    lr: float = 1e-3  # 3e-3 leaves the model stuck before it learns to copy numbers
     warmup_steps: int = 20
     # Curriculum: the first tool_only_steps show only calculator transcripts (the model learns
     # the format and to copy numbers); afterwards only tool_fraction of them use the tool and
     # the rest answer directly, so the warmed-up model prefers guessing (mostly wrong) and GRPO
     # has something to teach: call the tool.
-    tool_only_steps: int = 400
-    tool_fraction: float = 0.3
+    tool_only_steps: int = 300
+    tool_fraction: float = 0.2
     seed: int = 0
 
     def key(self) -> str:

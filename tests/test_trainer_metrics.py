@@ -1,0 +1,52 @@
+"""Metrics JSONL, resume truncation, phase timer, PNG plots, and the CLI's data command."""
+
+import json
+import math
+
+from tandem.cli import main
+from tandem.trainer.metrics import MetricsLogger, PhaseTimer, read_metrics
+from tandem.trainer.plots import plot_run
+
+
+def test_metrics_jsonl_and_truncation(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    for step in (1, 2, 3):
+        logger.log(step, {"reward/mean": step / 10, "bad": math.nan})
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3] and records[0]["bad"] is None
+    logger.truncate_after(1)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+
+
+def test_phase_timer_accumulates():
+    timer = PhaseTimer()
+    for _ in range(2):
+        with timer.phase("generate"):
+            pass
+    metrics = timer.metrics()
+    assert list(metrics) == ["time/generate"] and metrics["time/generate"] >= 0
+    assert [span[0] for span in timer.spans] == ["generate", "generate"]
+
+
+def test_plots_are_written(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log(0, {"val/acc": 0.1})
+    for step in (1, 2):
+        logger.log(step, {"reward/mean": 0.2 * step, "reward/acc": 0.2 * step,
+                          "rollout_gap/abs_diff_mean": 1e-7, "rollout_gap/abs_diff_max": 1e-6,
+                          "time/generate": 1.0, "time/update": 0.5, "time/sync": 0.1})
+    paths = plot_run(tmp_path)
+    assert sorted(p.name for p in paths) == ["logprob_gap.png", "reward.png", "timeline.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_make_data_command(tmp_path, capsys):
+    main(["make-data", str(tmp_path), "--train-size", "5", "--val-size", "3"])
+    train = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    val = [json.loads(line) for line in (tmp_path / "val.jsonl").read_text().splitlines()]
+    assert len(train) == 5 and len(val) == 3
+    assert {row["data_source"] for row in train} == {"arithmetic"}
+    questions = {row["prompt"][-1]["content"] for row in train}
+    assert not questions & {row["prompt"][-1]["content"] for row in val}  # held out
+    assert str(tmp_path / "train.jsonl") in capsys.readouterr().out
