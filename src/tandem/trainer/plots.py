@@ -63,8 +63,9 @@ def plot_run(output_dir: str | Path) -> list[Path]:
             left += seconds
     axis.set_xlabel("seconds")
     axis.set_ylabel("step")
+    axis.yaxis.get_major_locator().set_params(integer=True)
     axis.invert_yaxis()
-    axis.legend(ncol=3, fontsize=8)
+    axis.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     axis.set_title("phase timeline per step")
     written.append(_save(figure, output_dir / "timeline.png"))
     return written
