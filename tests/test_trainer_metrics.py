@@ -50,3 +50,10 @@ def test_make_data_command(tmp_path, capsys):
     questions = {row["prompt"][-1]["content"] for row in train}
     assert not questions & {row["prompt"][-1]["content"] for row in val}  # held out
     assert str(tmp_path / "train.jsonl") in capsys.readouterr().out
+
+
+def test_make_data_refuses_more_problems_than_exist(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="distinct 'easy' problems"):
+        main(["make-data", str(tmp_path), "--kind", "easy", "--train-size", "500"])

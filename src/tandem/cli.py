@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--train-size", type=int, default=512)
     data.add_argument("--val-size", type=int, default=64)
     data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--kind", choices=["tool", "easy"], default="tool",
+                      help="tool: word problems needing the calculator; easy: small sums (no tool)")
     demo = commands.add_parser("demo", help="the CPU demo: GRPO teaches a tiny model a calculator tool")
     demo.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the demo config")
     args = parser.parse_args(argv)
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
 
         from tandem.demo.tasks import make_datasets
 
-        for path in make_datasets(Path(args.directory), args.train_size, args.val_size, args.seed):
+        for path in make_datasets(Path(args.directory), args.train_size, args.val_size, args.seed,
+                                  args.kind):
             print(path)
     else:
         from tandem.demo.run import run_demo

@@ -35,10 +35,17 @@ def make_problem(rng: random.Random) -> dict:
     return {"question": question, "expression": expression, "answer": answer}
 
 
-def to_row(problem: dict, index: int, split: str) -> dict:
+def make_easy_problem(rng: random.Random) -> dict:
+    """A one-step sum a small model can answer without a tool (single-turn examples)."""
+    a, b = rng.randint(1, 20), rng.randint(1, 20)
+    return {"question": f"What is {a} + {b}? Reply with the number.", "expression": f"{a} + {b}",
+            "answer": a + b}
+
+
+def to_row(problem: dict, index: int, split: str, system_prompt: str | None = SYSTEM_PROMPT) -> dict:
     """A dataset row: raw chat messages plus metadata, no tokens."""
-    return {"prompt": [{"role": "system", "content": SYSTEM_PROMPT},
-                       {"role": "user", "content": problem["question"]}],
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return {"prompt": [*system, {"role": "user", "content": problem["question"]}],
             "data_source": "arithmetic", "ground_truth": str(problem["answer"]),
             "extra_info": {"index": index, "split": split, "expression": problem["expression"]},
             "tools_kwargs": {}}
@@ -64,16 +71,26 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def make_datasets(directory: Path, train_size: int, val_size: int, seed: int) -> tuple[Path, Path]:
-    """Disjoint train and held-out validation problems as JSONL files."""
+def make_datasets(directory: Path, train_size: int, val_size: int, seed: int,
+                  kind: str = "tool") -> tuple[Path, Path]:
+    """Disjoint train and held-out validation problems as JSONL files. kind "tool": word problems
+    that need the calculator; "easy": small sums answered directly (no system prompt)."""
+    if kind not in ("tool", "easy"):
+        raise ValueError(f"kind={kind!r}: use 'tool' or 'easy'")
     rng = random.Random(seed)
+    make, system = (make_problem, SYSTEM_PROMPT) if kind == "tool" else (make_easy_problem, None)
     seen, splits = set(), {"train": [], "val": []}
+    attempts = 0
     for split, size in (("train", train_size), ("val", val_size)):
         while len(splits[split]) < size:
-            problem = make_problem(rng)
+            problem = make(rng)
+            attempts += 1
+            if attempts > 50 * (train_size + val_size):
+                raise ValueError(f"cannot draw {train_size} + {val_size} distinct {kind!r} problems; "
+                                 "ask for fewer (the easy kind has 400)")
             if problem["question"] in seen:
                 continue
             seen.add(problem["question"])
-            splits[split].append(to_row(problem, len(splits[split]), split))
+            splits[split].append(to_row(problem, len(splits[split]), split, system))
     return (write_jsonl(splits["train"], directory / "train.jsonl"),
             write_jsonl(splits["val"], directory / "val.jsonl"))
