@@ -143,3 +143,30 @@ def test_tool_names_are_checked_at_config_load(overrides, words):
 
     with pytest.raises(ConfigError, match=words):
         load_config(overrides=overrides)
+
+
+class RecordingClient(CountingClient):
+    """Also keeps every sampling dict it was sent."""
+
+    def __init__(self):
+        super().__init__()
+        self.params = {}
+
+    async def generate(self, request_id, prompt_ids, sampling_params):
+        self.params[request_id] = dict(sampling_params)
+        return await super().generate(request_id, prompt_ids, sampling_params)
+
+
+async def test_seeds_per_session_and_progress_callback():
+    client = RecordingClient()
+    runner = AgentLoopRunner(client, Format(), RolloutConfig(prompt_length=4, response_length=8, n=2))
+    seen = []
+    await runner.run(rows(2), seeds=[100, 200], on_trajectory=seen.append)
+    assert len(seen) == 4
+    assert {rid: p["seed"] for rid, p in client.params.items()} == {
+        "p0-0": 100, "p0-1": 1100, "p1-0": 200, "p1-1": 1200}
+    unseeded = RecordingClient()
+    await AgentLoopRunner(unseeded, Format(), RolloutConfig(prompt_length=4, response_length=8, n=1)).run(rows(1))
+    assert "seed" not in unseeded.params["p0-0"]
+    with pytest.raises(ValueError, match="one per row"):
+        await runner.run(rows(2), seeds=[1])

@@ -79,7 +79,8 @@ class AgentLoopRunner:
             self._semaphores[loop] = asyncio.Semaphore(self.config.agent_concurrency)
         return self._semaphores[loop]
 
-    async def _run_session(self, session: Session) -> Trajectory:
+    async def _run_session(self, session: Session,
+                           on_trajectory: Callable[[Trajectory], None] | None = None) -> Trajectory:
         async with self._semaphore():
             trajectory = await self.loop.run(session)
             if self.reward_fn is not None:
@@ -89,10 +90,12 @@ class AgentLoopRunner:
                 score, extra = result
                 trajectory.reward = float(score)
                 trajectory.reward_extra = dict(extra)
+            if on_trajectory is not None:
+                on_trajectory(trajectory)
             return trajectory
 
-    async def run_prompt(self, row: DatasetRow, validate: bool = False,
-                         seed: int | None = None) -> list[Trajectory]:
+    async def run_prompt(self, row: DatasetRow, validate: bool = False, seed: int | None = None,
+                         on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
         """All sessions of one prompt (one GRPO group), ordered by session_id. With a seed,
         session s samples turn t with seed + s * 1000 + t, so a rerun draws the same tokens."""
         if not row.uid:
@@ -101,19 +104,22 @@ class AgentLoopRunner:
         sessions = [Session(row, session_id, f"{row.uid}-{session_id}", validate,
                             None if seed is None else seed + session_id * 1000)
                     for session_id in range(self.sessions_per_prompt(row, validate))]
-        return await _all_or_nothing([self._run_session(session) for session in sessions])
+        return await _all_or_nothing([self._run_session(session, on_trajectory) for session in sessions])
 
     async def run(self, rows: Sequence[DatasetRow], validate: bool = False,
-                  seeds: Sequence[int] | None = None) -> list[Trajectory]:
+                  seeds: Sequence[int] | None = None,
+                  on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
         """Every session of every row, concurrently; ordered by row, then session_id.
-        seeds: one base sampling seed per row (see run_prompt), or None for unseeded sampling."""
+        seeds: one base sampling seed per row (see run_prompt), or None for unseeded sampling;
+        on_trajectory: called as each session ends (e.g. a progress bar)."""
         if seeds is not None and len(seeds) != len(rows):
             raise ValueError(f"{len(seeds)} seeds for {len(rows)} rows: give one per row")
         uids = [row.uid for row in rows]
         if len(set(uids)) != len(uids):
             raise ValueError("two rows share a uid; GRPO would merge their groups. Draw each row "
                              "from PromptDataset, which assigns a fresh uid per draw")
-        groups = await _all_or_nothing([self.run_prompt(row, validate, None if seeds is None else seeds[i])
+        groups = await _all_or_nothing([self.run_prompt(row, validate, None if seeds is None else seeds[i],
+                                                        on_trajectory)
                                         for i, row in enumerate(rows)])
         return [trajectory for group in groups for trajectory in group]
 

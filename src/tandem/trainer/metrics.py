@@ -66,12 +66,15 @@ def _clean(value: Any) -> Any:
 class PhaseTimer:
     """Wall time per named phase of a step: `with timer.phase("generate"): ...`."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_phase=None) -> None:
+        self.on_phase = on_phase  # called with the phase name as it starts (progress bars)
         self.times: dict[str, float] = {}
         self.spans: list[tuple[str, float, float]] = []  # (phase, start, end) for the timeline
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        if self.on_phase is not None:
+            self.on_phase(name)
         start = time.perf_counter()
         try:
             yield

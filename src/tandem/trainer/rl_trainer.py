@@ -15,6 +15,7 @@ from typing import Any
 import ray
 import torch
 from tensordict import TensorDict
+from tqdm import tqdm
 
 from tandem import algorithms
 from tandem.agent.dataset import DatasetRow, PromptDataset
@@ -122,7 +123,11 @@ class RLTrainer:
 
     async def generate(self, rows: list[DatasetRow], step: int, validate: bool = False) -> list[Trajectory]:
         """Run the agent loops (n sessions per row) through the client -> trajectories."""
-        return await self.runner.run(rows, validate=validate, seeds=self._seeds(step, len(rows), validate))
+        total = sum(self.runner.sessions_per_prompt(row, validate) for row in rows)
+        with tqdm(total=total, desc="validate" if validate else "generate", unit="traj", leave=False,
+                  disable=not self.config.trainer.progress) as bar:
+            return await self.runner.run(rows, validate=validate, seeds=self._seeds(step, len(rows), validate),
+                                         on_trajectory=lambda _: bar.update())
 
     def _reward_fn(self, trajectory: Trajectory, row: DatasetRow | None = None) -> tuple[float, dict]:
         result = compute_reward(trajectory.data_source, trajectory.metadata["response_text"],

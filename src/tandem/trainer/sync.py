@@ -22,11 +22,11 @@ async def fit_sync(trainer: RLTrainer) -> dict[str, float]:
     validation = await trainer.validate()
     if validation and trainer.step == 0:
         trainer.metrics.log(0, validation)
-    bar = tqdm(range(trainer.step, config.total_steps), desc="GRPO steps" if
-               trainer.config.algorithm.adv_estimator == "grpo" else "PPO steps",
-               initial=trainer.step, total=config.total_steps, disable=not config.progress)
+    name = "GRPO" if trainer.config.algorithm.adv_estimator == "grpo" else "PPO"
+    bar = tqdm(range(trainer.step, config.total_steps), desc=f"{name} steps", initial=trainer.step,
+               total=config.total_steps, disable=not config.progress)
     for _ in bar:
-        timer = PhaseTimer()
+        timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{name} step [{phase}]"))
         with timer.phase("generate"):
             trajectories = await trainer.generate(trainer.train_rows(trainer.step), trainer.step)
         with timer.phase("sleep"):
