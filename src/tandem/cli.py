@@ -8,7 +8,6 @@ import asyncio
 import json
 import logging
 import os
-import sys
 
 
 def _quiet_libraries() -> None:
@@ -30,9 +29,6 @@ def _train(config_path: str, overrides: list[str]) -> None:
     from tandem.trainer.sync import fit_sync
 
     config = load_config(config_path, overrides)
-    if config.trainer.trainer_mode != "sync":
-        sys.exit(f"trainer.trainer_mode={config.trainer.trainer_mode!r} is not available yet; "
-                 "use trainer.trainer_mode=sync")
 
     async def run() -> dict:
         trainer = RLTrainer(config)

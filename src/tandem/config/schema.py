@@ -154,7 +154,6 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
     train_batch_size: int = 8  # prompts per step
-    val_batch_size: int = 0  # 0: the whole validation set at once
     shuffle: bool = True
     seed: int = 0
 

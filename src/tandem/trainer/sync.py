@@ -16,6 +16,9 @@ from tandem.trainer.rl_trainer import RLTrainer
 async def fit_sync(trainer: RLTrainer) -> dict[str, float]:
     """Train for trainer.total_steps; returns the last validation metrics."""
     config = trainer.config.trainer
+    if config.trainer_mode != "sync":
+        raise ValueError(f"trainer.trainer_mode={config.trainer_mode!r}: only the sync loop exists so far "
+                         "(colocate_async and separate_async are planned); set trainer.trainer_mode=sync")
     if config.resume:
         await trainer.load_latest_checkpoint()
     await trainer.sync_weights()  # on init: the rollout starts from the actor's weights
