@@ -7,19 +7,8 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 
-
-def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
+from tandem.quiet import quiet_libraries
 
 
 def _train(config_path: str, overrides: list[str]) -> None:
@@ -83,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the demo config")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    _quiet_libraries()
+    quiet_libraries()
     if args.command == "train":
         _train(args.config, args.overrides)
     elif args.command == "eval":

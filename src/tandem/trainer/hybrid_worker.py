@@ -17,6 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from tandem.config.schema import TandemConfig
+from tandem.quiet import quiet_libraries
 from tandem.serving.server import RolloutServer
 from tandem.training.engine import TrainingEngine
 from tandem.weight_sync.registry import get_checkpoint_engine_class
@@ -33,6 +34,7 @@ class HybridWorker(RolloutServer):
     def __init__(self, config: TandemConfig, rank: int = 0, world_size: int = 1,
                  init_method: str | None = None, total_steps: int | None = None,
                  torch_threads: int | None = None) -> None:
+        quiet_libraries()
         self._init_rollout_server(f"hybrid-{rank}", pause_timeout_s=3600.0, drain_timeout_s=60.0)
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
