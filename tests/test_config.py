@@ -19,7 +19,8 @@ def test_defaults_are_valid():
 
 
 def test_yaml_and_overrides_round_trip(tmp_path):
-    path = write(tmp_path, "rollout:\n  n: 8\n  temperature: 0.7\n  val_kwargs:\n    n: 2\n"
+    path = write(tmp_path, "rollout:\n  n: 8\n  temperature: 0.7\n  logprobs_mode: processed\n"
+                           "  val_kwargs:\n    n: 2\n"
                            "trainer:\n  total_steps: 3\n")
     config = load_config(path, ["rollout.top_k=20", "rollout.checkpoint_engine.engine_kwargs.x=1",
                                 "actor.optim.lr=3e-6"])
@@ -118,3 +119,24 @@ def test_separate_async_rules(monkeypatch):
         load_config(overrides=good + ["rollout.checkpoint_engine.backend=naive"])
     with pytest.raises(ConfigError, match=r"data.train_batch_size.*parameter_sync_step \(2\)"):
         load_config(overrides=good + ["data.train_batch_size=6"])
+
+
+@pytest.mark.parametrize("overrides, field, words", [
+    (["rollout.temperature=0.7"], "rollout.logprobs_mode", "processed"),
+    (["rollout.calculate_log_probs=false", "algorithm.rollout_correction.rejection=token"],
+     "algorithm.rollout_correction", "calculate_log_probs"),
+    (["rollout.multi_turn.tools=[calculator]"], "rollout.multi_turn.enable", "ignored"),
+    (["trainer.n_devices=2"], "actor.fsdp_size", "trainer.n_devices=2"),
+    (["trainer.n_devices=3", "actor.fsdp_size=3", "rollout.n=4", "actor.ppo_mini_batch_size=2",
+      "data.train_batch_size=2"], "actor.ppo_mini_batch_size", "does not split"),
+    (["data.train_batch_size=4", "actor.ppo_mini_batch_size=8"], "actor.ppo_mini_batch_size", "padding"),
+])
+def test_cross_field_rules(overrides, field, words):
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=overrides)
+    assert field in str(error.value) and words in str(error.value)
+
+
+def test_tempered_sampling_with_processed_logprobs_is_fine():
+    config = load_config(overrides=["rollout.temperature=0.7", "rollout.logprobs_mode=processed"])
+    assert config.rollout.temperature == 0.7

@@ -116,3 +116,31 @@ def test_resume_from_checkpoint_reproduces_next_step(tmp_path, ray_cluster):
         if key.startswith(("time/", "throughput/")) or key.endswith("tokens_per_second"):
             continue
         assert second[2][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_two_fsdp_workers_tempered_sampling(tmp_path, ray_cluster):
+    """n_devices=2: FSDP2 over gloo, one rollout engine per worker; temperature 0.7 with
+    processed logprobs: the actor re-forward matches the rollout's log-probs."""
+    config = tiny_config(tmp_path, "trainer.n_devices=2", "actor.fsdp_size=2", "rollout.temperature=0.7",
+                         "rollout.logprobs_mode=processed", "trainer.total_steps=1")
+
+    async def run():
+        trainer = RLTrainer(config)
+        await trainer.start()
+        try:
+            await fit_sync(trainer)
+            status = await trainer.manager.status()
+            return trainer.step, status
+        finally:
+            await trainer.stop()
+
+    step, status = asyncio.run(run())
+    assert step == 1
+    from tandem.trainer.metrics import read_metrics
+
+    record = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "time/generate" in r][0]
+    assert record["rollout_gap/abs_diff_max"] < 1e-4
+    assert record["actor/step_skipped"] == 0.0
+    # rollout data parallelism: both workers' engines served requests
+    assert len(status.servers) == 2 and all(load.requests > 0 for load in status.servers)
+    assert all(load.in_flight == 0 for load in status.servers)

@@ -39,7 +39,7 @@ def _eval(config_path: str, overrides: list[str]) -> None:
     config = load_config(config_path, overrides)
 
     async def run() -> dict:
-        trainer = RLTrainer(config)
+        trainer = RLTrainer(config, evaluation_only=True)
         await trainer.start()
         try:
             if config.trainer.resume:

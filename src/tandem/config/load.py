@@ -138,6 +138,9 @@ def validate(config: TandemConfig) -> None:
             _fail(f"rollout.multi_turn.{name}", "must be >= 1")
     for tool in turns.tools:
         _choice("rollout.multi_turn.tools", tool, builtin_tool_names())
+    if turns.tools and not turns.enable:
+        _fail("rollout.multi_turn.enable", f"is false, so the tools {list(turns.tools)} listed in "
+              "rollout.multi_turn.tools would be ignored; set rollout.multi_turn.enable=true or drop them")
     if turns.enable and not turns.tools:
         _fail("rollout.multi_turn.tools", "is empty but rollout.multi_turn.enable=true; list the "
               f"tools the model may call ({', '.join(builtin_tool_names())}) or disable multi_turn")
@@ -170,6 +173,15 @@ def validate(config: TandemConfig) -> None:
     _choice("algorithm.rollout_correction.importance_sampling", correction.importance_sampling,
             CORRECTION_LEVELS)
     _choice("algorithm.rollout_correction.rejection", correction.rejection, CORRECTION_LEVELS)
+    if not rollout.calculate_log_probs and (correction.importance_sampling != "none"
+                                            or correction.rejection != "none"):
+        _fail("algorithm.rollout_correction", "importance sampling and rejection compare rollout and "
+              "actor log-probs, so rollout.calculate_log_probs must be true (or set both to none)")
+    if rollout.calculate_log_probs and rollout.logprobs_mode == "raw" and rollout.temperature not in (0.0, 1.0):
+        _fail("rollout.logprobs_mode", f"'raw' log-probs are of the untempered model, but rollout.temperature="
+              f"{rollout.temperature} samples from logits / temperature; PPO's ratio, rollout correction "
+              "and the rollout-vs-actor gap need the sampled distribution. Set rollout.logprobs_mode="
+              "processed (or rollout.temperature=1)")
     if correction.bypass_mode and not rollout.calculate_log_probs:
         _fail("algorithm.rollout_correction.bypass_mode", "uses rollout_log_probs as old_log_probs, "
               "so rollout.calculate_log_probs must be true")
@@ -180,9 +192,21 @@ def validate(config: TandemConfig) -> None:
 
     if config.data.train_batch_size < 1:
         _fail("data.train_batch_size", "must be >= 1")
+    if config.data.train_batch_size < actor.ppo_mini_batch_size:
+        _fail("actor.ppo_mini_batch_size", f"is {actor.ppo_mini_batch_size} prompts, more than "
+              f"data.train_batch_size={config.data.train_batch_size}: a mini-batch would be mostly "
+              "padding. Lower it or raise the batch size")
 
     trainer = config.trainer
     _choice("trainer.trainer_mode", trainer.trainer_mode, TRAINER_MODES)
+    if trainer.n_devices < 1:
+        _fail("trainer.n_devices", "must be >= 1")
+    if actor.fsdp_size != trainer.n_devices:
+        _fail("actor.fsdp_size", f"is {actor.fsdp_size} but trainer.n_devices={trainer.n_devices}: in the "
+              "hybrid layout every device runs one FSDP rank; set both to the same value")
+    if (actor.ppo_mini_batch_size * rollout.n) % trainer.n_devices:
+        _fail("actor.ppo_mini_batch_size", f"a mini-batch of {actor.ppo_mini_batch_size} prompts x rollout.n="
+              f"{rollout.n} trajectories does not split over trainer.n_devices={trainer.n_devices}")
     if trainer.trainer_mode == "separate_async":
         if rollout.nnodes < 1 or rollout.n_gpus_per_node < 1:
             _fail("rollout.nnodes", "separate_async runs rollout on its own devices: set "

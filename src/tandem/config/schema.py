@@ -44,7 +44,7 @@ class DisaggregationConfig:
 class CheckpointEngineConfig:
     """The weight-sync transport from the training actor into the rollout engine."""
 
-    backend: str = "naive"  # naive | collective | shared_memory | delta
+    backend: str = "naive"  # a name in tandem.weight_sync.registry (today: naive)
     update_weights_bucket_megabytes: int = 512
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -65,7 +65,7 @@ class MultiTurnConfig:
 class RolloutConfig:
     """The rollout engine, its servers and the sampling used in training."""
 
-    name: str = "native"  # native | vllm | sglang
+    name: str = "native"  # a name in tandem.rollout.registry (today: native)
     mode: str = "async"  # async only: the synchronous generation path does not exist
     prompt_length: int = 512
     response_length: int = 256

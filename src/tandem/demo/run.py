@@ -35,21 +35,26 @@ def run_demo(overrides: list[str] = (), train_size: int = 512, val_size: int = 6
     print(f"[demo] GRPO with the calculator tool: {config.trainer.total_steps} steps x "
           f"{config.data.train_batch_size} prompts x n={config.rollout.n}")
 
+    accuracy: dict[int, float] = {}
+
+    def report(step: int, metrics: dict[str, float]) -> None:
+        accuracy[step] = metrics["val/acc"]
+        when = "before GRPO" if step == 0 else f"after step {step}"
+        print(f"[demo] held-out accuracy {when}: {metrics['val/acc']:.3f} "
+              f"(tool use {metrics.get('val/tool_use', 0):.2f})", flush=True)
+
     async def train() -> tuple[float, float]:
         trainer = RLTrainer(config)
         await trainer.start()
         try:
-            before = await trainer.validate()
-            print(f"[demo] held-out accuracy before GRPO: {before['val/acc']:.3f} "
-                  f"(tool use {before.get('val/tool_use', 0):.2f})")
-            after = await fit_sync(trainer)
+            after = await fit_sync(trainer, on_validation=report)
         finally:
             await trainer.stop()
-        return before["val/acc"], after["val/acc"]
+        return accuracy[0], after["val/acc"]
 
     before, after = asyncio.run(train())
     plots = plot_run(output)
-    print(f"[demo] held-out accuracy after GRPO: {after:.3f}; metrics {output / 'metrics.jsonl'}; "
-          f"plots {', '.join(str(p) for p in plots)}; {time.time() - started:.0f} s")
+    print(f"[demo] metrics {output / 'metrics.jsonl'}; plots {', '.join(str(p) for p in plots)}; "
+          f"{time.time() - started:.0f} s")
     print(f"ACCURACY {before:.3f} {after:.3f}")
     return before, after

@@ -33,7 +33,7 @@ class HybridWorker(RolloutServer):
 
     def __init__(self, config: TandemConfig, rank: int = 0, world_size: int = 1,
                  init_method: str | None = None, total_steps: int | None = None,
-                 torch_threads: int | None = None) -> None:
+                 critic_total_steps: int | None = None, torch_threads: int | None = None) -> None:
         quiet_libraries()
         self._init_rollout_server(f"hybrid-{rank}", pause_timeout_s=3600.0, drain_timeout_s=60.0)
         if torch_threads is not None:
@@ -47,7 +47,7 @@ class HybridWorker(RolloutServer):
         self.rank = rank
         self.actor = TrainingEngine.from_config(config, "actor", total_steps)
         self.reference = TrainingEngine.from_config(config, "reference") if needs_reference(config) else None
-        self.critic = TrainingEngine.from_config(config, "critic", total_steps) if config.critic.enable else None
+        self.critic = TrainingEngine.from_config(config, "critic", critic_total_steps) if config.critic.enable else None
         ckpt = config.rollout.checkpoint_engine
         self.checkpoint_engine = get_checkpoint_engine_class(ckpt.backend)(
             ckpt.update_weights_bucket_megabytes, **dict(ckpt.engine_kwargs))
@@ -74,9 +74,10 @@ class HybridWorker(RolloutServer):
         return out.values
 
     def _temperature(self) -> float:
-        # processed logprobs are of the tempered distribution; raw ones of the model's own
-        rollout = self.config.rollout
-        return rollout.temperature if rollout.logprobs_mode == "processed" and rollout.temperature > 0 else 1.0
+        # The policy being optimised is the distribution sampled from: logits / temperature
+        # (config validation makes the rollout's logprobs the same distribution).
+        temperature = self.config.rollout.temperature
+        return temperature if temperature > 0 else 1.0
 
     # ---- updates ---------------------------------------------------------------------------
 

@@ -64,7 +64,10 @@ def compute_advantages(batch: TensorDict, config: TandemConfig, kl_coef: float =
 
 
 def apply_rollout_correction(batch: TensorDict, config: TandemConfig) -> dict[str, float]:
-    """Compare rollout and actor log-probs; set importance_weights and the corrected loss_mask."""
+    """Compare rollout and actor log-probs; set importance_weights and the corrected loss_mask.
+    Without rollout log-probs (rollout.calculate_log_probs=false) there is nothing to compare."""
+    if not config.rollout.calculate_log_probs:
+        return {}
     correction_config = config.algorithm.rollout_correction
     mask = dense(batch, "response_mask")
     rollout, old = dense(batch, "rollout_log_probs"), dense(batch, "old_log_probs")
@@ -94,8 +97,10 @@ def actor_loss_fn(config: TandemConfig):
         loss = algorithms.aggregate_loss(policy.loss, mask, actor.loss_agg_mode, **counts)
         kl = None
         if actor.use_kl_loss:
-            kl = algorithms.kl_penalty(log_probs, dense(micro_batch, "ref_log_prob"), actor.kl_loss_type, mask)
-            loss = loss + actor.kl_loss_coef * algorithms.aggregate_loss(kl, mask, actor.loss_agg_mode, **counts)
+            reference = dense(micro_batch, "ref_log_prob")
+            loss = loss + actor.kl_loss_coef * algorithms.kl_loss(log_probs, reference, mask, actor.kl_loss_type,
+                                                                  actor.loss_agg_mode, **counts)
+            kl = algorithms.kl_penalty(log_probs.detach(), reference, actor.kl_loss_type, mask)
         entropy = outputs.padded("entropy") if outputs.entropy is not None else None
         if actor.entropy_coeff and entropy is not None:
             loss = loss + algorithms.entropy_bonus(entropy, mask, actor.entropy_coeff, actor.loss_agg_mode,
@@ -107,9 +112,10 @@ def actor_loss_fn(config: TandemConfig):
 
 
 def critic_loss_fn(config: TandemConfig):
-    """The critic's loss callable: clipped value loss, token-mean over the mini-batch."""
+    """The critic's loss callable: clipped value loss, token-mean over the mini-batch's loss_mask
+    (the same mask the engine counts global_tokens from)."""
     def loss_fn(micro_batch: TensorDict, outputs: ForwardOutput) -> tuple[torch.Tensor, dict[str, Any]]:
-        mask = dense(micro_batch, "response_mask")
+        mask = dense(micro_batch, "loss_mask")
         loss, clip_fraction = algorithms.clipped_value_loss(
             outputs.padded("values"), dense(micro_batch, "values"), dense(micro_batch, "returns"), mask,
             config.critic.cliprange_value)

@@ -40,10 +40,16 @@ logger = logging.getLogger(__name__)
 class RLTrainer:
     """Holds the workers, servers and data of one run; `step` is the actor's weight version."""
 
-    def __init__(self, config: TandemConfig) -> None:
+    def __init__(self, config: TandemConfig, evaluation_only: bool = False) -> None:
+        """evaluation_only: read a run's directory without writing to it (tandem eval)."""
         from transformers import AutoTokenizer
 
+        if config.trainer.trainer_mode != "sync":
+            raise ValueError(f"trainer.trainer_mode={config.trainer.trainer_mode!r}: only the sync loop "
+                             "exists so far (colocate_async and separate_async are planned); set "
+                             "trainer.trainer_mode=sync")
         self.config = config
+        self.evaluation_only = evaluation_only
         self.model_path = resolve_model_path(config.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.train_data = PromptDataset.from_config(config.data, "train")
@@ -53,9 +59,11 @@ class RLTrainer:
             raise ValueError(f"data.train_batch_size={config.data.train_batch_size} is larger than "
                              f"the training set ({len(self.train_data)} rows); lower it")
         self.output_dir = Path(config.trainer.output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(to_yaml(config))
-        self.metrics = MetricsLogger(self.output_dir, config.trainer.tensorboard)
+        self.metrics: MetricsLogger | None = None
+        if not evaluation_only:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.yaml").write_text(to_yaml(config))
+            self.metrics = MetricsLogger(self.output_dir, config.trainer.tensorboard)
         self.kl_controller = algorithms.kl_controller_from_config(config.algorithm.kl_ctrl)
         self.step = 0
         self.workers: list[Any] = []
@@ -68,16 +76,14 @@ class RLTrainer:
         """Start Ray, the hybrid workers (actor + rollout engine each) and the balancer."""
         config = self.config
         n = config.trainer.n_devices
-        if config.actor.fsdp_size != n:
-            raise ValueError(f"actor.fsdp_size={config.actor.fsdp_size} must equal trainer.n_devices={n} "
-                             "in the hybrid layout (one FSDP rank per worker)")
         if not ray.is_initialized():
             ray.init(num_cpus=max(os.cpu_count() or 1, n), include_dashboard=False,
                      log_to_driver=True, _system_config={"worker_niceness": 0})
         threads = max(1, (os.cpu_count() or 1) // n)
         init_method = f"tcp://127.0.0.1:{_free_port()}" if n > 1 else None
         self.workers = [HybridWorkerActor.options(num_cpus=0).remote(
-            config, rank, n, init_method, self.total_optimizer_steps(), threads) for rank in range(n)]
+            config, rank, n, init_method, self.total_optimizer_steps(config.actor.ppo_epochs),
+            self.total_optimizer_steps(config.critic.ppo_epochs), threads) for rank in range(n)]
         await asyncio.gather(*(worker.ping.remote() for worker in self.workers))
         options = ServerOptions(model_path=str(self.model_path), dtype=config.model.dtype,
                                 device=config.model.device)
@@ -96,14 +102,15 @@ class RLTrainer:
             await self.manager.shutdown()
         for worker in self.workers:
             ray.kill(worker)
-        self.metrics.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
-    def total_optimizer_steps(self) -> int:
-        """Optimizer steps of the whole run (for the lr schedule)."""
+    def total_optimizer_steps(self, epochs: int) -> int:
+        """Optimizer steps of the whole run for a role updated `epochs` times per batch (lr schedule)."""
         config = self.config
         trajectories = config.data.train_batch_size * config.rollout.n
-        per_step = -(-trajectories // (config.actor.ppo_mini_batch_size * config.rollout.n))
-        return max(1, config.trainer.total_steps * per_step * config.actor.ppo_epochs)
+        per_step = -(-trajectories // self.mini_batch_trajectories())
+        return max(1, config.trainer.total_steps * per_step * epochs)
 
     # ---- data and generation -----------------------------------------------------------
 
@@ -179,10 +186,9 @@ class RLTrainer:
     async def compute_old_log_probs(self, batch: TensorDict) -> None:
         """old_log_probs: the actor re-forward, or the rollout's own in bypass mode."""
         if self.config.algorithm.rollout_correction.bypass_mode:
-            mask = field_values(batch["response_mask"]).bool()
-            rollout = field_values(batch["rollout_log_probs"]).float()
-            batch["old_log_probs"] = make_field(torch.where(mask, rollout, torch.zeros_like(rollout)),
-                                                field_lengths(batch["responses"]))
+            old = algorithms.bypass_old_log_probs(field_values(batch["rollout_log_probs"]).float(),
+                                                  field_values(batch["response_mask"]))
+            batch["old_log_probs"] = make_field(old, field_lengths(batch["responses"]))
             return
         outputs = await self._per_worker("compute_log_prob", batch, True)
         self._store(batch, "old_log_probs", [o["log_probs"] for o in outputs])
@@ -202,17 +208,18 @@ class RLTrainer:
         """Rollout correction and the gap metrics, then advantages (driver side, whole batch)."""
         metrics = ppo.apply_rollout_correction(batch, self.config)
         metrics.update(ppo.compute_advantages(batch, self.config, self.kl_controller.value))
-        if self.config.algorithm.use_kl_in_reward:
-            self.kl_controller.update(metrics["kl_in_reward/kl"], self.config.data.train_batch_size)
+        if self.config.algorithm.use_kl_in_reward:  # n_steps: the trajectories of this batch
+            self.kl_controller.update(metrics["kl_in_reward/kl"], int((~batch["is_padding"]).sum()))
         return metrics
 
     async def update(self, batch: TensorDict) -> dict[str, float]:
-        """Critic then actor updates on every worker's shard; metrics averaged over workers."""
-        per_worker = self.mini_batch_trajectories() // len(self.workers)
+        """Critic then actor updates on every worker's shard. The mini-batch size is global (the
+        engine takes its 1/n_devices share); metrics are already reduced over workers."""
+        size = self.mini_batch_trajectories()
         metrics: dict[str, float] = {}
         if self.config.critic.enable:
-            metrics.update(_mean(await self._per_worker("update_critic", batch, per_worker)))
-        metrics.update(_mean(await self._per_worker("update_actor", batch, per_worker)))
+            metrics.update((await self._per_worker("update_critic", batch, size))[0])
+        metrics.update((await self._per_worker("update_actor", batch, size))[0])
         return metrics
 
     # ---- metrics, validation, checkpoints -----------------------------------------------
@@ -255,7 +262,8 @@ class RLTrainer:
         return directory
 
     async def load_latest_checkpoint(self) -> bool:
-        """Resume from `latest` if there is one; metrics of later steps are dropped."""
+        """Resume from `latest` if there is one; a training run drops the metrics of later steps
+        (they are about to be recomputed), an evaluation leaves them."""
         latest = self.output_dir / "checkpoints" / "latest"
         if not latest.exists():
             return False
@@ -264,7 +272,8 @@ class RLTrainer:
         state = json.loads((directory / "trainer_state.json").read_text())
         self.step = state["step"]
         self.kl_controller.load_state_dict(state["kl_controller"])
-        self.metrics.truncate_after(self.step)
+        if self.metrics is not None:
+            self.metrics.truncate_after(self.step)
         logger.info("resumed from %s (step %d)", directory, self.step)
         return True
 
@@ -285,11 +294,6 @@ def _trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str
     metrics[f"{prefix}/response_length"] = sum(len(t.responses) for t in real) / count
     metrics[f"{prefix}/num_turns"] = sum(t.num_turns for t in real) / count
     return metrics
-
-
-def _mean(dicts: list[dict[str, float]]) -> dict[str, float]:
-    keys = set().union(*dicts)
-    return {k: sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts) for k in keys}
 
 
 def _free_port() -> int:

@@ -7,24 +7,34 @@ advantages -> update -> sync weights and wake (weights first, load, then KV cach
 
 from __future__ import annotations
 
+from typing import Callable
+
 from tqdm import tqdm
 
 from tandem.trainer.metrics import PhaseTimer
 from tandem.trainer.rl_trainer import RLTrainer
 
 
-async def fit_sync(trainer: RLTrainer) -> dict[str, float]:
-    """Train for trainer.total_steps; returns the last validation metrics."""
+async def fit_sync(trainer: RLTrainer,
+                   on_validation: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
+    """Train for trainer.total_steps; returns the last validation metrics. on_validation(step,
+    metrics) is called after each validation (before training, every test_freq, at the end)."""
     config = trainer.config.trainer
-    if config.trainer_mode != "sync":
-        raise ValueError(f"trainer.trainer_mode={config.trainer_mode!r}: only the sync loop exists so far "
-                         "(colocate_async and separate_async are planned); set trainer.trainer_mode=sync")
+
+    async def validate() -> dict[str, float]:
+        metrics = await trainer.validate()
+        if metrics and on_validation is not None:
+            on_validation(trainer.step, metrics)
+        return metrics
+
     if config.resume:
         await trainer.load_latest_checkpoint()
     await trainer.sync_weights()  # on init: the rollout starts from the actor's weights
-    validation = await trainer.validate()
-    if validation and trainer.step == 0:
-        trainer.metrics.log(0, validation)
+    validation: dict[str, float] = {}
+    if trainer.step == 0:  # a resumed run validated this step before it stopped
+        validation = await validate()
+        if validation:
+            trainer.metrics.log(0, validation)
     name = "GRPO" if trainer.config.algorithm.adv_estimator == "grpo" else "PPO"
     bar = tqdm(range(trainer.step, config.total_steps), desc=f"{name} steps", initial=trainer.step,
                total=config.total_steps, disable=not config.progress)
@@ -57,7 +67,7 @@ async def fit_sync(trainer: RLTrainer) -> dict[str, float]:
         metrics["throughput/generated_tokens_per_second"] = generated / max(timer.times["generate"], 1e-9)
         metrics["weight_version"] = trainer.step
         if config.test_freq and trainer.step % config.test_freq == 0 and trainer.step < config.total_steps:
-            validation = await trainer.validate()
+            validation = await validate()
             metrics.update(validation)
         if config.save_freq and trainer.step % config.save_freq == 0:
             await trainer.save_checkpoint()
@@ -65,7 +75,7 @@ async def fit_sync(trainer: RLTrainer) -> dict[str, float]:
         bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.2f}",
                         gap=f"{metrics.get('rollout_gap/abs_diff_mean', 0):.1e}")
     if trainer.step >= config.total_steps:
-        validation = await trainer.validate()
+        validation = await validate()
         if validation:
             trainer.metrics.log(trainer.step, validation)
     return validation

@@ -127,7 +127,8 @@ class TrainingEngine:
                                                    float(field_lengths(batch["input_ids"]).sum())])
         info = MiniBatchInfo(global_tokens=tokens, global_sequences=int(sequences), dp_size=self.dp_size)
         started = time.perf_counter()
-        total_loss, collected = 0.0, defaultdict(list)
+        total_loss = 0.0
+        weighted: dict[str, float] = defaultdict(float)  # metric x its micro-batch's loss tokens
         for group in self._micro_batches(batch, max_token_len):
             micro_batch = select_samples(batch, group)
             outputs = self._forward(micro_batch, temperature, calculate_entropy)
@@ -136,10 +137,14 @@ class TrainingEngine:
             # FSDP averages gradients over ranks; the loss is already a share of the global total
             (loss * self.dp_size).backward()
             total_loss += float(loss.detach())
+            micro_tokens = float(padded_field(micro_batch["loss_mask"]).bool().sum())
             for key, value in metrics.items():
-                collected[key].append(float(value))
+                weighted[key] += float(value) * micro_tokens
         elapsed = max(all_reduce([time.perf_counter() - started], op="max")[0], 1e-9)
-        result = {key: sum(values) / len(values) for key, values in collected.items()}
+        # Token-weighted over micro-batches and ranks: padding-only micro-batches weigh nothing.
+        keys = sorted(weighted)
+        sums = all_reduce([weighted[key] for key in keys]) if keys else []
+        result = {key: value / tokens if tokens else 0.0 for key, value in zip(keys, sums)}
         result.update({"loss": all_reduce([total_loss])[0], "tokens_per_second": processed / elapsed,
                        "global_tokens": tokens})
         return {f"{self.role}/{key}": value for key, value in result.items()}
@@ -165,6 +170,11 @@ class TrainingEngine:
                          calculate_entropy: bool = False) -> dict[str, float]:
         """One optimizer step on this mini-batch; returns its metrics (loss, grad norm, lr, tokens/s)."""
         metrics = self.accumulate_gradients(batch, loss_fn, temperature, calculate_entropy)
+        if metrics[f"{self.role}/global_tokens"] == 0:
+            # Only padding samples: no gradient, so no optimizer or schedule step either (AdamW
+            # momentum and weight decay would still move the weights).
+            metrics[f"{self.role}/step_skipped"] = 1.0
+            return metrics
         metrics.update(self.optimizer_step())
         return metrics
 
@@ -187,8 +197,10 @@ class TrainingEngine:
         for _ in range(epochs):
             for start in range(0, size, local):
                 mini_batch = select_samples(batch, torch.arange(start, start + local))
-                for key, value in self.train_mini_batch(mini_batch, loss_fn, temperature,
-                                                        calculate_entropy).items():
+                metrics = self.train_mini_batch(mini_batch, loss_fn, temperature, calculate_entropy)
+                if metrics[f"{self.role}/global_tokens"] == 0:
+                    continue  # an all-padding mini-batch says nothing about the policy
+                for key, value in metrics.items():
                     collected[key].append(value)
         return {key: sum(values) / len(values) for key, values in collected.items()}
 
