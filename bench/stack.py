@@ -72,6 +72,8 @@ async def run(args: argparse.Namespace) -> None:
     from tandem.serving.manager import ServerManager
     from tandem.serving.replica import ServerOptions
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     path = build_tiny_model(MODELS[args.model])
     from transformers import AutoConfig
@@ -124,6 +126,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads of both engines (0: torch's default, all cores). With 1, "
+                             "the stack's extra processes (driver, balancer) get a core of their own")
     asyncio.run(run(parser.parse_args()))
 
 
