@@ -28,17 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from engine import MODELS  # noqa: E402  (bench/engine.py: the same two model shapes)
 from tandem.config.schema import RolloutConfig  # noqa: E402
-from tandem.models import TinyModelSpec, build_tiny_model  # noqa: E402
+from tandem.models import build_tiny_model  # noqa: E402
 
-MODELS = {
-    "tiny": TinyModelSpec(architecture="qwen2", hidden_size=256, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
-                          max_position_embeddings=4096),
-    "0.5b": TinyModelSpec(architecture="qwen2", hidden_size=896, num_hidden_layers=24,
-                          num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
-                          vocab_size=32000, max_position_embeddings=4096),
-}
 CONFIG = RolloutConfig(kv_cache_memory_bytes=2 << 30)
 
 
