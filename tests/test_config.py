@@ -140,3 +140,11 @@ def test_cross_field_rules(overrides, field, words):
 def test_tempered_sampling_with_processed_logprobs_is_fine():
     config = load_config(overrides=["rollout.temperature=0.7", "rollout.logprobs_mode=processed"])
     assert config.rollout.temperature == 0.7
+
+
+@pytest.mark.parametrize("name", ["examples/arithmetic.yaml", "examples/smollm2.yaml",
+                                  "src/tandem/demo/demo.yaml"])
+def test_shipped_configs_load(name):
+    from pathlib import Path
+
+    load_config(Path(__file__).resolve().parents[1] / name)
