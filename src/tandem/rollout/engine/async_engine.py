@@ -309,7 +309,8 @@ class AsyncEngine:
             self._work.set()
 
     def _release_weights(self) -> None:
-        """GPU: move the weights to CPU memory. CPU: drop them (update_weights refills them)."""
+        """GPU: move the weights to CPU memory. CPU: drop them, packed ones included
+        (update_weights refills them)."""
         parameters = self.runner.named_parameters()
         self.weight_shapes = {name: p.shape for name, p in parameters.items()}
         for param in parameters.values():
@@ -317,6 +318,7 @@ class AsyncEngine:
                 param.data = torch.empty(0, dtype=param.dtype)
             else:
                 param.data = param.data.to("cpu")
+        self.runner.release_packed()  # packed weights exist on CPU only
         self.weights_state = "dropped" if self.device.type == "cpu" else "offloaded"
 
     def _restore_weights(self) -> None:
@@ -328,7 +330,7 @@ class AsyncEngine:
                 param.data = torch.empty(self.weight_shapes[name], dtype=param.dtype,
                                          device=self.device)
         if self.weights_state == "dropped":
-            self.unfilled_weights = set(parameters)
+            self.unfilled_weights = set(parameters) | set(self.runner.packed_linears)
         self.weights_state = "loaded"
 
     def _weights_missing_message(self) -> str:
@@ -348,7 +350,8 @@ class AsyncEngine:
     def memory_bytes(self) -> dict[str, int]:
         weights = sum(p.numel() * p.element_size() for p in self.runner.named_parameters().values()
                       if p.device.type == self.device.type)
-        return {"weights": weights, "kv_cache": self.runner.kv_cache_bytes()}
+        return {"weights": weights + self.runner.packed_bytes(),
+                "kv_cache": self.runner.kv_cache_bytes()}
 
     # ---- weights --------------------------------------------------------------------------
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -360,25 +363,27 @@ class AsyncEngine:
             # nothing computed with the old weights may be reused: running requests recompute
             self.scheduler.preempt_all()
             self.blocks.clear_prefix_cache()
-            parameters = self.runner.named_parameters()
+            shapes = {name: p.shape for name, p in self.runner.named_parameters().items()}
+            shapes.update((name, linear.weight_shape)
+                          for name, linear in self.runner.packed_linears.items())
             tied = getattr(self.runner.config, "tie_word_embeddings", False)
             with torch.no_grad():
                 for name, tensor in named_tensors:
                     key = name
-                    if key not in parameters and tied and name == "lm_head.weight":
+                    if key not in shapes and tied and name == "lm_head.weight":
                         key = "model.embed_tokens.weight"
-                    param = parameters.get(key)
-                    if param is None:
+                    shape = shapes.get(key)
+                    if shape is None:
                         raise ValueError(f"update_weights: unknown weight {name!r} (expected HF "
-                                         f"names such as {next(iter(parameters))!r})")
-                    if tuple(tensor.shape) != tuple(param.shape):
+                                         f"names such as {next(iter(shapes))!r})")
+                    if tuple(tensor.shape) != tuple(shape):
                         raise ValueError(f"update_weights: {name!r} has shape "
                                          f"{tuple(tensor.shape)}, the model expects "
-                                         f"{tuple(param.shape)}")
+                                         f"{tuple(shape)}")
                     if not tensor.is_floating_point():
                         raise TypeError(f"update_weights: {name!r} has dtype {tensor.dtype}; "
                                         "weights must be floating point")
-                    param.copy_(tensor)
+                    self.runner.load_weight(key, tensor)
                     self.unfilled_weights.discard(key)
             self.version = int(version)
             self._work.set()

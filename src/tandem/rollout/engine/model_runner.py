@@ -2,7 +2,8 @@
 
 The weights, RMSNorms, MLPs, projections and rotary tables are the HF model's own modules;
 only the attention and the batching differ: all tokens of a step (prompt chunks and decode
-tokens of every running sequence) go through one forward, flat as [T, hidden].
+tokens of every running sequence) go through one forward, flat as [T, hidden]. On CPU in fp32
+the linear layers run through oneDNN with prepacked weights (`PackedLinear`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,58 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r}: use one of {list(DTYPES)}")
     return DTYPES[name]
+
+
+def uses_onednn(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the linear layers run through oneDNN: CPU fp32 only. There torch's `F.linear`
+    (MKL sgemm) reached ~105 GFLOP/s per core on an AMD Zen 5 and oneDNN ~250 (docs/engine.md);
+    bf16/fp16 and CUDA keep the HF modules."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+class PackedLinear(nn.Module):
+    """`x @ weight.T + bias` with the weight [out, in] held only in oneDNN's packed layout.
+
+    `bias` is the HF module's own parameter (so its HF name and in-place update are unchanged);
+    the weight has no dense copy: `load` packs a new one, `release` frees it."""
+
+    def __init__(self, weight: torch.Tensor, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.weight_shape = weight.shape
+        self.bias = bias
+        self.packed: torch.Tensor | None = None
+        self.load(weight)
+
+    def load(self, weight: torch.Tensor) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+    def release(self) -> None:
+        self.packed = None
+
+    def nbytes(self) -> int:
+        # the packed layout may pad rows to oneDNN's block size; numel is the unpadded size
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> dict[str, PackedLinear]:
+    """Replace every nn.Linear of `model` (except a tied lm_head) by a PackedLinear and drop its
+    dense weight; returns them by HF weight name (`model.layers.0.mlp.up_proj.weight`)."""
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+    packed = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and not (tied and module is model.lm_head):
+            parent, _, child = name.rpartition(".")
+            linear = PackedLinear(module.weight, module.bias)
+            setattr(model.get_submodule(parent), child, linear)
+            packed[f"{name}.weight"] = linear
+    # the checkpoint file is memory-mapped as a whole, and the pages packing read stay resident
+    # while any tensor still maps it: the remaining dense weights get their own memory
+    for param in model.parameters():
+        param.data = param.data.clone()
+    return packed
 
 
 def attention_buckets(batch: list[ScheduledSequence]) -> list[list[ScheduledSequence]]:
@@ -80,7 +133,16 @@ class ModelRunner:
         self.embed_tokens = decoder.embed_tokens
         self.layers = list(decoder.layers)
         self.norm = decoder.norm
+        # CPU fp32: the linears hold only packed weights; a tied lm_head gets a packed copy of
+        # the embedding (which stays dense for the lookup), re-packed when the embedding changes
+        tied = model.lm_head.weight is decoder.embed_tokens.weight
+        self.packed_linears = pack_linears(model) if uses_onednn(device, dtype) else {}
+        self.tied_lm_head = tied and bool(self.packed_linears)
         self.lm_head = model.lm_head
+        self.lm_head_source: tuple[int, int] | None = None  # embedding (data_ptr, version) packed
+        if self.tied_lm_head:
+            self.lm_head = PackedLinear(model.lm_head.weight, model.lm_head.bias)
+            self.lm_head_source = _version_key(model.lm_head.weight)
         attention = self.layers[0].self_attn
         self.head_dim = attention.head_dim
         self.scale = attention.scaling
@@ -212,8 +274,41 @@ class ModelRunner:
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         hidden = self.norm(hidden.index_select(0, sample_index))
+        if self.tied_lm_head:
+            self._refresh_tied_lm_head()
         return self.lm_head(hidden).float()
+
+    def _refresh_tied_lm_head(self) -> None:
+        """Re-pack the tied lm_head if the embedding was written (update_weights, a refill after
+        sleep, or any in-place edit: each bumps the tensor's version counter)."""
+        embedding = self.embed_tokens.weight
+        if self.lm_head.packed is None or self.lm_head_source != _version_key(embedding):
+            self.lm_head.load(embedding)
+            self.lm_head_source = _version_key(embedding)
 
     # ---- weights --------------------------------------------------------------------------
     def named_parameters(self) -> dict[str, nn.Parameter]:
+        """The HF parameters still held dense (all of them unless the linears are packed)."""
         return dict(self.model.named_parameters())
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Write one HF-named weight (already checked) into the model."""
+        linear = self.packed_linears.get(name)
+        if linear is not None:
+            linear.load(tensor.to(device=self.device, dtype=self.dtype))
+        else:
+            self.model.get_parameter(name).copy_(tensor)
+
+    def packed_bytes(self) -> int:
+        linears = list(self.packed_linears.values()) + ([self.lm_head] if self.tied_lm_head else [])
+        return sum(linear.nbytes() for linear in linears)
+
+    def release_packed(self) -> None:
+        for linear in self.packed_linears.values():
+            linear.release()
+        if self.tied_lm_head:
+            self.lm_head.release()
+
+
+def _version_key(tensor: torch.Tensor) -> tuple[int, int]:
+    return tensor.data_ptr(), tensor._version
