@@ -97,3 +97,20 @@ def test_bad_files(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"a": 1}\nnot json\n')
     with pytest.raises(ValueError, match="d.jsonl:2: not a JSON line"):
         read_records(tmp_path / "d.jsonl")
+
+
+def test_batch_at_equals_the_batches_it_skips(tmp_path):
+    from tandem.agent.dataset import PromptDataset
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(f'{{"prompt": [{{"role": "user", "content": "q{i}"}}]}}\n' for i in range(10)))
+    dataset = PromptDataset(path)
+    for epoch in (0, 3):
+        batches = list(dataset.batches(3, epoch, shuffle=True, seed=5, drop_last=True))
+        for index, rows in enumerate(batches):
+            picked = dataset.batch_at(3, epoch, index, shuffle=True, seed=5)
+            assert [r.index for r in picked] == [r.index for r in rows]
+    import pytest
+
+    with pytest.raises(IndexError, match="no full batch 3"):
+        dataset.batch_at(3, 0, 3)

@@ -149,17 +149,29 @@ class PromptDataset:
         row = self.rows[index]
         return DatasetRow(**{**row.__dict__, "uid": uuid.uuid4().hex})
 
+    def _order(self, epoch: int, shuffle: bool, seed: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if shuffle:
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
     def batches(self, batch_size: int, epoch: int = 0, shuffle: bool = False, seed: int = 0,
                 drop_last: bool = False) -> Iterator[list[DatasetRow]]:
         """Batches of one epoch; shuffled by (seed, epoch); batch_size 0 means all rows."""
         if batch_size < 0:
             raise ValueError(f"batch_size must be >= 0 (0: all rows), got {batch_size}")
-        order = list(range(len(self.rows)))
-        if shuffle:
-            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        order = self._order(epoch, shuffle, seed)
         size = batch_size or len(order)
         for start in range(0, len(order), size):
             chunk = order[start:start + size]
             if drop_last and len(chunk) < size:
                 return
             yield [self[i] for i in chunk]
+
+    def batch_at(self, batch_size: int, epoch: int, index: int, shuffle: bool = False,
+                 seed: int = 0) -> list[DatasetRow]:
+        """Batch `index` of `batches(batch_size, epoch, shuffle, seed)`, without drawing the others."""
+        if batch_size < 1 or not 0 <= index < len(self.rows) // batch_size:
+            raise IndexError(f"no full batch {index} of size {batch_size} in {len(self.rows)} rows")
+        order = self._order(epoch, shuffle, seed)
+        return [self[i] for i in order[index * batch_size:(index + 1) * batch_size]]

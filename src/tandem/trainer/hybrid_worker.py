@@ -128,14 +128,11 @@ class HybridWorker(RolloutServer):
         """The actor's own greedy continuation (HF generate), to compare with the engine."""
         model = self.actor.model
         model.eval()
-        eos = self.backend_eos_token_id()
+        eos = model.config.eos_token_id
         with torch.no_grad():
             output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
                                     do_sample=False, eos_token_id=eos, pad_token_id=eos)
         return output[0, len(prompt_ids):].tolist()
-
-    def backend_eos_token_id(self) -> int:
-        return self.actor.model.config.eos_token_id
 
     def ping(self) -> int:
         """Readiness check: the rank."""

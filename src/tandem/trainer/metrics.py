@@ -86,6 +86,3 @@ class PhaseTimer:
     def metrics(self) -> dict[str, float]:
         """{"time/<phase>": seconds} for the step."""
         return {f"time/{name}": seconds for name, seconds in self.times.items()}
-
-    def reset(self) -> None:
-        self.times = {}

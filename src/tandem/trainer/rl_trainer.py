@@ -117,12 +117,8 @@ class RLTrainer:
     def train_rows(self, step: int) -> list[DatasetRow]:
         """The prompts of training step `step` (0-based): deterministic, so resumes replay them."""
         epoch, index = divmod(step, self.steps_per_epoch)
-        batches = self.train_data.batches(self.config.data.train_batch_size, epoch,
-                                          self.config.data.shuffle, self.config.data.seed, drop_last=True)
-        for position, rows in enumerate(batches):
-            if position == index:
-                return rows
-        raise AssertionError("unreachable: steps_per_epoch counts full batches")
+        data = self.config.data
+        return self.train_data.batch_at(data.train_batch_size, epoch, index, data.shuffle, data.seed)
 
     def _seeds(self, step: int, count: int, validate: bool) -> list[int]:
         base = self.config.trainer.seed * 7_919 + (10**6 if validate else 0) + step * 10_007

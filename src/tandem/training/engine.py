@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tensordict import TensorDict
 
+from tandem.algorithms.aggregation import loss_normalizers
 from tandem.batch.jagged import field_lengths, padded_field, select_samples
 from tandem.config.schema import OptimConfig, TandemConfig
 from tandem.training import checkpoint
@@ -122,8 +123,8 @@ class TrainingEngine:
             raise ValueError(f"the {self.role} engine is frozen (no optimizer); it cannot train")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_mask = padded_field(batch["loss_mask"]).bool()
-        tokens, sequences, processed = all_reduce([float(loss_mask.sum()), float(loss_mask.any(dim=-1).sum()),
+        local_tokens, local_sequences = loss_normalizers(padded_field(batch["loss_mask"]))
+        tokens, sequences, processed = all_reduce([float(local_tokens), float(local_sequences),
                                                    float(field_lengths(batch["input_ids"]).sum())])
         info = MiniBatchInfo(global_tokens=tokens, global_sequences=int(sequences), dp_size=self.dp_size)
         started = time.perf_counter()

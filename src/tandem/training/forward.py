@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
+from tandem.algorithms.entropy import entropy_from_logits
 from tandem.batch.jagged import field_lengths, field_values, make_field, padded_field
 from tandem.batch.layouts import to_dense, to_packed
 
@@ -86,8 +87,7 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature): [N, V] -> [N] float32."""
-    logits = logits.float() / temperature
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return entropy_from_logits(logits.float() / temperature)
 
 
 def actor_forward(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool,

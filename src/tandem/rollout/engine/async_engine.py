@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from tandem.config.load import LOGPROBS_MODES
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.engine.block_manager import BlockManager
 from tandem.rollout.engine.model_runner import ModelRunner, torch_dtype
@@ -27,7 +28,6 @@ from tandem.types import SamplingParams, TokenOutput
 
 logger = logging.getLogger(__name__)
 
-LOGPROBS_MODES = ("raw", "processed")
 # Steps up to this many tokens run in the event loop's thread (the loop yields between steps):
 # handing a short decode step to the worker thread and back costs more than the step itself
 # on a busy CPU. Longer steps (prompt chunks) run in the worker so the loop keeps serving.
