@@ -122,6 +122,9 @@ async def test_cascade_attention_over_shared_prefixes_matches_plain_attention(mo
 
     import tandem.rollout.engine.model_runner as model_runner
 
+    # cascade attention is the torch path's decode attention (CUDA, or CPU without the fused
+    # kernels, whose decode kernel reads shared blocks in place instead)
+    monkeypatch.setattr(model_runner.cpu_kernels, "load", lambda: None)
     system = list(range(40, 40 + BLOCK + 3))  # shared by every prompt, not block aligned
     prompts = [system + [100 + p] * (2 * BLOCK + p) for p in range(3)]
     cascades = []

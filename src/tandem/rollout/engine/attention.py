@@ -1,12 +1,16 @@
 """Attention over the paged KV cache, for a step that mixes prompt chunks and decode tokens.
 
 The step's tokens are flat, group after group (groups of similar query length and context, see
-`model_runner.attention_buckets`; decode tokens form one group). Each layer writes the new
-keys/values into their cache slots, then each group gathers its sequences' blocks (one
-`index_select` into a buffer reused by every layer of the step) and runs one batched
-scaled-dot-product attention. (A dense per-sequence copy of the decode K/V kept across steps,
-to skip the gather, measured no faster on CPU: the gather is a memcpy of what attention reads
-anyway.)
+`model_runner.attention_buckets`; decode tokens form one group). Before attention each layer
+writes the new keys/values into their cache slots (`write_kv`, or the fused CPU kernel
+`rotary_write_kv`). Then per group:
+- `DecodeGroup` (CPU fp32 with the fused kernels, `cpu_kernels.py`): the decode tokens attend
+  in one kernel call that reads each sequence's blocks in place;
+- `AttentionGroup`: the group's blocks are gathered (one `index_select` into a buffer reused by
+  every layer of the step) and one batched scaled-dot-product attention runs;
+- `CascadeGroup` (decode on the torch path): shared prefixes are read once per family.
+(A dense per-sequence copy of the decode K/V kept across steps, to skip the gather, measured no
+faster on CPU: the gather is a memcpy of what attention reads anyway.)
 
 Cache layout per layer: [kv_heads, num_blocks, block_size, head_dim]. Gathering a group's
 block tables along dim 1 gives [kv_heads, B, context, head_dim] contiguous, so each (kv head,
@@ -88,9 +92,22 @@ class CascadeGroup:
 
 
 @dataclass
+class DecodeGroup:
+    """Decoding sequences (one new token each) for the fused CPU kernel.
+    block_tables: [B, blocks_per_row] (padded with block 0); context_lens: [B] tokens attended."""
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.context_lens.shape[0]
+
+
+@dataclass
 class AttentionMetadata:
     slots: torch.Tensor  # [T] cache slot (block * block_size + offset) of every new token
-    groups: list[AttentionGroup | CascadeGroup]  # in the order of the flat tokens
+    groups: list[AttentionGroup | CascadeGroup | DecodeGroup]  # in the order of the flat tokens
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -101,11 +118,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     value_cache.view(kv_heads, -1, head_dim).index_copy_(1, slots, value.transpose(0, 1))
 
 
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    key_cache: torch.Tensor, value_cache: torch.Tensor,
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query [T, H, D], key/value [T, KVH, D] of the step's tokens -> output [T, H * D]."""
-    write_kv(key, value, key_cache, value_cache, meta.slots)
+    """query [T, H, D] of the step's tokens -> output [T, H * D]. The step's keys and values
+    must already be in the cache."""
     kv_heads, _, block_size, head_dim = key_cache.shape
     groups_per_kv = query.shape[1] // kv_heads
     outputs = []
@@ -115,6 +131,12 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         offset += group.num_tokens
         if isinstance(group, CascadeGroup):
             outputs.append(cascade_attention(q, key_cache, value_cache, group, scale))
+            continue
+        if isinstance(group, DecodeGroup):
+            out = torch.empty_like(q)
+            torch.ops.tandem_cpu.decode_attention(out, q.contiguous(), key_cache, value_cache,
+                                                  group.block_tables, group.context_lens, scale)
+            outputs.append(out.view(group.num_tokens, -1))
             continue
         batch, q_len, context = group.num_seqs, group.query_len, group.context_len
         if group.query_index is not None:
@@ -275,3 +297,13 @@ def build_group(starts: list[int], lengths: list[int], block_tables: list[list[i
                           mask=mask.to(device), query_index=query_index,
                           key_buffer=torch.empty(shape, dtype=dtype, device=device),
                           value_buffer=torch.empty(shape, dtype=dtype, device=device))
+
+
+def build_decode_group(tables: list[list[int]], contexts: list[int],
+                       device: torch.device) -> DecodeGroup:
+    """Metadata of a decode group: row i attends to the first contexts[i] tokens of tables[i]."""
+    width = max(len(table) for table in tables)
+    block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables],
+                                dtype=torch.long, device=device)
+    return DecodeGroup(block_tables=block_tables,
+                       context_lens=torch.tensor(contexts, dtype=torch.long, device=device))

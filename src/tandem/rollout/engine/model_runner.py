@@ -3,7 +3,10 @@
 The weights, RMSNorms, MLPs, projections and rotary tables are the HF model's own modules;
 only the attention and the batching differ: all tokens of a step (prompt chunks and decode
 tokens of every running sequence) go through one forward, flat as [T, hidden]. On CPU in fp32
-the linear layers run through oneDNN with prepacked weights (`PackedLinear`).
+the linear layers run through oneDNN with prepacked weights (`PackedLinear`) and the rest of
+the layer through fused kernels (`cpu_kernels.py`: RMSNorm with the residual add, rotary with
+the KV write, decode attention, silu * up), where the model's modules allow it
+(`fused_kernels_supported`); otherwise the layer is the HF modules plus torch ops.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tandem.rollout.engine import cpu_kernels
 from tandem.rollout.engine.attention import (AttentionMetadata, CascadeGroup, build_cascade_group,
-                                             build_group, paged_attention)
+                                             build_decode_group, build_group, paged_attention,
+                                             write_kv)
 from tandem.rollout.engine.scheduler import ScheduledSequence
 
 # Decode attention splits shared prefixes off (cascade) when that avoids reading at least this
@@ -116,6 +121,25 @@ def _check_supported(model) -> None:
                                       f"(no model.{name})")
 
 
+def fused_kernels_supported(model) -> bool:
+    """Whether the fused CPU kernels compute exactly what this model's modules do: silu MLPs,
+    RMSNorms with `weight` and `variance_epsilon` (Qwen2/Llama style), full-width rotary, and
+    a head size and grouping the attention kernel is compiled for."""
+    config = model.config
+    attention = model.model.layers[0].self_attn
+    norms = [model.model.norm] + [module for layer in model.model.layers
+                                  for module in (layer.input_layernorm,
+                                                 layer.post_attention_layernorm)]
+    return (getattr(config, "hidden_act", None) == "silu"
+            and all(hasattr(layer.mlp, name) for layer in model.model.layers
+                    for name in ("gate_proj", "up_proj", "down_proj"))
+            and all(type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon")
+                    for norm in norms)
+            and getattr(config, "partial_rotary_factor", 1.0) == 1.0
+            and attention.head_dim in cpu_kernels.HEAD_DIMS
+            and config.num_attention_heads // config.num_key_value_heads <= cpu_kernels.MAX_GROUP)
+
+
 class ModelRunner:
     """Holds the HF model and the KV cache; `forward` computes one step's logits."""
 
@@ -153,7 +177,10 @@ class ModelRunner:
         positions = torch.arange(self.max_model_len, device=device)[None]
         probe = torch.zeros(1, dtype=dtype, device=device)
         cos, sin = decoder.rotary_emb(probe, positions)  # HF's rotary embedding, every position
-        self.cos, self.sin = cos[0], sin[0]  # [max_model_len, head_dim]
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [max_len, head_dim]
+        # the fused CPU kernels, or None: the HF modules and torch ops (CUDA, bf16, fallback)
+        self.kernels = (cpu_kernels.load() if self.packed_linears and fused_kernels_supported(
+            model) and self.cos.shape[-1] == self.head_dim else None)
         self.key_caches: list[torch.Tensor] = []
         self.value_caches: list[torch.Tensor] = []
         self.block_size = 0
@@ -187,7 +214,11 @@ class ModelRunner:
         last token of each sequence that samples this step (in batch order)."""
         size = self.block_size
         decode = [item for item in batch if item.num_new == 1]
-        cascade = self._cascade_group(decode) if len(decode) > 1 else None
+        if self.kernels is not None and decode:  # one kernel call for every decode token
+            cascade = build_decode_group([item.seq.block_table for item in decode],
+                                         [item.start + 1 for item in decode], self.device)
+        else:
+            cascade = self._cascade_group(decode) if len(decode) > 1 else None
         if cascade is None:
             buckets = attention_buckets(batch)
         else:
@@ -255,6 +286,18 @@ class ModelRunner:
         """Run one step; returns fp32 logits [S, vocab] for the sequences that sample."""
         input_ids, positions, meta, sample_index = self.prepare(batch)
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.kernels is not None:
+            hidden = self._layers_fused(hidden, positions, meta, sample_index)
+        else:
+            hidden = self._layers_torch(hidden, positions, meta, sample_index)
+        if self.tied_lm_head:
+            self._refresh_tied_lm_head()
+        return self.lm_head(hidden).float()
+
+    def _layers_torch(self, hidden: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
+        """The decoder layers with the HF modules and torch ops; returns the final-normed hidden
+        states of the sampling rows."""
         cos = self.cos[positions][:, None, :]  # [T, 1, D]
         sin = self.sin[positions][:, None, :]
         half = self.head_dim // 2
@@ -269,14 +312,43 @@ class ModelRunner:
                 q, k = attention.q_norm(q), attention.k_norm(k)
             q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
             k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
-            out = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
+            write_kv(k, v, key_cache, value_cache, meta.slots)
+            out = paged_attention(q, key_cache, value_cache, meta, self.scale)
             hidden = residual + attention.o_proj(out)
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        hidden = self.norm(hidden.index_select(0, sample_index))
-        if self.tied_lm_head:
-            self._refresh_tied_lm_head()
-        return self.lm_head(hidden).float()
+        return self.norm(hidden.index_select(0, sample_index))
+
+    def _layers_fused(self, hidden: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
+        """The same layers through the fused CPU kernels; `hidden` is the residual stream,
+        updated in place, `normed` the input of the next block."""
+        ops, layers = self.kernels, self.layers
+        first = layers[0].input_layernorm
+        normed = ops.rms_norm(hidden, first.weight, first.variance_epsilon)
+        for index, (layer, key_cache, value_cache) in enumerate(
+                zip(layers, self.key_caches, self.value_caches)):
+            attention = layer.self_attn
+            q = attention.q_proj(normed).view(-1, self.num_heads, self.head_dim)
+            k = attention.k_proj(normed).view(-1, self.num_kv_heads, self.head_dim)
+            v = attention.v_proj(normed).view(-1, self.num_kv_heads, self.head_dim)
+            if hasattr(attention, "q_norm"):  # Qwen3-style per-head norms
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            ops.rotary_write_kv(q, k, v, self.cos, self.sin, positions, meta.slots, key_cache,
+                                value_cache)
+            out = paged_attention(q, key_cache, value_cache, meta, self.scale)
+            norm = layer.post_attention_layernorm
+            normed = ops.add_rms_norm_(hidden, attention.o_proj(out), norm.weight,
+                                       norm.variance_epsilon)
+            mlp = layer.mlp
+            down = mlp.down_proj(ops.silu_and_mul(mlp.gate_proj(normed), mlp.up_proj(normed)))
+            if index + 1 < len(layers):
+                norm = layers[index + 1].input_layernorm
+                normed = ops.add_rms_norm_(hidden, down, norm.weight, norm.variance_epsilon)
+            else:
+                hidden += down
+        return ops.rms_norm(hidden.index_select(0, sample_index), self.norm.weight,
+                            self.norm.variance_epsilon)
 
     def _refresh_tied_lm_head(self) -> None:
         """Re-pack the tied lm_head if the embedding was written (update_weights, a refill after

@@ -1,0 +1,66 @@
+"""The native engine's fused CPU kernels (csrc/cpu_kernels.cpp), compiled on first use.
+
+They replace the chains of small torch ops of a CPU fp32 step: decode attention reading the
+paged K/V in place, RMSNorm (with the residual add fused), rotary embedding fused with the
+KV-cache write, and silu(gate) * up. `load()` builds them once per machine with torch's
+extension builder (g++ and ninja, ~5 s; cached under torch's extensions directory, keyed by the
+source) and registers them as `torch.ops.tandem_cpu.*`.
+
+If they cannot be built (no compiler), the engine logs why, once, and runs the same step with
+torch ops (the path CUDA and bf16 always take); `TANDEM_CPU_KERNELS=0` chooses that path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+ENV_SWITCH = "TANDEM_CPU_KERNELS"
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # head sizes decode_attention is compiled for
+MAX_GROUP = 64  # query heads per kv head it handles
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ops": the op namespace or None, "reason": why None
+
+
+def load() -> object | None:
+    """`torch.ops.tandem_cpu` once the kernels are built and loaded; None (after logging the
+    reason once) when they are switched off or cannot be built."""
+    with _lock:
+        if "ops" not in _state:
+            _state["ops"], _state["reason"] = _build()
+            if _state["ops"] is None:
+                logger.warning("native engine: fused CPU kernels not used (%s); running the "
+                               "step with torch ops, slower", _state["reason"])
+        return _state["ops"]
+
+
+def unavailable_reason() -> str | None:
+    """Why `load()` returned None, or None if it did not (or was not called)."""
+    return _state.get("reason")
+
+
+def _build() -> tuple[object | None, str | None]:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None, f"{ENV_SWITCH}=0"
+    if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "decode_attention"):
+        return torch.ops.tandem_cpu, None  # loaded in this process already
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(name="tandem_cpu_kernels", sources=[str(SOURCE)],
+                           extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
+    except Exception as error:  # no compiler, no ninja, a compile error: say which
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        cause = next((line for line in lines if "error:" in line), lines[0])
+        return None, f"building {SOURCE.name} failed: {cause.strip()[:300]}"
+    return torch.ops.tandem_cpu, None

@@ -1,0 +1,185 @@
+"""The fused CPU kernels (rollout/engine/csrc/cpu_kernels.cpp) against torch / HF references,
+and the engine's fused path against its torch path."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
+
+import tandem.rollout.engine.model_runner as model_runner
+from tandem.config.schema import RolloutConfig
+from tandem.models import TinyModelSpec, build_tiny_model
+from tandem.rollout.engine import cpu_kernels
+from tandem.rollout.native import NativeRollout
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the engine runs its torch path (logged)")
+    loaded = cpu_kernels.load()
+    assert loaded is not None, cpu_kernels.unavailable_reason()
+    return loaded
+
+
+def reference_attention(query, key_cache, value_cache, tables, lengths, scale):
+    """Plain softmax attention per sequence over its gathered blocks, K/V repeated per group."""
+    kv_heads, _, block, dim = key_cache.shape
+    group = query.shape[1] // kv_heads
+    outs = []
+    for b, (table, length) in enumerate(zip(tables, lengths)):
+        keys = key_cache[:, table].reshape(kv_heads, -1, dim)[:, :length]
+        values = value_cache[:, table].reshape(kv_heads, -1, dim)[:, :length]
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        weights = (query[b][:, None] @ keys.transpose(1, 2) * scale).softmax(-1)
+        outs.append((weights @ values)[:, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dim,heads,kv_heads", [(16, 4, 2), (64, 14, 2), (128, 8, 8)])
+def test_decode_attention_matches_softmax_attention(ops, dim, heads, kv_heads):
+    torch.manual_seed(dim)
+    block, num_blocks = 16, 40
+    key_cache = torch.randn(kv_heads, num_blocks, block, dim)
+    value_cache = torch.randn(kv_heads, num_blocks, block, dim)
+    lengths = [1, block - 1, block, block + 1, 5 * block + 7]
+    tables = [torch.randperm(num_blocks)[:-(-n // block)].tolist() for n in lengths]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    query = torch.randn(len(lengths), heads, dim) * 3
+    out = torch.full_like(query, float("nan"))
+    scale = dim ** -0.5
+    ops.decode_attention(out, query, key_cache, value_cache, padded, torch.tensor(lengths), scale)
+    expected = reference_attention(query, key_cache, value_cache, tables, lengths, scale)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_decode_attention_rejects_bad_metadata(ops):
+    key_cache = torch.zeros(2, 4, 16, 64)
+    query, out = torch.zeros(1, 4, 64), torch.zeros(1, 4, 64)
+
+    def call(tables, lengths, q=query, o=out):
+        ops.decode_attention(o, q, key_cache, key_cache, torch.tensor(tables),
+                             torch.tensor(lengths), 1.0)
+
+    with pytest.raises(RuntimeError, match=r"context_lens\[0\] = 17 outside \[1, 16\]"):
+        call([[0]], [17])
+    with pytest.raises(RuntimeError, match="block id 4 outside the cache"):
+        call([[4]], [3])
+    with pytest.raises(RuntimeError, match="must be int64"):
+        ops.decode_attention(out, query, key_cache, key_cache, torch.tensor([[0]], dtype=torch.int32),
+                             torch.tensor([3]), 1.0)
+    odd = torch.zeros(2, 4, 16, 48)
+    with pytest.raises(RuntimeError, match="head_dim 48 is not compiled"):
+        ops.decode_attention(torch.zeros(1, 4, 48), torch.zeros(1, 4, 48), odd, odd,
+                             torch.tensor([[0]]), torch.tensor([3]), 1.0)
+
+
+def test_rms_norm_and_fused_residual_add_match_hf(ops):
+    torch.manual_seed(0)
+    norm = Qwen2RMSNorm(96, eps=1e-6)
+    norm.weight.data.normal_()
+    x, residual = torch.randn(37, 96) * 4, torch.randn(37, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-6), norm(x),
+                                   atol=1e-6, rtol=1e-5)
+        expected_residual = residual + x
+        out = ops.add_rms_norm_(residual, x, norm.weight, 1e-6)
+        torch.testing.assert_close(residual, expected_residual, atol=0, rtol=0)  # in place
+        torch.testing.assert_close(out, norm(expected_residual), atol=1e-6, rtol=1e-5)
+
+
+def test_rotary_write_kv_matches_hf_and_writes_only_the_slots(ops):
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim, block = 5, 4, 2, 32, 4
+    positions = torch.tensor([0, 3, 4, 17, 100])
+    slots = torch.tensor([0, 5, 6, 13, 30])
+    angles = positions[:, None].float() * torch.rand(dim // 2)[None]
+    table = torch.zeros(128, dim // 2)
+    table[positions] = angles
+    cos, sin = table.cos().repeat(1, 2).contiguous(), table.sin().repeat(1, 2).contiguous()
+    q, k, v = torch.randn(tokens, heads, dim), torch.randn(tokens, kv_heads, dim), \
+        torch.randn(tokens, kv_heads, dim)
+    # HF's [batch, heads, seq, dim] layout: one "batch" row, tokens as the sequence
+    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                        cos[positions][None], sin[positions][None])
+    key_cache = torch.full((kv_heads, 8, block, dim), 7.0)
+    value_cache = torch.full((kv_heads, 8, block, dim), 7.0)
+    ops.rotary_write_kv(q, k, v, cos, sin, positions, slots, key_cache, value_cache)
+    torch.testing.assert_close(q, q_ref[0].transpose(0, 1), atol=1e-6, rtol=1e-5)
+    flat_keys = key_cache.view(kv_heads, -1, dim)
+    flat_values = value_cache.view(kv_heads, -1, dim)
+    torch.testing.assert_close(flat_keys[:, slots], k_ref[0], atol=1e-6, rtol=1e-5)
+    assert torch.equal(flat_values[:, slots], v.transpose(0, 1))
+    untouched = torch.ones(flat_keys.shape[1], dtype=torch.bool)
+    untouched[slots] = False
+    assert flat_keys[:, untouched].eq(7).all() and flat_values[:, untouched].eq(7).all()
+    with pytest.raises(RuntimeError, match="slot 32 outside the cache"):
+        ops.rotary_write_kv(q, k, v, cos, sin, positions, slots + 2, key_cache, value_cache)
+
+
+def test_silu_and_mul_matches_torch_without_overflow(ops):
+    gate = torch.cat([torch.randn(3000) * 5, torch.tensor([0.0, -100.0, 100.0, -1e30, 1e30])])
+    up = torch.randn_like(gate)
+    out = ops.silu_and_mul(gate.view(-1, 5), up.view(-1, 5))
+    expected = torch.nn.functional.silu(gate) * up
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.view(-1), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_switch_off_is_reported():
+    import os
+
+    saved = os.environ.get(cpu_kernels.ENV_SWITCH)
+    os.environ[cpu_kernels.ENV_SWITCH] = "0"
+    try:
+        assert cpu_kernels._build() == (None, "TANDEM_CPU_KERNELS=0")
+    finally:
+        if saved is None:
+            del os.environ[cpu_kernels.ENV_SWITCH]
+        else:
+            os.environ[cpu_kernels.ENV_SWITCH] = saved
+
+
+async def _run_workload(model_path) -> tuple[NativeRollout, list]:
+    """Shared prefixes, staggered arrivals, chunked prompts, seeded sampling and greedy."""
+    rollout = NativeRollout.create(model_path, RolloutConfig(
+        kv_cache_memory_bytes=8 << 20, block_size=4, max_num_batched_tokens=48))
+    system = list(range(40, 59))
+
+    async def one(index: int):
+        await asyncio.sleep(0.002 * index)
+        prompt = system + [100 + index] * (3 + 5 * (index % 3))
+        params = {"temperature": 0 if index % 2 else 1.0, "seed": index, "max_tokens": 12 + index,
+                  "ignore_eos": True}
+        return await rollout.generate(f"r{index}", prompt, params)
+
+    return rollout, await asyncio.gather(*(one(i) for i in range(10)))
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
+async def test_fused_path_matches_torch_path(ops, architecture, monkeypatch):
+    path = build_tiny_model(TinyModelSpec(architecture=architecture))
+    fused_rollout, fused = await _run_workload(path)
+    assert fused_rollout.engine.runner.kernels is not None
+    monkeypatch.setattr(model_runner.cpu_kernels, "load", lambda: None)
+    torch_rollout, plain = await _run_workload(path)
+    assert torch_rollout.engine.runner.kernels is None
+    for a, b in zip(fused, plain):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs),
+                                   atol=1e-5, rtol=0)
+
+
+def test_unsupported_head_size_takes_the_torch_path(ops):
+    # hidden 96 / 2 heads: head_dim 48, not a compiled size
+    path = build_tiny_model(TinyModelSpec(hidden_size=96, num_attention_heads=2,
+                                          num_key_value_heads=1))
+    rollout = NativeRollout.create(path, RolloutConfig(kv_cache_memory_bytes=8 << 20))
+    assert rollout.engine.runner.kernels is None
+    out = asyncio.run(rollout.generate("a", [5, 6, 7], {"temperature": 0, "max_tokens": 4}))
+    assert len(out.token_ids) == 4
