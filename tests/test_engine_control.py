@@ -245,15 +245,16 @@ async def test_kv_request_larger_than_cache_is_rejected(model_path):
 async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(model_path):
     rollout = make(model_path)
     runner = rollout.engine.runner
-    real_forward = runner.forward
+    real_forward = runner.forward_layers
 
-    def broken(batch, *args):
+    def broken(batch, *args):  # fails after its first layer
+        yield
         raise RuntimeError("boom")
 
-    runner.forward = broken
+    runner.forward_layers = broken
     with pytest.raises(RuntimeError, match="step failed.*boom"):
         await rollout.generate("x", [5, 6, 7], GREEDY)
-    runner.forward = real_forward
+    runner.forward_layers = real_forward
     assert (await rollout.generate("y", [5, 6, 7], GREEDY)).stop_reason == "length"
     assert rollout.stats()["failed_steps"] == 1
 
@@ -295,3 +296,36 @@ async def test_shutdown_aborts_and_refuses_new_requests(model_path):
     assert (await task).stop_reason == "aborted"
     with pytest.raises(RuntimeError, match="shut down"):
         await rollout.generate("t", [5, 6], GREEDY)
+
+
+async def test_a_long_step_yields_to_the_event_loop_between_layers(model_path, monkeypatch):
+    import tandem.rollout.engine.async_engine as async_engine
+
+    monkeypatch.setattr(async_engine, "YIELD_EVERY_S", 0.0)  # every step counts as long
+    rollout = make(model_path)
+    runner = rollout.engine.runner
+    real_forward = runner.forward_layers
+    inside = []
+
+    def watched(batch):
+        inside.append(True)
+        try:
+            return (yield from real_forward(batch))
+        finally:
+            inside.clear()
+
+    runner.forward_layers = watched
+    ticks_inside = 0
+
+    async def ticker():
+        nonlocal ticks_inside
+        while True:
+            ticks_inside += bool(inside)
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    out = await rollout.generate("p", list(range(5, 45)), {"temperature": 0, "max_tokens": 1})
+    task.cancel()
+    assert len(out.token_ids) == 1
+    # the one step (prefill + sample) let other tasks run after each of its layers
+    assert ticks_inside == len(runner.layers)

@@ -1,9 +1,13 @@
 """The engine loop: requests in, TokenOutputs out; memory and weight control in between.
 
 A background asyncio task repeats schedule -> forward + sample -> record tokens, yielding to
-the event loop between steps; steps with many tokens run in a worker thread so the loop keeps
-serving calls meanwhile. Control calls (sleep, wake_up, update_weights,
-clear_kv_cache) take the same lock as a step, so they never run in the middle of one.
+the event loop between steps, and within a long step between decoder layers, so the loop keeps
+serving calls. Steps run on the event loop's own thread, never in a helper thread: a second
+thread doing torch work keeps a second OpenMP thread team alive, and once a process's OpenMP
+threads outnumber its cores libgomp stops spin-waiting between parallel regions, which made
+every step ~1.6x slower here (docs/engine.md, "Performance notes"). Control calls (sleep,
+wake_up, update_weights, clear_kv_cache) take the same lock as a step, so they never run in the
+middle of one.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import numbers
-from concurrent.futures import ThreadPoolExecutor
+import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -28,10 +32,9 @@ from tandem.types import SamplingParams, TokenOutput
 
 logger = logging.getLogger(__name__)
 
-# Steps up to this many tokens run in the event loop's thread (the loop yields between steps):
-# handing a short decode step to the worker thread and back costs more than the step itself
-# on a busy CPU. Longer steps (prompt chunks) run in the worker so the loop keeps serving.
-INLINE_STEP_TOKENS = 64
+# Within a step, the engine yields to the event loop after a decoder layer once this long has
+# passed since it last did (a long prompt chunk on a large model takes seconds).
+YIELD_EVERY_S = 0.02
 
 
 class AsyncEngine:
@@ -61,8 +64,6 @@ class AsyncEngine:
                          "failed_steps": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
-        # one long-lived worker thread for the steps (its OpenMP team is reused)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
 
     # ---- sizing ---------------------------------------------------------------------------
     def _plan_num_blocks(self) -> int:
@@ -129,12 +130,7 @@ class AsyncEngine:
             self._work.clear()
             return
         try:
-            threads = torch.get_num_threads()
-            if sum(item.num_new for item in batch) <= INLINE_STEP_TOKENS:
-                tokens, log_probs = self._step(batch, threads)
-            else:
-                tokens, log_probs = await asyncio.get_running_loop().run_in_executor(
-                    self._worker, self._step, batch, threads)
+            tokens, log_probs = await self._step(batch)
         except Exception as error:
             self.counters["failed_steps"] += 1
             logger.exception("native engine step failed")
@@ -146,13 +142,19 @@ class AsyncEngine:
             return
         self._record(batch, tokens, log_probs)
 
-    def _step(self, batch: list[ScheduledSequence],
-              num_threads: int) -> tuple[list[int], list[float]]:
-        """Forward + sample; runs in the worker thread and touches no queue."""
-        if torch.get_num_threads() != num_threads:
-            # OpenMP thread counts are per thread: follow the caller's torch.set_num_threads
-            torch.set_num_threads(num_threads)
-        logits = self.runner.forward(batch)
+    async def _step(self, batch: list[ScheduledSequence]) -> tuple[list[int], list[float]]:
+        """Forward + sample, yielding to the loop between layers when the step runs long."""
+        layers = self.runner.forward_layers(batch)
+        deadline = time.perf_counter() + YIELD_EVERY_S
+        while True:
+            try:
+                next(layers)
+            except StopIteration as done:
+                logits = done.value
+                break
+            if time.perf_counter() > deadline:
+                await asyncio.sleep(0)
+                deadline = time.perf_counter() + YIELD_EVERY_S
         sampling = [item.seq for item in batch if item.samples]
         if not sampling:
             return [], []
@@ -401,7 +403,6 @@ class AsyncEngine:
             await self.abort_all()
             self._task.cancel()
             self._task = None
-        self._worker.shutdown(wait=False)
 
 
 def _check_config(config: RolloutConfig) -> None:

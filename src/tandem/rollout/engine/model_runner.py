@@ -12,6 +12,7 @@ the KV write, decode attention, silu * up), where the model's modules allow it
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Generator
 from itertools import chain
 from pathlib import Path
 
@@ -281,21 +282,32 @@ class ModelRunner:
             [[row[id(item)] for item in items] for items in families],
             size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
 
-    @torch.inference_mode()
     def forward(self, batch: list[ScheduledSequence]) -> torch.Tensor:
         """Run one step; returns fp32 logits [S, vocab] for the sequences that sample."""
+        steps = self.forward_layers(batch)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    @torch.inference_mode()
+    def forward_layers(self, batch: list[ScheduledSequence]) -> Generator[None, None,
+                                                                           torch.Tensor]:
+        """`forward` as a generator that pauses after every decoder layer (the engine yields to
+        its event loop there during long steps); its return value is the logits."""
         input_ids, positions, meta, sample_index = self.prepare(batch)
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         if self.kernels is not None:
-            hidden = self._layers_fused(hidden, positions, meta, sample_index)
+            hidden = yield from self._layers_fused(hidden, positions, meta, sample_index)
         else:
-            hidden = self._layers_torch(hidden, positions, meta, sample_index)
+            hidden = yield from self._layers_torch(hidden, positions, meta, sample_index)
         if self.tied_lm_head:
             self._refresh_tied_lm_head()
         return self.lm_head(hidden).float()
 
     def _layers_torch(self, hidden: torch.Tensor, positions: torch.Tensor,
-                      meta: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
+                      meta: AttentionMetadata, sample_index: torch.Tensor) -> Generator:
         """The decoder layers with the HF modules and torch ops; returns the final-normed hidden
         states of the sampling rows."""
         cos = self.cos[positions][:, None, :]  # [T, 1, D]
@@ -317,10 +329,11 @@ class ModelRunner:
             hidden = residual + attention.o_proj(out)
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+            yield
         return self.norm(hidden.index_select(0, sample_index))
 
     def _layers_fused(self, hidden: torch.Tensor, positions: torch.Tensor,
-                      meta: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
+                      meta: AttentionMetadata, sample_index: torch.Tensor) -> Generator:
         """The same layers through the fused CPU kernels; `hidden` is the residual stream,
         updated in place, `normed` the input of the next block."""
         ops, layers = self.kernels, self.layers
@@ -347,6 +360,7 @@ class ModelRunner:
                 normed = ops.add_rms_norm_(hidden, down, norm.weight, norm.variance_epsilon)
             else:
                 hidden += down
+            yield
         return ops.rms_norm(hidden.index_select(0, sample_index), self.norm.weight,
                             self.norm.variance_epsilon)
 
