@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
+import threading
+
 import pytest
+
+# ray.shutdown() can block forever in its GCS subscriber's close (a known Ray flake: a gRPC
+# call without deadline; ray-project/ray#44836): give it this long, then kill the cluster.
+RAY_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="session")
@@ -17,4 +24,21 @@ def ray_cluster():
                  _system_config={"worker_niceness": 0})
     yield ray
     if started:
-        ray.shutdown()
+        _shutdown_ray(ray)
+
+
+def _shutdown_ray(ray) -> None:
+    """ray.shutdown() with a deadline; past it, kill the cluster's processes (which ends the
+    hung gRPC call) and drop Ray's atexit shutdown, which would wait on the same lock."""
+    done = threading.Thread(target=ray.shutdown, daemon=True, name="ray-shutdown")
+    done.start()
+    done.join(RAY_SHUTDOWN_TIMEOUT_S)
+    if done.is_alive():
+        import warnings
+
+        warnings.warn(f"ray.shutdown() hung for {RAY_SHUTDOWN_TIMEOUT_S} s; killing the cluster")
+        node = ray._private.worker._global_node
+        if node is not None:
+            node.kill_all_processes(check_alive=False, allow_graceful=False)
+        atexit.unregister(ray.shutdown)
+        done.join(RAY_SHUTDOWN_TIMEOUT_S)
