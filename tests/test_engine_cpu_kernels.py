@@ -183,3 +183,26 @@ def test_unsupported_head_size_takes_the_torch_path(ops):
     assert rollout.engine.runner.kernels is None
     out = asyncio.run(rollout.generate("a", [5, 6, 7], {"temperature": 0, "max_tokens": 4}))
     assert len(out.token_ids) == 4
+
+
+def test_a_stale_build_lock_is_removed_and_a_hung_build_is_given_up(tmp_path, monkeypatch):
+    import os
+    import time
+
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "_compile", lambda build_dir: calls.append(
+        (build_dir / "lock").exists()) or (None, "compiled"))
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    old = time.time() - cpu_kernels.STALE_LOCK_S - 10
+    os.utime(lock, (old, old))
+    assert cpu_kernels._build_in(tmp_path) == (None, "compiled")
+    assert calls == [False]  # the dead build's lock was gone before compiling
+    lock.write_text("")  # a live build's lock is left alone
+    cpu_kernels._build_in(tmp_path)
+    assert calls == [False, True]
+
+    monkeypatch.setattr(cpu_kernels, "BUILD_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(cpu_kernels, "_compile", lambda build_dir: time.sleep(1) or (None, ""))
+    ops, reason = cpu_kernels._build_in(tmp_path)
+    assert ops is None and "took over" in reason

@@ -3,8 +3,12 @@
 They replace the chains of small torch ops of a CPU fp32 step: decode attention reading the
 paged K/V in place, RMSNorm (with the residual add fused), rotary embedding fused with the
 KV-cache write, and silu(gate) * up. `load()` builds them once per machine with torch's
-extension builder (g++ and ninja, ~5 s; cached under torch's extensions directory, keyed by the
-source) and registers them as `torch.ops.tandem_cpu.*`.
+extension builder (g++ and ninja, ~5 s; cached in `$TORCH_EXTENSIONS_DIR` or
+`~/.cache/torch_extensions`, in a folder named after a hash of the source, flags and torch
+version) and registers them as `torch.ops.tandem_cpu.*`. Concurrent processes share one build
+(torch's lock file); a lock older than `STALE_LOCK_S` is left by a build that died and is
+removed, and a build that takes longer than `BUILD_TIMEOUT_S` is given up on, so a start never
+hangs on it.
 
 If they cannot be built (no compiler), the engine logs why, once, and runs the same step with
 torch ops (the path CUDA and bf16 always take); `TANDEM_CPU_KERNELS=0` chooses that path.
@@ -12,9 +16,11 @@ torch ops (the path CUDA and bf16 always take); `TANDEM_CPU_KERNELS=0` chooses t
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +32,9 @@ ENV_SWITCH = "TANDEM_CPU_KERNELS"
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # head sizes decode_attention is compiled for
 MAX_GROUP = 64  # query heads per kv head it handles
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+
+STALE_LOCK_S = 300.0
+BUILD_TIMEOUT_S = 600.0
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": the op namespace or None, "reason": why None
@@ -53,12 +62,44 @@ def _build() -> tuple[object | None, str | None]:
         return None, f"{ENV_SWITCH}=0"
     if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "decode_attention"):
         return torch.ops.tandem_cpu, None  # loaded in this process already
+    return _build_in(build_directory())
+
+
+def _build_in(build_dir: Path) -> tuple[object | None, str | None]:
+    """Compile into build_dir, clearing a stale lock first and giving up after the timeout."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    lock = build_dir / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        logger.warning("removing %s, left by a kernel build that did not finish", lock)
+        lock.unlink(missing_ok=True)
+    result: list[tuple[object | None, str | None]] = []
+    # in a daemon thread, so that a build waiting forever on another process's lock cannot
+    # hang the engine (no torch parallel work runs in it: see async_engine's OpenMP note)
+    builder = threading.Thread(target=lambda: result.append(_compile(build_dir)), daemon=True,
+                               name="tandem-kernel-build")
+    builder.start()
+    builder.join(BUILD_TIMEOUT_S)
+    if not result:
+        return None, f"building {SOURCE.name} took over {BUILD_TIMEOUT_S:.0f} s (lock: {lock})"
+    return result[0]
+
+
+def build_directory() -> Path:
+    """Where the kernels are built: one folder per (source, flags, torch version)."""
+    key = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()
+                       + torch.__version__.encode()).hexdigest()[:12]
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / f"tandem_cpu_kernels-{key}"
+
+
+def _compile(build_dir: Path) -> tuple[object | None, str | None]:
     from torch.utils import cpp_extension
 
     try:
         cpp_extension.load(name="tandem_cpu_kernels", sources=[str(SOURCE)],
                            extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+                           build_directory=str(build_dir), is_python_module=False,
+                           verbose=False)
     except Exception as error:  # no compiler, no ninja, a compile error: say which
         lines = str(error).strip().splitlines() or [type(error).__name__]
         cause = next((line for line in lines if "error:" in line), lines[0])
