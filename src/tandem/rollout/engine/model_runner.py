@@ -215,12 +215,14 @@ class ModelRunner:
         last token of each sequence that samples this step (in batch order)."""
         size = self.block_size
         decode = [item for item in batch if item.num_new == 1]
-        if self.kernels is not None and decode:  # one kernel call for every decode token
-            cascade = build_decode_group([item.seq.block_table for item in decode],
-                                         [item.start + 1 for item in decode], self.device)
+        # the tokens that attend from one query position: one kernel call for all of them, or
+        # cascade attention if shared prefixes make it worth it, or the ordinary buckets
+        if self.kernels is not None and decode:
+            decode_group = build_decode_group([item.seq.block_table for item in decode],
+                                              [item.start + 1 for item in decode], self.device)
         else:
-            cascade = self._cascade_group(decode) if len(decode) > 1 else None
-        if cascade is None:
+            decode_group = self._cascade_group(decode) if len(decode) > 1 else None
+        if decode_group is None:
             buckets = attention_buckets(batch)
         else:
             buckets = attention_buckets([item for item in batch if item.num_new > 1]) + [decode]
@@ -238,9 +240,9 @@ class ModelRunner:
         groups = [build_group([item.start for item in group], [item.num_new for item in group],
                               [item.seq.block_table for item in group], size, self.num_kv_heads,
                               self.head_dim, self.dtype, self.device)
-                  for group in (buckets if cascade is None else buckets[:-1])]
-        if cascade is not None:
-            groups.append(cascade)
+                  for group in (buckets if decode_group is None else buckets[:-1])]
+        if decode_group is not None:
+            groups.append(decode_group)
         flat_end, last_index = {}, 0
         for item in ordered:
             last_index += item.num_new
