@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tandem.config.schema import RolloutConfig
-from tandem.models import build_tiny_model
+from tandem.models import TinyModelSpec, build_tiny_model
 from tandem.rollout.native import NativeRollout
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
@@ -329,3 +329,24 @@ async def test_a_long_step_yields_to_the_event_loop_between_layers(model_path, m
     assert len(out.token_ids) == 1
     # the one step (prefill + sample) let other tasks run after each of its layers
     assert ticks_inside == len(runner.layers)
+
+
+def test_a_loop_that_ends_mid_step_leaves_no_half_written_prefix_blocks(monkeypatch):
+    import tandem.rollout.engine.async_engine as async_engine
+
+    monkeypatch.setattr(async_engine, "YIELD_EVERY_S", 0.0)  # yield after every layer
+    path = build_tiny_model(TinyModelSpec(num_hidden_layers=4))
+    params = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    prompt = [7, 300, 41, 599, 12, 512, 77, 3, 640, 88, 21, 450, 19, 700, 5, 62, 333, 101, 250]
+    expected = asyncio.run(make(path).generate("r", prompt, params))
+    rollout = make(path)
+
+    async def torn() -> None:  # asyncio.run cancels the engine task at a layer boundary
+        asyncio.create_task(rollout.generate("a", prompt, params))
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    asyncio.run(torn())
+    again = asyncio.run(rollout.generate("b", prompt, params))
+    assert rollout.stats()["prompt_tokens_cached"] == 0  # nothing from the torn step was reused
+    assert again.token_ids == expected.token_ids and again.log_probs == expected.log_probs

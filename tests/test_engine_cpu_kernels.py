@@ -40,7 +40,8 @@ def reference_attention(query, key_cache, value_cache, tables, lengths, scale):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("dim,heads,kv_heads", [(16, 4, 2), (64, 14, 2), (128, 8, 8)])
+@pytest.mark.parametrize("dim,heads,kv_heads", [(16, 4, 2), (64, 14, 2), (128, 8, 8), (80, 8, 1),
+                                               (256, 4, 2), (16, 64, 1)])
 def test_decode_attention_matches_softmax_attention(ops, dim, heads, kv_heads):
     torch.manual_seed(dim)
     block, num_blocks = 16, 40
@@ -79,11 +80,12 @@ def test_decode_attention_rejects_bad_metadata(ops):
                              torch.tensor([[0]]), torch.tensor([3]), 1.0)
 
 
-def test_rms_norm_and_fused_residual_add_match_hf(ops):
+@pytest.mark.parametrize("rows", [37, 1500])  # 1500 x 96: split across threads
+def test_rms_norm_and_fused_residual_add_match_hf(ops, rows):
     torch.manual_seed(0)
     norm = Qwen2RMSNorm(96, eps=1e-6)
     norm.weight.data.normal_()
-    x, residual = torch.randn(37, 96) * 4, torch.randn(37, 96)
+    x, residual = torch.randn(rows, 96) * 4, torch.randn(rows, 96)
     with torch.no_grad():
         torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-6), norm(x),
                                    atol=1e-6, rtol=1e-5)
@@ -122,8 +124,9 @@ def test_rotary_write_kv_matches_hf_and_writes_only_the_slots(ops):
         ops.rotary_write_kv(q, k, v, cos, sin, positions, slots + 2, key_cache, value_cache)
 
 
-def test_silu_and_mul_matches_torch_without_overflow(ops):
-    gate = torch.cat([torch.randn(3000) * 5, torch.tensor([0.0, -100.0, 100.0, -1e30, 1e30])])
+@pytest.mark.parametrize("size", [3000, 100_000])  # 100k: split across threads
+def test_silu_and_mul_matches_torch_without_overflow(ops, size):
+    gate = torch.cat([torch.randn(size) * 5, torch.tensor([0.0, -100.0, 100.0, -1e30, 1e30])])
     up = torch.randn_like(gate)
     out = ops.silu_and_mul(gate.view(-1, 5), up.view(-1, 5))
     expected = torch.nn.functional.silu(gate) * up
@@ -161,9 +164,29 @@ async def _run_workload(model_path) -> tuple[NativeRollout, list]:
     return rollout, await asyncio.gather(*(one(i) for i in range(10)))
 
 
-@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
-async def test_fused_path_matches_torch_path(ops, architecture, monkeypatch):
-    path = build_tiny_model(TinyModelSpec(architecture=architecture))
+def tiny_qwen3(directory) -> str:
+    """A random Qwen3 (q/k norms, untied lm_head, head_dim 32 != hidden / heads) with the tiny
+    models' tokenizer."""
+    import shutil
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shutil.copytree(build_tiny_model(TinyModelSpec()), directory)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=712, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+        max_position_embeddings=512))
+    for parameter in model.parameters():
+        parameter.data.normal_(0, 0.3)
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama", "qwen3"])
+async def test_fused_path_matches_torch_path(ops, architecture, monkeypatch, tmp_path):
+    path = (tiny_qwen3(tmp_path / "qwen3") if architecture == "qwen3"
+            else build_tiny_model(TinyModelSpec(architecture=architecture)))
     fused_rollout, fused = await _run_workload(path)
     assert fused_rollout.engine.runner.kernels is not None
     monkeypatch.setattr(model_runner.cpu_kernels, "load", lambda: None)

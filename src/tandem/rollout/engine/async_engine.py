@@ -64,6 +64,7 @@ class AsyncEngine:
                          "failed_steps": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        self._in_step = False  # a step is between its schedule() and its _record()
 
     # ---- sizing ---------------------------------------------------------------------------
     def _plan_num_blocks(self) -> int:
@@ -99,6 +100,9 @@ class AsyncEngine:
             for seq in list(self.requests.values()):  # futures of a dead loop can never resolve
                 self._finish(seq, error=RuntimeError("the event loop that submitted this request "
                                                      "is gone"))
+            if self._in_step:  # the old loop stopped inside a step: its keyed blocks are unwritten
+                self.blocks.clear_prefix_cache()
+                self._in_step = False
             self._lock = asyncio.Lock()
             self._work = asyncio.Event()
             self._loop = loop
@@ -129,9 +133,17 @@ class AsyncEngine:
         if not batch:
             self._work.clear()
             return
+        self._in_step = True
         try:
             tokens, log_probs = await self._step(batch)
+        except asyncio.CancelledError:
+            # the loop is going away between two layers of this step: blocks it keyed hold
+            # K/V for some layers only, so nothing may match them later
+            self.blocks.clear_prefix_cache()
+            self._in_step = False
+            raise
         except Exception as error:
+            self._in_step = False
             self.counters["failed_steps"] += 1
             logger.exception("native engine step failed")
             self.blocks.clear_prefix_cache()  # blocks keyed for this step were never written
@@ -140,6 +152,7 @@ class AsyncEngine:
             for item in batch:
                 self._finish(item.seq, error=failure)
             return
+        self._in_step = False
         self._record(batch, tokens, log_probs)
 
     async def _step(self, batch: list[ScheduledSequence]) -> tuple[list[int], list[float]]:

@@ -4,8 +4,8 @@ They replace the chains of small torch ops of a CPU fp32 step: decode attention 
 paged K/V in place, RMSNorm (with the residual add fused), rotary embedding fused with the
 KV-cache write, and silu(gate) * up. `load()` builds them once per machine with torch's
 extension builder (g++ and ninja, ~5 s; cached in `$TORCH_EXTENSIONS_DIR` or
-`~/.cache/torch_extensions`, in a folder named after a hash of the source, flags and torch
-version) and registers them as `torch.ops.tandem_cpu.*`. Concurrent processes share one build
+`~/.cache/torch_extensions`, in a folder named after a hash of the source, flags, torch
+version and the CPU's instruction-set flags, since `-march=native` code may not run elsewhere) and registers them as `torch.ops.tandem_cpu.*`. Concurrent processes share one build
 (torch's lock file); a lock older than `STALE_LOCK_S` is left by a build that died and is
 removed, and a build that takes longer than `BUILD_TIMEOUT_S` is given up on, so a start never
 hangs on it.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import threading
 import time
 from pathlib import Path
@@ -33,8 +34,8 @@ HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # head sizes decode_attention is com
 MAX_GROUP = 64  # query heads per kv head it handles
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
-STALE_LOCK_S = 300.0
-BUILD_TIMEOUT_S = 600.0
+STALE_LOCK_S = 120.0  # a build takes ~5 s
+BUILD_TIMEOUT_S = 300.0
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": the op namespace or None, "reason": why None
@@ -85,11 +86,23 @@ def _build_in(build_dir: Path) -> tuple[object | None, str | None]:
 
 
 def build_directory() -> Path:
-    """Where the kernels are built: one folder per (source, flags, torch version)."""
+    """Where the kernels are built: one folder per (source, flags, torch version, CPU)."""
     key = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()
-                       + torch.__version__.encode()).hexdigest()[:12]
+                       + torch.__version__.encode() + _cpu_signature().encode()).hexdigest()[:12]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     return Path(root) / f"tandem_cpu_kernels-{key}"
+
+
+def _cpu_signature() -> str:
+    """The machine and its instruction-set flags: a build for one CPU must not load on another
+    that shares the cache folder (`-march=native`)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags.strip()}"
 
 
 def _compile(build_dir: Path) -> tuple[object | None, str | None]:

@@ -158,6 +158,7 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key_cache.size(0), num_blocks = key_cache.size(1);
   const int64_t block = key_cache.size(2), width = block_tables.size(1);
+  TORCH_CHECK(kv_heads > 0 && heads > 0, "empty head dimension");
   TORCH_CHECK(key_cache.size(3) == dim && heads % kv_heads == 0 && heads / kv_heads <= 64,
               "head shapes do not match (at most 64 query heads per kv head)");
   TORCH_CHECK(block_tables.size(0) == batch && context_lens.size(0) == batch,
