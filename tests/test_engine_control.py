@@ -350,3 +350,21 @@ def test_a_loop_that_ends_mid_step_leaves_no_half_written_prefix_blocks(monkeypa
     again = asyncio.run(rollout.generate("b", prompt, params))
     assert rollout.stats()["prompt_tokens_cached"] == 0  # nothing from the torn step was reused
     assert again.token_ids == expected.token_ids and again.log_probs == expected.log_probs
+
+
+def test_stepping_in_another_thread_than_the_builder_warns_once(model_path, caplog):
+    import threading
+
+    caplog.set_level("WARNING", logger="tandem.rollout.engine.async_engine")
+    rollout = make(model_path)  # built in this (live) thread
+    asyncio.run(rollout.generate("same", [5, 6], GREEDY))
+    assert "OpenMP" not in caplog.text
+
+    def elsewhere() -> None:
+        for index in range(2):
+            asyncio.run(rollout.generate(f"other{index}", [5, 6], GREEDY))
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert caplog.text.count("two OpenMP teams") == 1

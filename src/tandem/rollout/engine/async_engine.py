@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import numbers
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -65,6 +66,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._in_step = False  # a step is between its schedule() and its _record()
+        self._built_in = threading.current_thread()  # see _warn_if_stepping_off_thread
 
     # ---- sizing ---------------------------------------------------------------------------
     def _plan_num_blocks(self) -> int:
@@ -107,6 +109,19 @@ class AsyncEngine:
             self._work = asyncio.Event()
             self._loop = loop
         self._task = loop.create_task(self._run(), name="tandem-native-engine")
+        self._warn_if_stepping_off_thread()
+
+    def _warn_if_stepping_off_thread(self) -> None:
+        """Building the engine ran torch parallel work in the building thread, which keeps an
+        OpenMP team while it lives; steps on another thread then run throttled (module doc)."""
+        built_in, here = self._built_in, threading.current_thread()
+        if built_in is not here and built_in.is_alive() and self.device.type == "cpu":
+            logger.warning("native engine built in thread %r but stepping in thread %r: while "
+                           "both threads live, the process has two OpenMP teams and steps can "
+                           "be ~1.6x slower; build the engine in its event loop's thread "
+                           "(docs/engine.md, 'One OpenMP team per process')", built_in.name,
+                           here.name)
+            self._built_in = here  # once
         self._work.set()
 
     def _ready(self) -> bool:
