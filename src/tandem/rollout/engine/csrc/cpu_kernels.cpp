@@ -64,7 +64,24 @@ void attend_rows(const float* q, int64_t group, const float* keys, const float* 
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * DIM;
       float* sg = scores + g * length + t0;
-      for (int64_t j = 0; j < n; ++j) {
+      int64_t j = 0;
+      // four keys at a time: four independent accumulator chains instead of one
+      for (; j + 4 <= n; j += 4) {
+        const float *k0 = kb + j * DIM, *k1 = k0 + DIM, *k2 = k1 + DIM, *k3 = k2 + DIM;
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t d = 0; d < DIM; ++d) {
+          s0 += qg[d] * k0[d];
+          s1 += qg[d] * k1[d];
+          s2 += qg[d] * k2[d];
+          s3 += qg[d] * k3[d];
+        }
+        sg[j] = s0;
+        sg[j + 1] = s1;
+        sg[j + 2] = s2;
+        sg[j + 3] = s3;
+      }
+      for (; j < n; ++j) {
         const float* k = kb + j * DIM;
         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -95,7 +112,16 @@ void attend_rows(const float* q, int64_t group, const float* keys, const float* 
       const float* pg = scores + g * length + t0;
       float acc[DIM];
       std::copy(out + g * DIM, out + (g + 1) * DIM, acc);
-      for (int64_t j = 0; j < n; ++j) {
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4) {  // four values per pass over acc
+        const float *v0 = vb + j * DIM, *v1 = v0 + DIM, *v2 = v1 + DIM, *v3 = v2 + DIM;
+        const float p0 = pg[j], p1 = pg[j + 1], p2 = pg[j + 2], p3 = pg[j + 3];
+#pragma omp simd
+        for (int64_t d = 0; d < DIM; ++d) {
+          acc[d] += (p0 * v0[d] + p1 * v1[d]) + (p2 * v2[d] + p3 * v3[d]);
+        }
+      }
+      for (; j < n; ++j) {
         const float p = pg[j];
         const float* v = vb + j * DIM;
 #pragma omp simd
