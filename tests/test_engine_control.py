@@ -12,6 +12,7 @@ from tandem.config.schema import RolloutConfig
 from tandem.models import TinyModelSpec, build_tiny_model
 from tandem.rollout.native import NativeRollout
 
+
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 PROMPTS = [[5 + i, 6, 7 + 2 * i, 8, 9, 10 + i, 11, 12, 13] * (1 + i % 3) for i in range(6)]
 
@@ -25,6 +26,14 @@ def make(model_path, **overrides) -> NativeRollout:
     config = RolloutConfig(kv_cache_memory_bytes=overrides.pop("kv", 8 << 20), block_size=4,
                            **overrides)
     return NativeRollout.create(model_path, config)
+
+
+async def until_generated(rollout: NativeRollout, count: int, timeout_s: float = 30.0) -> None:
+    """Wait until the engine has generated `count` tokens in all (fails instead of hanging)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while rollout.stats()["generated_tokens"] < count:
+        assert asyncio.get_running_loop().time() < deadline, f"fewer than {count} tokens"
+        await asyncio.sleep(0.001)
 
 
 async def greedy_all(rollout: NativeRollout, prefix: str = "g") -> list[list[int]]:
@@ -46,8 +55,7 @@ async def test_abort_returns_partial_tokens_and_spares_others(model_path):
                                                                     "max_tokens": 1000,
                                                                     "ignore_eos": True}))
     other = asyncio.create_task(rollout.generate("other", [8, 9], GREEDY))
-    while rollout.stats()["generated_tokens"] < 5:
-        await asyncio.sleep(0.001)
+    await until_generated(rollout, 5)
     await rollout.abort("long")
     out = await long
     assert out.stop_reason == "aborted"
@@ -62,8 +70,7 @@ async def test_abort_all_covers_running_and_waiting(model_path):
     tasks = [asyncio.create_task(rollout.generate(f"r{i}", [5, 6, 7 + i], {"max_tokens": 500,
                                                                            "ignore_eos": True}))
              for i in range(5)]
-    while rollout.stats()["generated_tokens"] < 4:
-        await asyncio.sleep(0.001)
+    await until_generated(rollout, 4)
     await rollout.abort_all()
     outs = await asyncio.gather(*tasks)
     assert all(out.stop_reason == "aborted" for out in outs)
@@ -75,8 +82,7 @@ async def test_cancelled_caller_frees_its_request(model_path):
     rollout = make(model_path)
     task = asyncio.create_task(rollout.generate("c", [5, 6], {"max_tokens": 10_000,
                                                               "ignore_eos": True}))
-    while rollout.stats()["generated_tokens"] < 3:
-        await asyncio.sleep(0.001)
+    await until_generated(rollout, 3)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -134,8 +140,7 @@ async def test_update_weights_during_generation_recomputes_with_new_weights(mode
     rollout = make(model_path)
     task = asyncio.create_task(rollout.generate("long", [5, 6, 7], {"max_tokens": 60,
                                                                     "ignore_eos": True}))
-    while rollout.stats()["generated_tokens"] < 5:
-        await asyncio.sleep(0.001)
+    await until_generated(rollout, 5)
     await rollout.update_weights(perturbed_state(model_path).items(), version=1)
     out = await task
     assert out.extra_fields["global_steps"] == 1
@@ -290,8 +295,7 @@ async def test_shutdown_aborts_and_refuses_new_requests(model_path):
     rollout = make(model_path)
     task = asyncio.create_task(rollout.generate("s", [5, 6], {"max_tokens": 10_000,
                                                               "ignore_eos": True}))
-    while rollout.stats()["generated_tokens"] < 2:
-        await asyncio.sleep(0.001)
+    await until_generated(rollout, 2)
     await rollout.shutdown()
     assert (await task).stop_reason == "aborted"
     with pytest.raises(RuntimeError, match="shut down"):

@@ -148,17 +148,15 @@ class AsyncEngine:
         if not batch:
             self._work.clear()
             return
-        self._in_step = True
+        self._in_step = True  # stays set only if the loop abandons the step (_ensure_loop)
         try:
             tokens, log_probs = await self._step(batch)
         except asyncio.CancelledError:
             # the loop is going away between two layers of this step: blocks it keyed hold
             # K/V for some layers only, so nothing may match them later
             self.blocks.clear_prefix_cache()
-            self._in_step = False
             raise
         except Exception as error:
-            self._in_step = False
             self.counters["failed_steps"] += 1
             logger.exception("native engine step failed")
             self.blocks.clear_prefix_cache()  # blocks keyed for this step were never written
@@ -167,7 +165,8 @@ class AsyncEngine:
             for item in batch:
                 self._finish(item.seq, error=failure)
             return
-        self._in_step = False
+        finally:
+            self._in_step = False
         self._record(batch, tokens, log_probs)
 
     async def _step(self, batch: list[ScheduledSequence]) -> tuple[list[int], list[float]]:

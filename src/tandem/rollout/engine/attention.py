@@ -233,8 +233,7 @@ def build_cascade_group(tables: list[list[int]], contexts: list[int], shared: li
         prefix_rows += members + [batch] * (size - len(members))
 
     def flat(tables: list[list[int]], width: int) -> torch.Tensor:
-        return torch.tensor([b for t in tables for b in t + [0] * (width - len(t))],
-                            dtype=torch.long, device=device)
+        return padded_block_tables(tables, width, device).view(-1)
 
     def additive_mask(lengths: list[int], width: int) -> torch.Tensor:
         valid = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
@@ -278,9 +277,7 @@ def build_group(starts: list[int], lengths: list[int], block_tables: list[list[i
     q_len = max(lengths)
     blocks_per_row = max(len(table) for table in block_tables)
     context = max(s + n for s, n in zip(starts, lengths))
-    block_ids = torch.tensor([b for table in block_tables
-                              for b in table + [0] * (blocks_per_row - len(table))],
-                             dtype=torch.long)
+    block_ids = padded_block_tables(block_tables, blocks_per_row, device).view(-1)
     start = torch.tensor(starts, dtype=torch.long)
     # query row j of sequence i sits at position starts[i] + j and sees keys up to itself
     query_pos = start[:, None] + torch.arange(q_len)[None, :]
@@ -293,7 +290,7 @@ def build_group(starts: list[int], lengths: list[int], block_tables: list[list[i
         query_index = row[torch.arange(q_len)[None, :] < length[:, None]].to(device)
     shape = (kv_heads, batch * blocks_per_row, block_size, head_dim)
     return AttentionGroup(num_seqs=batch, query_len=q_len, context_len=context,
-                          num_tokens=sum(lengths), block_ids=block_ids.to(device),
+                          num_tokens=sum(lengths), block_ids=block_ids,
                           mask=mask.to(device), query_index=query_index,
                           key_buffer=torch.empty(shape, dtype=dtype, device=device),
                           value_buffer=torch.empty(shape, dtype=dtype, device=device))
@@ -303,7 +300,13 @@ def build_decode_group(tables: list[list[int]], contexts: list[int],
                        device: torch.device) -> DecodeGroup:
     """Metadata of a decode group: row i attends to the first contexts[i] tokens of tables[i]."""
     width = max(len(table) for table in tables)
-    block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables],
-                                dtype=torch.long, device=device)
-    return DecodeGroup(block_tables=block_tables,
+    return DecodeGroup(block_tables=padded_block_tables(tables, width, device),
                        context_lens=torch.tensor(contexts, dtype=torch.long, device=device))
+
+
+def padded_block_tables(tables: list[list[int]], width: int,
+                        device: torch.device) -> torch.Tensor:
+    """[len(tables), width] block ids, each table padded with block 0 (a valid block whose
+    padding positions every reader masks or skips)."""
+    return torch.tensor([table + [0] * (width - len(table)) for table in tables],
+                        dtype=torch.long, device=device)

@@ -284,20 +284,12 @@ class ModelRunner:
             [[row[id(item)] for item in items] for items in families],
             size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
 
-    def forward(self, batch: list[ScheduledSequence]) -> torch.Tensor:
-        """Run one step; returns fp32 logits [S, vocab] for the sequences that sample."""
-        steps = self.forward_layers(batch)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
-
     @torch.inference_mode()
     def forward_layers(self, batch: list[ScheduledSequence]) -> Generator[None, None,
                                                                            torch.Tensor]:
-        """`forward` as a generator that pauses after every decoder layer (the engine yields to
-        its event loop there during long steps); its return value is the logits."""
+        """One step's forward as a generator that pauses after every decoder layer (the engine
+        yields to its event loop there during long steps); its return value is the fp32 logits
+        [S, vocab] of the sequences that sample."""
         input_ids, positions, meta, sample_index = self.prepare(batch)
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         if self.kernels is not None:
@@ -318,12 +310,7 @@ class ModelRunner:
         for layer, key_cache, value_cache in zip(self.layers, self.key_caches, self.value_caches):
             attention = layer.self_attn
             residual = hidden
-            hidden = layer.input_layernorm(hidden)
-            q = attention.q_proj(hidden).view(-1, self.num_heads, self.head_dim)
-            k = attention.k_proj(hidden).view(-1, self.num_kv_heads, self.head_dim)
-            v = attention.v_proj(hidden).view(-1, self.num_kv_heads, self.head_dim)
-            if hasattr(attention, "q_norm"):  # Qwen3-style per-head norms
-                q, k = attention.q_norm(q), attention.k_norm(k)
+            q, k, v = self._project_qkv(attention, layer.input_layernorm(hidden))
             q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
             k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
             write_kv(k, v, key_cache, value_cache, meta.slots)
@@ -344,11 +331,7 @@ class ModelRunner:
         for index, (layer, key_cache, value_cache) in enumerate(
                 zip(layers, self.key_caches, self.value_caches)):
             attention = layer.self_attn
-            q = attention.q_proj(normed).view(-1, self.num_heads, self.head_dim)
-            k = attention.k_proj(normed).view(-1, self.num_kv_heads, self.head_dim)
-            v = attention.v_proj(normed).view(-1, self.num_kv_heads, self.head_dim)
-            if hasattr(attention, "q_norm"):  # Qwen3-style per-head norms
-                q, k = attention.q_norm(q), attention.k_norm(k)
+            q, k, v = self._project_qkv(attention, normed)
             ops.rotary_write_kv(q, k, v, self.cos, self.sin, positions, meta.slots, key_cache,
                                 value_cache)
             out = paged_attention(q, key_cache, value_cache, meta, self.scale)
@@ -365,6 +348,16 @@ class ModelRunner:
             yield
         return ops.rms_norm(hidden.index_select(0, sample_index), self.norm.weight,
                             self.norm.variance_epsilon)
+
+    def _project_qkv(self, attention: nn.Module, normed: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, KVH, D] of a layer's normed input (Qwen3 q/k norms applied)."""
+        q = attention.q_proj(normed).view(-1, self.num_heads, self.head_dim)
+        k = attention.k_proj(normed).view(-1, self.num_kv_heads, self.head_dim)
+        v = attention.v_proj(normed).view(-1, self.num_kv_heads, self.head_dim)
+        if hasattr(attention, "q_norm"):  # Qwen3-style per-head norms
+            q, k = attention.q_norm(q), attention.k_norm(k)
+        return q, k, v
 
     def _refresh_tied_lm_head(self) -> None:
         """Re-pack the tied lm_head if the embedding was written (update_weights, a refill after
