@@ -61,8 +61,6 @@ def unavailable_reason() -> str | None:
 def _build() -> tuple[object | None, str | None]:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None, f"{ENV_SWITCH}=0"
-    if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "decode_attention"):
-        return torch.ops.tandem_cpu, None  # loaded in this process already
     return _build_in(build_directory())
 
 
