@@ -1,15 +1,17 @@
 """Run untrusted Python in a separate, locked-down process (the child side is sandbox_boot.py).
 
-What is enforced, and by what (docs/agent_loops.md has the full table):
-- network: a fresh network namespace (unshare; as non-root inside a user namespace), plus
-  Landlock denying every TCP bind/connect (kernel ABI >= 4), plus an audit hook refusing sockets;
-- filesystem: Landlock allows reading only the interpreter's stdlib/site-packages and system
-  library folders, reading and writing only the fresh temp dir (cwd), and executing nothing;
-- processes: the code runs as PID 1 of a fresh PID namespace, so nothing it starts outlives it;
-- memory: RLIMIT_AS; CPU: RLIMIT_CPU; wall time: the whole process group is SIGKILLed;
-- file size RLIMIT_FSIZE, open files RLIMIT_NOFILE, no core dumps, a scrubbed environment;
-- an audit hook refuses process creation, native calls through ctypes and gc introspection.
-strict=True (default) refuses to run when the namespaces or Landlock are unavailable.
+Every guarantee comes from the kernel, so tampering with Python state in the sandbox gains
+nothing (docs/agent_loops.md has the table of guarantee, mechanism and test):
+- seccomp (sandbox_seccomp.py) refuses process and thread creation, exec, every socket(),
+  io_uring, ptrace, mounts, namespaces, device nodes, and signals to any pid but its own;
+- a mount namespace covers /tmp, /run, /dev/shm with empty tmpfs (no host socket paths);
+  network and PID namespaces: no interfaces, the code is PID 1 and sees no other process;
+- Landlock: read only the interpreter's stdlib/site-packages and system libraries, read and
+  write only the fresh temp dir (cwd), execute nothing, no TCP;
+- no capabilities (root in the sandbox cannot raise its limits); RLIMIT_AS, RLIMIT_CPU,
+  RLIMIT_FSIZE, RLIMIT_NOFILE, no core dumps; wall time: the parent SIGKILLs the group;
+- an optional audit hook only turns the common refusals into clearer errors.
+strict=True (default) refuses to run when any kernel layer is unavailable.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ class SandboxLimits:
     memory_bytes: int = 1 << 30
     file_bytes: int = 16 << 20
     open_files: int = 64
-    processes: int = 16  # RLIMIT_NPROC; applied only inside a user namespace (see docs)
     output_bytes: int = 16 << 10  # per stream; the rest is read and dropped
 
 
@@ -89,7 +90,7 @@ class PythonSandbox:
             "read_roots": _read_roots(), "devices": list(DEVICES), "strict": strict,
             "python_guards": python_guards, "memory_bytes": limits.memory_bytes,
             "cpu_seconds": limits.cpu_seconds, "file_bytes": limits.file_bytes,
-            "open_files": limits.open_files, "processes": limits.processes})
+            "open_files": limits.open_files})
         # One semaphore per event loop: asyncio primitives must not cross loops.
         self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -121,10 +122,12 @@ class PythonSandbox:
         # only the bootstrap exits this way with a layer missing; the code's own exit 97 cannot
         if self.strict and exit_code == EXIT_SETUP_FAILED and missing:
             raise SandboxUnavailableError(
-                f"the Python sandbox needs network and PID namespaces and Landlock, got "
-                f"{isolation}. "
-                "Run on a Linux kernel with Landlock and unprivileged user namespaces, or accept "
-                "weaker isolation explicitly with PythonSandbox(strict=False).")
+                f"the Python sandbox needs mount, network and PID namespaces, Landlock, "
+                f"capability dropping and seccomp; missing: "
+                + "; ".join(f"{layer} ({isolation[layer]})" for layer in missing)
+                + ". Run on an x86_64 Linux kernel with Landlock, seccomp and (unless root) "
+                "unprivileged user namespaces, or accept weaker isolation explicitly with "
+                "PythonSandbox(strict=False).")
         if isolation is None and exit_code not in (None, 0) and exit_code > 0:
             raise RuntimeError(f"the sandbox bootstrap failed before running any code "
                                f"(exit {exit_code}): {stderr[-2000:]}")

@@ -1,13 +1,17 @@
 """The child side of the Python sandbox: lock this process down, then run the user's code.
 
 Run as `python -I sandbox_boot.py SETTINGS_JSON` with cwd = a fresh temp dir holding main.py.
-Self-contained on purpose (stdlib only, no tandem import): it must work in any interpreter.
-Layers, in order: network and PID namespaces (the code runs as PID 1 of its own namespace),
-Landlock (filesystem, execute, TCP, signals, abstract sockets), resource limits, a Python audit
-hook. The first stderr line reports which layers hold.
+Self-contained on purpose (stdlib only, no tandem import, its one sibling loaded by path): it
+must work in any interpreter. Layers, in order: mount, network and PID namespaces (the code runs
+as PID 1 of its own namespace, with empty tmpfs over the host's socket folders), Landlock
+(filesystem, execute, TCP, signals, abstract sockets), resource limits, no capabilities, a
+seccomp filter (sandbox_seccomp.py), then an optional Python audit hook that only words the
+errors better. The first stderr line reports which layers hold.
 """
 
 import ctypes
+import errno
+import importlib.util
 import json
 import os
 import resource
@@ -20,16 +24,23 @@ import types
 REPORT_PREFIX = "__tandem_sandbox__ "
 EXIT_SETUP_FAILED = 97
 
+CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 CLONE_NEWPID = 0x20000000
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+SYS_CAPSET, LINUX_CAPABILITY_VERSION_3 = 126, 0x20080522
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+# Where programs keep path-named Unix sockets (Ray's raylet and plasma sockets: /tmp/ray).
+HIDDEN_DIRS = ("/tmp", "/var/tmp", "/run", "/var/run", "/dev/shm")
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 LANDLOCK_CREATE_RULESET_VERSION = 1
 LANDLOCK_RULE_PATH_BENEATH = 1
 
 FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FS_MAKE_CHAR, FS_MAKE_BLOCK = 1 << 6, 1 << 11
 FS_TRUNCATE, FS_IOCTL_DEV = 1 << 14, 1 << 15
 FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV
 NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
@@ -62,14 +73,49 @@ def _libc():
 
 
 def isolate_namespaces(libc) -> str:
-    """New network namespace (no interfaces but a down loopback) and PID namespace (for the
-    children of this process); inside a user namespace when not privileged."""
-    if libc.unshare(CLONE_NEWNET | CLONE_NEWPID) == 0:
-        return "netns+pidns"
+    """New mount, network (no interfaces but a down loopback) and PID (for the children of this
+    process) namespaces; inside a user namespace, mapping only our own ids, when not root."""
+    if libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID) == 0:
+        return "mntns+netns+pidns"
+    uid, gid = os.getuid(), os.getgid()
     # Without CAP_SYS_ADMIN a user namespace grants it inside; the uid stays the same outside.
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID) == 0:
-        return "userns+netns+pidns"
-    return "unavailable: " + os.strerror(ctypes.get_errno())
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID) != 0:
+        return "unavailable: " + os.strerror(ctypes.get_errno())
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                       ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as handle:
+            handle.write(text)
+    return "userns+mntns+netns+pidns"
+
+
+def _mount(libc, source: str | None, target: str, fstype: str | None, flags: int,
+           data: str | None = None) -> None:
+    encode = lambda text: None if text is None else os.fsencode(text)  # noqa: E731
+    if libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)) != 0:
+        raise OSError(ctypes.get_errno(), f"mount({source!r}, {target!r})")
+
+
+def hide_host_paths(libc, work_dir: str, read_roots: list[str]) -> str:
+    """Make every mount private to this namespace, cover the folders that hold host sockets
+    with empty tmpfs, and bind the work dir back at its own path. A folder holding one of the
+    read roots (a venv under /tmp) stays visible and is named in the report."""
+    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
+    work_fd = os.open(work_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    covered, kept = [], []
+    for folder in HIDDEN_DIRS:
+        if os.path.islink(folder) or not os.path.isdir(folder):
+            continue  # /var/run is usually a link to /run
+        if any(os.path.join(root, "").startswith(os.path.join(folder, "")) for root in read_roots):
+            kept.append(folder)
+            continue
+        _mount(libc, "tandem-sandbox", folder, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               "size=64k,mode=0755")
+        covered.append(folder)
+    os.makedirs(work_dir, exist_ok=True)  # inside a fresh tmpfs when the work dir is under one
+    _mount(libc, f"/proc/self/fd/{work_fd}", work_dir, None, MS_BIND | MS_REC)
+    os.close(work_fd)
+    os.chdir(work_dir)
+    return "tmpfs over " + ",".join(covered) + (f"; kept {','.join(kept)}" if kept else "")
 
 
 def fork_namespace_init(libc, cpu_seconds: int) -> None:
@@ -103,16 +149,37 @@ def fork_namespace_init(libc, cpu_seconds: int) -> None:
     os._exit(exit_code)
 
 
-def set_limits(memory_bytes: int, cpu_seconds: int, file_bytes: int, open_files: int,
-               processes: int | None) -> None:
-    """Hard and soft limits alike, so the code cannot raise them again."""
-    if processes is not None:
-        resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
+def set_limits(memory_bytes: int, cpu_seconds: int, file_bytes: int, open_files: int) -> None:
+    """Hard and soft limits alike; without CAP_SYS_RESOURCE the code cannot raise them again."""
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
     resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+def drop_capabilities(libc) -> str:
+    """Empty the bounding, ambient, effective, permitted and inheritable sets: root in the
+    sandbox can no longer raise rlimits, make device nodes or use any other privilege."""
+    capability = 0
+    while libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) == 0:
+        capability += 1
+    if ctypes.get_errno() != errno.EINVAL:  # EINVAL: past the last capability the kernel knows
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = _CapHeader(LINUX_CAPABILITY_VERSION_3, 0)
+    if libc.syscall(SYS_CAPSET, ctypes.byref(header), ctypes.byref((_CapData * 2)())) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+    return f"none ({capability} dropped from the bounding set)"
 
 
 def _landlock_abi(libc) -> int:
@@ -145,7 +212,8 @@ def _add_path_rule(libc, ruleset_fd: int, path: str, access: int) -> None:
 
 
 def apply_landlock(libc, read_roots: list[str], write_root: str, devices: list[str]) -> str:
-    """Allow reading read_roots, everything but execute under write_root; deny all TCP."""
+    """Allow reading read_roots; under write_root everything but execute and device nodes;
+    deny all TCP."""
     abi = _landlock_abi(libc)
     if abi < 1:
         return "unavailable: kernel without Landlock"
@@ -168,7 +236,8 @@ def apply_landlock(libc, read_roots: list[str], write_root: str, devices: list[s
         for device in devices:
             if os.path.exists(device):
                 _add_path_rule(libc, ruleset_fd, device, FS_READ_FILE | FS_WRITE_FILE)
-        _add_path_rule(libc, ruleset_fd, write_root, all_fs & ~FS_EXECUTE)
+        _add_path_rule(libc, ruleset_fd, write_root,
+                       all_fs & ~(FS_EXECUTE | FS_MAKE_CHAR | FS_MAKE_BLOCK))
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         if libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset_fd, 0) != 0:
@@ -216,31 +285,47 @@ def install_audit_hook(read_roots: list[str], write_root: str, devices: list[str
     _posixsubprocess.fork_exec = refuse
 
 
+def _layer(setup, *args) -> str:
+    """Run one layer's setup; its report, or "unavailable: why" when the kernel refused it."""
+    try:
+        return setup(*args)
+    except OSError as error:
+        return f"unavailable: {error}"
+
+
+def _load_sibling(name: str) -> types.ModuleType:
+    """Import a module from this file's folder (not on sys.path: `python -I` and no tandem)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__),
+                                                                     f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     settings = json.loads(sys.argv[1])
     sys.dont_write_bytecode = True
     work_dir = os.getcwd()
     with open(os.path.join(work_dir, "main.py"), encoding="utf-8") as handle:
         source = handle.read()
+    seccomp = _load_sibling("sandbox_seccomp")  # before Landlock hides its folder
     libc = _libc()
     report = {"namespaces": isolate_namespaces(libc)}
-    if not report["namespaces"].startswith("unavailable"):
+    if report["namespaces"].startswith("unavailable"):
+        report["mounts"] = "unavailable: no mount namespace"
+    else:
+        report["mounts"] = _layer(hide_host_paths, libc, work_dir, settings["read_roots"])
         fork_namespace_init(libc, settings["cpu_seconds"])
-    try:
-        report["landlock"] = apply_landlock(libc, settings["read_roots"], work_dir,
-                                            settings["devices"])
-    except OSError as error:
-        report["landlock"] = f"unavailable: {error}"
-    if settings["strict"]:
-        missing = [k for k in ("namespaces", "landlock") if report[k].startswith("unavailable")]
-        if missing:
-            sys.stderr.write(REPORT_PREFIX + json.dumps(report) + "\n")
-            sys.exit(EXIT_SETUP_FAILED)
-    # RLIMIT_NPROC counts every process of the uid, so it is safe only in our own user namespace
-    in_user_namespace = report["namespaces"].startswith("userns")
+    report["landlock"] = _layer(apply_landlock, libc, settings["read_roots"], work_dir,
+                                settings["devices"])
     set_limits(settings["memory_bytes"], settings["cpu_seconds"], settings["file_bytes"],
-               settings["open_files"], settings["processes"] if in_user_namespace else None)
-    if settings["python_guards"]:
+               settings["open_files"])
+    report["capabilities"] = _layer(drop_capabilities, libc)
+    report["seccomp"] = _layer(seccomp.install_filter, libc)
+    if settings["strict"] and any(state.startswith("unavailable") for state in report.values()):
+        sys.stderr.write(REPORT_PREFIX + json.dumps(report) + "\n")
+        sys.exit(EXIT_SETUP_FAILED)
+    if settings["python_guards"]:  # after the ctypes calls above, which it would refuse
         install_audit_hook(settings["read_roots"], work_dir, settings["devices"])
     del libc
     sys.stderr.write(REPORT_PREFIX + json.dumps(report) + "\n")
