@@ -248,6 +248,26 @@ while True:
     assert lines == ["not allowed to raise maximum limit"]
 
 
+async def test_file_size_and_open_files_stop_at_their_limits(sandbox):
+    limits = SandboxLimits(wall_seconds=8.0, file_bytes=1 << 20, open_files=32)
+    result, lines = await _attack(sandbox, """
+import resource
+try:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
+    print("raised")
+except ValueError as error:
+    print(error)
+with open("big", "wb") as handle:  # Python ignores SIGXFSZ, so the write fails with EFBIG
+    print(attempt(lambda: handle.write(bytes(2 << 20))))
+print(os.path.getsize("big") <= 1 << 20)
+handles = []
+print(attempt(lambda: [handles.append(open("main.py")) for _ in range(64)]))
+print(len(handles) < 32)
+""", limits)
+    assert result.ok, result.stderr
+    assert lines == ["not allowed to raise maximum limit", "EFBIG", "True", "EMFILE", "True"]
+
+
 async def test_sleep_ignoring_signals_stops_at_the_wall_time_limit(sandbox):
     result, lines = await _attack(sandbox, """
 import signal, time
@@ -289,7 +309,7 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 def raw(*args):
     value = libc.syscall(*args)
-    if value == 0 and args[0] in (57, 58):
+    if value == 0 and args[0] in (56, 57, 58):
         libc.syscall(231, 0)  # a child that did get made exits at once
     return value, errno.errorcode.get(ctypes.get_errno(), "0") if value < 0 else "-"
 print(raw(57))                              # fork
@@ -297,11 +317,12 @@ print(raw(56, 0x11, 0, 0, 0, 0))            # clone(SIGCHLD)
 print(raw(41, 1, 1, 0))                     # socket(AF_UNIX, SOCK_STREAM)
 print(raw(272, 0x10000000))                 # unshare(CLONE_NEWUSER)
 print(raw(101, 0, 0, 0, 0))                 # ptrace(PTRACE_TRACEME)
+print(raw(310, 1, 0, 0, 0, 0, 0))           # process_vm_readv(1, ...)
 print(raw(425, 8, ctypes.create_string_buffer(120)))  # io_uring_setup
 print(raw(59, b"/bin/sh", None, None))      # execve
 """)
     assert result.ok, result.stderr
-    assert lines == ["(-1, 'EPERM')"] * 7
+    assert lines == ["(-1, 'EPERM')"] * 8
 
 
 def _run_bpf(program: list[tuple[int, int, int, int]], nr: int, arch: int = AUDIT_ARCH_X86_64,

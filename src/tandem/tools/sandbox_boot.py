@@ -46,11 +46,11 @@ FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL
 NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1
 
-# Audit events that start programs or processes; the kernel layer (no execute right) backs this up.
+# The audit hook's lists. The code can reach and change them (issue 11), so they only word the
+# errors; seccomp and Landlock are what refuse.
 BLOCKED_EVENTS = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
                   "subprocess.Popen", "socket.__new__", "gc.get_objects", "gc.get_referrers",
                   "gc.get_referents")
-# ctypes may be imported (numpy needs it) but not used to call or read native code.
 BLOCKED_CTYPES_EVENTS = ("ctypes.call_function", "ctypes.dlsym", "ctypes.dlsym/handle",
                          "ctypes.cdata", "ctypes.cdata/buffer", "ctypes.string_at",
                          "ctypes.wstring_at", "ctypes.set_errno", "ctypes.set_exception")
@@ -248,7 +248,8 @@ def apply_landlock(libc, read_roots: list[str], write_root: str, devices: list[s
 
 
 def install_audit_hook(read_roots: list[str], write_root: str, devices: list[str]) -> None:
-    """Refuse process creation, sockets, ctypes and file access outside the allowed roots."""
+    """Clear `PermissionError: sandbox: ...` messages for what the kernel layers refuse anyway
+    (processes, sockets, files outside the roots), plus ctypes and gc walks. Not a guarantee."""
     readable = tuple(os.path.join(os.path.realpath(r), "") for r in read_roots)
     writable = os.path.join(os.path.realpath(write_root), "")
     devices = tuple(devices)
