@@ -12,8 +12,8 @@ class PythonTool:
     """{"code": "..."} -> stdout, plus the error (traceback tail or limit hit) when it failed."""
 
     name = "python"
-    description = ("Run a Python 3 program in a sandbox without network or file access outside "
-                   "its working directory; print() what you need to see.")
+    description = ("Run a Python 3 program in a sandbox without network, subprocesses, threads "
+                   "or file access outside its working directory; print() what you need to see.")
     parameters = {"type": "object",
                   "properties": {"code": {"type": "string", "description": "a Python program"}},
                   "required": ["code"], "additionalProperties": False}

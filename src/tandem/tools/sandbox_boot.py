@@ -88,10 +88,13 @@ def isolate_namespaces(libc) -> str:
     return "userns+mntns+netns+pidns"
 
 
+def _encode(text: str | None) -> bytes | None:
+    return None if text is None else os.fsencode(text)
+
+
 def _mount(libc, source: str | None, target: str, fstype: str | None, flags: int,
            data: str | None = None) -> None:
-    encode = lambda text: None if text is None else os.fsencode(text)  # noqa: E731
-    if libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)) != 0:
+    if libc.mount(_encode(source), _encode(target), _encode(fstype), flags, _encode(data)) != 0:
         raise OSError(ctypes.get_errno(), f"mount({source!r}, {target!r})")
 
 
