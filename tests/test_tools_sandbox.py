@@ -59,13 +59,14 @@ async def test_opening_a_socket_is_an_error(sandbox):
     assert "PermissionError" in result.stderr
 
 
-async def test_infinite_loop_hits_the_cpu_limit(sandbox):
-    start = time.monotonic()
+async def test_infinite_loop_hits_the_cpu_limit():
+    # the wall limit is far past the CPU limit, so a loaded machine still hits the CPU limit first
+    sandbox = PythonSandbox(SandboxLimits(wall_seconds=300.0, cpu_seconds=1),
+                            strict=MISSING_ISOLATION is None)
     result = await sandbox.run("while True:\n    pass")
     # without namespaces the CPU kill cannot be told from other kills
     assert result.error == "cpu_limit" or (MISSING_ISOLATION and result.error == "killed")
     assert "CPU time" in result.stderr or MISSING_ISOLATION
-    assert time.monotonic() - start < LIMITS.wall_seconds + 3
 
 
 async def test_sleeping_forever_hits_the_wall_time_limit():

@@ -24,6 +24,8 @@ from tandem.tools.sandbox_seccomp import (AUDIT_ARCH_X86_64, DENIED_SYSCALLS, RE
                                           build_program)
 
 LIMITS = SandboxLimits(wall_seconds=8.0, cpu_seconds=2, memory_bytes=512 << 20)
+# A wall limit far past the CPU limit, so a loaded machine still hits the CPU limit first.
+CPU_LIMITS = SandboxLimits(wall_seconds=300.0, cpu_seconds=1)
 HOST_DIR = Path(__file__).resolve().parent  # outside every folder the sandbox may touch or hides
 
 TAMPER = """
@@ -243,7 +245,7 @@ except ValueError as error:
     print(error, flush=True)
 while True:
     pass
-""")
+""", CPU_LIMITS)
     assert result.error == "cpu_limit" and "CPU time" in result.stderr
     assert lines == ["not allowed to raise maximum limit"]
 
@@ -275,7 +277,7 @@ for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(number, signal.SIG_IGN)
 print("sleeping", flush=True)
 time.sleep(1000)
-""", SandboxLimits(wall_seconds=1.0))
+""", SandboxLimits(wall_seconds=5.0))  # room to start on a loaded machine
     assert result.error == "wall_time" and result.exit_code is None
     assert lines == ["sleeping"]
 
