@@ -73,8 +73,8 @@ def _threshold_entries(verl_names: list[str], threshold: str | float | None) -> 
     if not verl_names:
         return []
     if threshold is None:
-        raise ValueError(f"{', '.join(verl_names)} need rejection_threshold (verl's "
-                         "rollout_rs_threshold), e.g. '0.5_2.0' for a k1 criterion or '0.01' for k2/k3")
+        raise ValueError(f"rejection_threshold (verl's rollout_rs_threshold) must be set for "
+                         f"{', '.join(verl_names)}, e.g. '0.5_2.0' for a k1 criterion or '0.01' for k2/k3")
     entries = [entry.strip() for entry in str(threshold).split(",") if entry.strip()]
     if len(entries) == 1:
         return entries * len(verl_names)
