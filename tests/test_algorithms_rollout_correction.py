@@ -210,11 +210,12 @@ def test_correction_metrics_per_criterion():
     ("token_k1", "2.0_0.5", "0 < lower <= upper"),
     ("token_k1", "abc", "is not a number"),
     ("sequence", None, "rejection_low <= rejection_high"),
+    ("token", "0.5_2.0", "would be ignored: only verl's criteria"),
 ])
 def test_bad_rejection_settings_are_named(rejection, threshold, message):
     with pytest.raises(ValueError, match=message):
-        parse_rejection(rejection, low=2.0 if rejection == "sequence" else 0.5, high=1.0
-                        if rejection == "sequence" else 2.0, threshold=threshold)
+        low, high = (2.0, 1.0) if rejection == "sequence" else (0.5, 2.0)
+        parse_rejection(rejection, low, high, threshold)
 
 
 def test_icepop_weights_hand_computed():

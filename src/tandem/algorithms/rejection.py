@@ -71,6 +71,10 @@ def parse_rejection(spec: str, low: float = 0.5, high: float = 2.0,
 
 def _threshold_entries(verl_names: list[str], threshold: str | float | None) -> list[str]:
     if not verl_names:
+        if threshold is not None:
+            raise ValueError(f"rejection_threshold={threshold!r} would be ignored: only verl's criteria "
+                             f"({', '.join(VERL_CRITERIA)}) read it; token and sequence use "
+                             "rejection_low / rejection_high. Unset it or add a verl criterion")
         return []
     if threshold is None:
         raise ValueError(f"rejection_threshold (verl's rollout_rs_threshold) must be set for "
@@ -146,7 +150,8 @@ def rejection_keep(log_ratio: torch.Tensor, response_mask: torch.Tensor,
         keep = keep & inside
         prefix = f"rollout_correction/{criterion.name}"
         metrics[f"{prefix}/rejected_token_fraction"] = float(masked_mean((~inside).float(), mask))
-        mean = (masked_mean(statistic, mask) if criterion.aggregation == "token"
-                else masked_mean(statistic[:, 0], sequences) if statistic.shape[1] else torch.zeros(()))
-        metrics[f"{prefix}/mean"] = float(mean)
+        if criterion.aggregation == "token":
+            metrics[f"{prefix}/mean"] = float(masked_mean(statistic, mask))
+        else:  # a sequence's value sits on each of its tokens: read it from the first column
+            metrics[f"{prefix}/mean"] = float(masked_mean(statistic[:, :1], sequences[:, None]))
     return keep, metrics

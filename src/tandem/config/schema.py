@@ -176,10 +176,12 @@ class RolloutCorrectionConfig:
 
     bypass_mode: bool = False  # old_log_probs = rollout_log_probs (no actor re-forward)
     importance_sampling: str = "none"  # none | token | sequence  (verl: rollout_is)
-    importance_sampling_mode: str = "truncate"  # truncate: min(r, threshold) | icepop: r in [low, threshold] else 0
+    # truncate: min(r, threshold) | icepop: r where low <= r <= threshold, else 0
+    importance_sampling_mode: str = "truncate"
     importance_sampling_threshold: float = 2.0  # upper bound on the ratio (verl: rollout_is_threshold)
     importance_sampling_low: float = 0.5  # icepop's lower bound
-    importance_sampling_batch_normalize: bool = False  # weights / their batch mean (verl: rollout_is_batch_normalize)
+    # divide the weights by their batch mean (verl: rollout_is_batch_normalize)
+    importance_sampling_batch_normalize: bool = False
     # none, or comma-separated criteria (verl: rollout_rs): token | sequence (ratio in
     # [rejection_low, rejection_high]) and verl's token_k1..k3, seq_{sum,mean}_k1..k3, seq_max_k2/k3
     rejection: str = "none"
