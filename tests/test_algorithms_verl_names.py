@@ -4,6 +4,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from tandem.batch.jagged import field_lengths, make_field, trajectories_to_batch
+from tandem.batch.trajectory import Trajectory
 from tandem.config import ConfigError, load_config
 from tandem.config.load import KL_TYPES, LOSS_AGG_MODES
 from tandem.trainer import ppo
@@ -73,3 +75,30 @@ def test_actor_loss_divides_sum_norm_by_loss_scale_factor(scale_factor, divisor)
     loss, _ = loss_fn(batch, outputs)
     # ratio 1: per-token loss -A; summed over the 5 masked-in tokens, divided by the constant
     assert float(loss) == pytest.approx(-(1.0 + 2.0 - 1.0 + 0.5 + 3.0) / divisor)
+
+
+def test_trainer_applies_verl_rejection_and_icepop_weights_to_a_jagged_batch():
+    rollout = [torch.log(torch.tensor([0.5, 0.5, 0.9, 0.5])), torch.log(torch.tensor([0.4, 0.4]))]
+    ratios = [torch.tensor([3.0, 1.0, 1.0, 1.2]), torch.tensor([1.0, 1.5])]  # pi_old / pi_rollout
+    masks = [torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([1.0, 1.0])]  # token 3 of row 0: a tool token
+    trajectories = [Trajectory(prompts=torch.tensor([5, 6]), responses=torch.arange(len(m)) + 20,
+                               response_mask=m, rollout_log_probs=r * m, min_global_steps=0,
+                               max_global_steps=0, uid=str(i), reward=1.0)
+                    for i, (r, m) in enumerate(zip(rollout, masks))]
+    batch = trajectories_to_batch(trajectories)
+    batch["old_log_probs"] = make_field(torch.cat([(r + q.log()) * m for r, q, m in zip(rollout, ratios, masks)]),
+                                        field_lengths(batch["responses"]))
+    config = load_config(overrides=[
+        "algorithm.rollout_correction.rejection=token_k2", "algorithm.rollout_correction.rejection_threshold=0.5",
+        "algorithm.rollout_correction.importance_sampling=token",
+        "algorithm.rollout_correction.importance_sampling_mode=icepop",
+        "algorithm.rollout_correction.importance_sampling_threshold=1.4"])
+    metrics = ppo.apply_rollout_correction(batch, config)
+    # k2 of ratio 3 is 0.60 > 0.5: rejected; the tool token stays out of the loss
+    # (the dense view is cut to the longest response: padded_field may pad wider)
+    assert ppo.dense(batch, "loss_mask")[:, :4].tolist() == [[0.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]]
+    # icepop in [0.5, 1.4]: 3 and 1.5 are zeroed, 1.2 kept as is
+    torch.testing.assert_close(ppo.dense(batch, "importance_weights")[:, :4],
+                               torch.tensor([[0.0, 1.0, 0.0, 1.2], [1.0, 0.0, 0.0, 0.0]]))
+    assert metrics["rollout_correction/token_k2/rejected_token_fraction"] == pytest.approx(1 / 5)
+    assert metrics["rollout_correction/zeroed_fraction"] == pytest.approx(1 / 4)  # of the 4 kept tokens
