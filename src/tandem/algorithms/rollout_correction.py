@@ -21,8 +21,8 @@ from tandem.config.schema import RolloutCorrectionConfig
 
 @dataclass
 class RolloutCorrection:
-    """weights [B, T] (importance weights, 0 where masked; None without importance sampling), loss_mask [B, T]
-    (response_mask minus rejected tokens, bool) and scalar metrics."""
+    """weights [B, T] (importance weights, 0 where masked; None without importance sampling),
+    loss_mask [B, T] (response_mask minus rejected tokens, bool) and scalar metrics."""
 
     weights: torch.Tensor | None
     loss_mask: torch.Tensor
