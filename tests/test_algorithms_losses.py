@@ -11,7 +11,7 @@ from tandem.algorithms import (aggregate_loss, clipped_value_loss, entropy_bonus
                                loss_normalizers, ppo_clip_loss)
 
 PROPERTY = settings(max_examples=50, deadline=None)
-MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 def _ppo_case():
@@ -126,8 +126,9 @@ def test_masked_tokens_get_exactly_zero_value_gradient(grid, mode):
 def test_aggregation_hand_computed_and_padding_rows_change_nothing():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    expected = {"token-mean": 7 / 3, "seq-mean-token-sum": 3.5, "seq-mean-token-mean": 2.75,
-                "seq-mean-token-sum-norm": 0.875}
+    # verl's seq-mean-token-sum-norm has no mean over sequences: (1 + 2 + 4) / horizon
+    expected = {"token-mean": 7 / 3, "token-sum": 7.0, "seq-mean-token-sum": 3.5,
+                "seq-mean-token-mean": 2.75, "seq-mean-token-sum-norm": 1.75}
     padded_loss = torch.cat([loss, torch.tensor([[7.0, 8.0, 9.0]])])
     padded_mask = torch.cat([mask, torch.zeros(1, 3, dtype=mask.dtype)])
     for mode, value in expected.items():
@@ -136,9 +137,32 @@ def test_aggregation_hand_computed_and_padding_rows_change_nothing():
     assert loss_normalizers(padded_mask) == (3, 2)
 
 
+def test_aggregation_gradients_hand_computed_with_garbage_at_masked_tokens():
+    # rows of 2, 1 and 0 (a padding sample) masked-in tokens; masked entries hold NaN
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    loss = torch.where(mask.bool(), torch.tensor([[1.0, 2.0, 0.0], [4.0, 0.0, 0.0], [0.0] * 3]),
+                       math.nan).requires_grad_()
+    on = mask.float()
+    expected = {  # mode: (value, d value / d loss)
+        "token-mean": (7 / 3, on / 3),
+        "token-sum": (7.0, on),
+        "seq-mean-token-sum": (3.5, on / 2),
+        "seq-mean-token-mean": ((1.5 + 4) / 2, torch.tensor([[0.25, 0.25, 0], [0.5, 0, 0], [0, 0, 0]])),
+        "seq-mean-token-sum-norm": (7 / 5, on / 5),
+    }
+    for mode, (value, gradient) in expected.items():
+        result = aggregate_loss(loss, mask, mode, horizon=5)
+        (grad,) = torch.autograd.grad(result, loss)
+        assert float(result.detach()) == pytest.approx(value)
+        # each gradient entry is one float32 division of values <= 1: within one ulp (1.2e-7)
+        torch.testing.assert_close(grad, gradient, rtol=0, atol=1.2e-7)
+        assert torch.all(grad[~mask.bool()] == 0)
+
+
 def test_aggregation_errors_and_empty_mask():
     loss, mask = torch.ones(2, 3), torch.ones(2, 3)
-    with pytest.raises(ValueError, match="valid modes are token-mean, seq-mean-token-sum"):
+    with pytest.raises(ValueError, match="valid modes are token-mean, token-sum, seq-mean-token-sum, "
+                                         "seq-mean-token-mean, seq-mean-token-sum-norm"):
         aggregate_loss(loss, mask, "mean")
     with pytest.raises(ValueError, match="horizon"):
         aggregate_loss(loss, mask, "seq-mean-token-sum-norm")

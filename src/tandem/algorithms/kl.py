@@ -1,8 +1,9 @@
 """KL penalties between two log-prob tensors [B, T], used as KL-in-reward and as KL loss.
 
 All estimate KL(pi || pi_ref) from tokens sampled by pi, with x = log_probs - ref_log_probs:
-k1 = x, abs = |x|, k2 = x^2 / 2, k3 (= low_var_kl) = exp(-x) + x - 1, and k3+ whose value is
-k3 but whose gradient is that of k2 (straight-through: k2 + stop_grad(k3 - k2)).
+k1 (kl) = x, abs = |x|, k2 (mse) = x^2 / 2, k3 (low_var_kl) = exp(-x) + x - 1. A trailing "+"
+(k1+, abs+, k3+, ...) keeps the estimator's value but backpropagates k2's gradient
+(straight-through: k2 + stop_grad(estimator - k2)).
 """
 
 from __future__ import annotations
@@ -11,39 +12,47 @@ import torch
 
 from tandem.algorithms.aggregation import Count, aggregate_loss
 from tandem.algorithms.masked import masked_mean, require_same_shape
-from tandem.config.load import KL_TYPES
+from tandem.config.load import KL_ALIASES, KL_TYPES
 
 # k3 is clamped to [-K3_LIMIT, K3_LIMIT] (and its log-ratio to +-20 before exp) for stability.
 K3_LIMIT = 10.0
 LOG_RATIO_LIMIT = 20.0
 
 
+def resolve_kl_type(kl_type: str) -> tuple[str, bool]:
+    """(estimator in k1 | abs | k2 | k3, straight_through) for a kl type or its verl alias."""
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"unknown kl type {kl_type!r}; valid types are {', '.join(KL_TYPES)}")
+    name = kl_type.removesuffix("+")
+    return KL_ALIASES.get(name, name), kl_type.endswith("+")
+
+
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str,
                response_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token KL estimate [B, T] of kind kl_type (k1, abs, k2, k3/low_var_kl, k3+).
+    """Per-token KL estimate [B, T] of kind kl_type (see KL_TYPES; "+" = straight-through k2 gradient).
 
     ref_log_probs is detached. With response_mask, masked positions are 0 in value and gradient.
     """
     require_same_shape(log_probs=log_probs, ref_log_probs=ref_log_probs)
-    if kl_type not in KL_TYPES:
-        raise ValueError(f"unknown kl type {kl_type!r}; valid types are {', '.join(KL_TYPES)}")
+    estimator, straight_through = resolve_kl_type(kl_type)
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
     difference = log_probs - ref_log_probs.detach().to(log_probs.dtype)
     if response_mask is not None:
         require_same_shape(log_probs=log_probs, response_mask=response_mask)
         difference = torch.where(response_mask.bool(), difference, zero)
-    if kl_type == "k1":
-        return difference
-    if kl_type == "abs":
-        return difference.abs()
     k2 = 0.5 * difference * difference
-    if kl_type == "k2":
-        return k2
-    log_ratio = (-difference).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    k3 = (torch.exp(log_ratio) - log_ratio - 1).clamp(-K3_LIMIT, K3_LIMIT)
-    if kl_type in ("k3", "low_var_kl"):
-        return k3
-    return k2 + (k3 - k2).detach()
+    if estimator == "k1":
+        value = difference
+    elif estimator == "abs":
+        value = difference.abs()
+    elif estimator == "k2":
+        value = k2
+    else:
+        log_ratio = (-difference).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        value = (torch.exp(log_ratio) - log_ratio - 1).clamp(-K3_LIMIT, K3_LIMIT)
+    if straight_through:
+        return k2 + (value - k2).detach()
+    return value
 
 
 def kl_loss(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, response_mask: torch.Tensor,

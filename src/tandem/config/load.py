@@ -11,17 +11,22 @@ from typing import Any, Iterable
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from tandem.config.schema import TandemConfig
+from tandem.config.schema import RolloutCorrectionConfig, TandemConfig
 
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 DISAGGREGATION_BACKENDS = ("vllm", "sglang")
 LOGPROBS_MODES = ("raw", "processed")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm")
 ADV_ESTIMATORS = ("grpo", "gae")
-KL_TYPES = ("k1", "abs", "k2", "low_var_kl", "k3", "k3+")
+# KL estimators and their verl aliases; "+" = the estimator's value with k2's gradient.
+KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+KL_BASE_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+KL_TYPES = KL_BASE_TYPES + tuple(f"{name}+" for name in KL_BASE_TYPES)
 KL_CONTROLLERS = ("fixed", "adaptive")
 TRUNCATE_SIDES = ("left", "right", "middle")
 CORRECTION_LEVELS = ("none", "token", "sequence")
+IMPORTANCE_SAMPLING_MODES = ("truncate", "icepop")
 REWARD_PLACEMENTS = ("agent_loop", "after_sampling")
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
@@ -151,7 +156,10 @@ def validate(config: TandemConfig) -> None:
 
     actor = config.actor
     _choice("actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
-    _choice("actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
+    if actor.loss_scale_factor is not None and actor.loss_scale_factor <= 0:
+        _fail("actor.loss_scale_factor", f"is {actor.loss_scale_factor}; it must be a positive "
+              "constant (or null: rollout.response_length)")
+    _kl_type("actor.kl_loss_type", actor.kl_loss_type)
     _choice("actor.optim.schedule", actor.optim.schedule, LR_SCHEDULES)
     _choice("critic.optim.schedule", config.critic.optim.schedule, LR_SCHEDULES)
     if actor.clip_ratio_c <= 1.0:
@@ -167,12 +175,10 @@ def validate(config: TandemConfig) -> None:
 
     algorithm = config.algorithm
     _choice("algorithm.adv_estimator", algorithm.adv_estimator, ADV_ESTIMATORS)
-    _choice("algorithm.kl_penalty", algorithm.kl_penalty, KL_TYPES)
+    _kl_type("algorithm.kl_penalty", algorithm.kl_penalty)
     _choice("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, KL_CONTROLLERS)
     correction = algorithm.rollout_correction
-    _choice("algorithm.rollout_correction.importance_sampling", correction.importance_sampling,
-            CORRECTION_LEVELS)
-    _choice("algorithm.rollout_correction.rejection", correction.rejection, CORRECTION_LEVELS)
+    _check_rollout_correction(correction)
     if not rollout.calculate_log_probs and (correction.importance_sampling != "none"
                                             or correction.rejection != "none"):
         _fail("algorithm.rollout_correction", "importance sampling and rejection compare rollout and "
@@ -223,6 +229,35 @@ def validate(config: TandemConfig) -> None:
                   f"{sync_step * actor.ppo_mini_batch_size}")
     if trainer.total_steps < 0 or trainer.test_freq < 0 or trainer.save_freq < 0:
         _fail("trainer.total_steps", "total_steps, test_freq and save_freq must be >= 0")
+
+
+def _kl_type(field_name: str, value: str) -> None:
+    if value.rstrip("+") == "full":
+        _fail(field_name, "'full' (the exact KL over the whole vocabulary) needs both policies' full "
+              "distributions per token, which the trainer does not keep (verl does not implement it "
+              f"either); use an estimator instead: {', '.join(KL_TYPES)}")
+    _choice(field_name, value, KL_TYPES)
+
+
+def _check_rollout_correction(correction: RolloutCorrectionConfig) -> None:
+    from tandem.algorithms.rejection import parse_rejection
+
+    prefix = "algorithm.rollout_correction"
+    _choice(f"{prefix}.importance_sampling", correction.importance_sampling, CORRECTION_LEVELS)
+    _choice(f"{prefix}.importance_sampling_mode", correction.importance_sampling_mode,
+            IMPORTANCE_SAMPLING_MODES)
+    if correction.importance_sampling_threshold <= 0:
+        _fail(f"{prefix}.importance_sampling_threshold", "must be > 0 (the upper bound on the ratio)")
+    if (correction.importance_sampling_mode == "icepop"
+            and not 0 < correction.importance_sampling_low <= correction.importance_sampling_threshold):
+        _fail(f"{prefix}.importance_sampling_low", f"is {correction.importance_sampling_low}; icepop "
+              "keeps ratios in [importance_sampling_low, importance_sampling_threshold], so it must "
+              "be > 0 and <= importance_sampling_threshold")
+    try:
+        parse_rejection(correction.rejection, correction.rejection_low, correction.rejection_high,
+                        correction.rejection_threshold)
+    except ValueError as error:
+        raise ConfigError(f"{prefix}.rejection: {error}") from None
 
 
 def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int) -> None:

@@ -120,11 +120,13 @@ class ActorConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0  # dual clip; must be > 1
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-{sum,mean,sum-norm}
+    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm's divisor; null: response_length
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"  # k1 | abs | k2 | low_var_kl (k3) | k3+ (straight-through)
+    # k1 (kl) | abs | k2 (mse) | k3 (low_var_kl); a trailing "+" backpropagates k2's gradient
+    kl_loss_type: str = "low_var_kl"
     fsdp_size: int = 1  # data-parallel processes; 1 = no sharding
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -173,11 +175,19 @@ class RolloutCorrectionConfig:
     """Off-policy correction between the rollout and training distributions."""
 
     bypass_mode: bool = False  # old_log_probs = rollout_log_probs (no actor re-forward)
-    importance_sampling: str = "none"  # none | token | sequence  (truncated IS weights)
-    importance_sampling_threshold: float = 2.0
-    rejection: str = "none"  # none | token | sequence  (IcePop-style mask outside bounds)
+    importance_sampling: str = "none"  # none | token | sequence  (verl: rollout_is)
+    # truncate: min(r, threshold) | icepop: r where low <= r <= threshold, else 0
+    importance_sampling_mode: str = "truncate"
+    importance_sampling_threshold: float = 2.0  # upper bound on the ratio (verl: rollout_is_threshold)
+    importance_sampling_low: float = 0.5  # icepop's lower bound
+    # divide the weights by their batch mean (verl: rollout_is_batch_normalize)
+    importance_sampling_batch_normalize: bool = False
+    # none, or comma-separated criteria (verl: rollout_rs): token | sequence (ratio in
+    # [rejection_low, rejection_high]) and verl's token_k1..k3, seq_{sum,mean}_k1..k3, seq_max_k2/k3
+    rejection: str = "none"
     rejection_low: float = 0.5
     rejection_high: float = 2.0
+    rejection_threshold: str | None = None  # thresholds of verl's criteria (verl: rollout_rs_threshold)
 
 
 @dataclass

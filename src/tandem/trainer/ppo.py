@@ -83,7 +83,8 @@ def apply_rollout_correction(batch: TensorDict, config: TandemConfig) -> dict[st
 def actor_loss_fn(config: TandemConfig):
     """The actor's loss callable for TrainingEngine.update: PPO clip + optional KL and entropy."""
     actor = config.actor
-    horizon = config.rollout.response_length
+    # seq-mean-token-sum-norm's constant divisor (verl's actor.loss_scale_factor)
+    horizon = actor.loss_scale_factor or config.rollout.response_length
 
     def loss_fn(micro_batch: TensorDict, outputs: ForwardOutput) -> tuple[torch.Tensor, dict[str, Any]]:
         mask = dense(micro_batch, "loss_mask")
