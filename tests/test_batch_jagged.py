@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from tandem.batch.jagged import (batch_to_trajectories, concat_batches, field_lengths, field_values,
-                                 non_tensor_list, select_samples, trajectories_to_batch)
+                                 make_field, non_tensor_list, padded_field, select_samples,
+                                 trajectories_to_batch)
 from tandem.batch.trajectory import Trajectory
 
 
@@ -69,3 +70,14 @@ def test_select_and_concat_keep_every_value():
         assert torch.equal(original.rollout_log_probs, back.rollout_log_probs)
         assert (original.uid, original.reward, original.ground_truth, original.metadata) == \
             (back.uid, back.reward, back.ground_truth, back.metadata)
+
+
+def test_padded_field_pads_to_the_longest_sample_and_keeps_gradients():
+    """[B, max L_i], not [B, sum L_i] (jagged to_padded_tensor's default), gradients flow back."""
+    values = torch.arange(10.0, requires_grad=True)
+    field = make_field(values, torch.tensor([4, 3, 2, 1]))
+    padded = padded_field(field, pad_value=-1.0)
+    assert padded.shape == (4, 4)
+    assert padded[3].tolist() == [9.0, -1.0, -1.0, -1.0]
+    padded.clamp(min=0).sum().backward()
+    assert values.grad.tolist() == [1.0] * 10

@@ -57,7 +57,10 @@ def field_values(field: torch.Tensor) -> torch.Tensor:
 def padded_field(field: torch.Tensor, pad_value: float = 0) -> torch.Tensor:
     """A token-level field right-padded to [B, max L_i] with pad_value (keeps autograd)."""
     if field.is_nested:
-        return field.to_padded_tensor(pad_value)
+        # without output_size, jagged-layout nested tensors pad to the *sum* of lengths
+        lengths = field_lengths(field)
+        width = int(lengths.max()) if lengths.numel() else 0
+        return field.to_padded_tensor(pad_value, output_size=(len(lengths), width, *field.shape[2:]))
     return field
 
 
