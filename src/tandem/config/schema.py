@@ -220,6 +220,7 @@ class TrainerConfig:
     save_freq: int = 0  # checkpoint every k steps (0: never)
     output_dir: str = "runs/default"
     resume: bool = False
+    resume_missing: str = "warn"  # resume=true without a checkpoint: warn (start at step 0) | fail
     seed: int = 0
     tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
     progress: bool = True
