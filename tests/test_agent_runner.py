@@ -118,14 +118,25 @@ async def test_uid_errors():
         await runner.run([DatasetRow(messages=[{"role": "user", "content": "x"}])])
 
 
-async def test_a_failing_session_fails_the_run_and_cancels_the_rest():
+async def test_a_failing_session_fails_alone():
     client = CountingClient(fail_on="p0-1")
     runner = AgentLoopRunner(client, Format(), RolloutConfig(
         prompt_length=4, response_length=8, n=2, agent_concurrency=1))
-    with pytest.raises(RuntimeError, match="engine died"):
-        await runner.run(rows(10))
-    assert len(client.request_ids) < 20  # the remaining sessions were cancelled
+    trajectories = await runner.run(rows(10))
+    assert len(client.request_ids) == 20  # nothing was cancelled
+    assert [(t.uid, t.session_id) for t in trajectories] == (
+        [("p0", 0)] + [(f"p{i}", s) for i in range(1, 10) for s in range(2)])
+    [failure] = runner.take_failures()
+    assert (failure.uid, failure.session_id, str(failure.error)) == ("p0", 1, "engine died")
+    assert runner.take_failures() == []
 
+
+async def test_when_every_session_fails_the_call_raises():
+    client = CountingClient(fail_on="p0-0")
+    runner = AgentLoopRunner(client, Format(), RolloutConfig(prompt_length=4, response_length=8, n=1))
+    with pytest.raises(RuntimeError, match=r"all 1 sessions failed; the first \(p0-0\): "
+                                           "RuntimeError: engine died"):
+        await runner.run(rows(1))
 
 
 def test_a_given_registry_must_hold_the_configured_tools():

@@ -52,8 +52,12 @@ def test_make_data_command(tmp_path, capsys):
     assert str(tmp_path / "train.jsonl") in capsys.readouterr().out
 
 
-def test_make_data_refuses_more_problems_than_exist(tmp_path):
+def test_make_data_refuses_more_problems_than_exist(tmp_path, capsys):
     import pytest
 
-    with pytest.raises(ValueError, match="distinct 'easy' problems"):
+    with pytest.raises(SystemExit) as exit:
         main(["make-data", str(tmp_path), "--kind", "easy", "--train-size", "500"])
+    assert exit.value.code == 1
+    assert "ValueError: cannot draw 500 + 64 distinct 'easy' problems" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="distinct 'easy' problems"):
+        main(["--debug", "make-data", str(tmp_path), "--kind", "easy", "--train-size", "500"])

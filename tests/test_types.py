@@ -16,7 +16,7 @@ def test_token_output_requires_one_logprob_per_token():
 
 def test_sampling_params_from_dict():
     params = SamplingParams.from_dict({"temperature": 0, "top_p": 1.0, "top_k": -1,
-                                       "repetition_penalty": 1.0, "logprobs": 1, "max_tokens": 5,
+                                       "repetition_penalty": 1.0, "logprobs": True, "max_tokens": 5,
                                        "stop_token_ids": [7, 8]})
     assert params.greedy and params.logprobs is True and params.stop_token_ids == (7, 8)
     assert SamplingParams.from_dict(params.to_dict()) == params

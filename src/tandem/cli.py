@@ -1,5 +1,10 @@
 """Command line: `tandem train CONFIG [a.b=c ...]`, `tandem eval CONFIG [...]`, `tandem demo [...]`,
-`tandem make-data DIR` (the arithmetic word problems as JSONL)."""
+`tandem make-data DIR` (the arithmetic word problems as JSONL).
+
+Before torch or Ray is imported, the config, the datasets (every row's reward inputs) and the
+resume checkpoint are checked, so a mistake shows in well under a second as one message;
+`--debug` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +12,53 @@ import argparse
 import asyncio
 import json
 import logging
+import sys
+from pathlib import Path
+from typing import Any
 
-from tandem.quiet import quiet_libraries
+logger = logging.getLogger("tandem")
+
+
+def checked_config(config_path: str, overrides: list[str], command: str) -> Any:
+    """The loaded config after the checks that need no torch: datasets, rewards, resume."""
+    from tandem.agent.dataset import PromptDataset
+    from tandem.config.load import ConfigError, load_config
+    from tandem.rewards import reward_input_problem
+
+    config = load_config(config_path, overrides)
+    splits = ["train"] + (["val"] if config.data.val_files else [])
+    for split in splits:
+        PromptDataset.from_config(config.data, split, check_row=lambda row: reward_input_problem(
+            row.data_source, row.ground_truth))
+    trainer = config.trainer
+    checkpoints = Path(trainer.output_dir) / "checkpoints"
+    if trainer.resume and not has_checkpoint(checkpoints):
+        problem = (f"trainer.resume=true but {checkpoints} holds no checkpoint (no `latest`, no "
+                   "step_* directory)")
+        if command == "eval":
+            raise ConfigError(f"{problem}; train first, fix trainer.output_dir, or set "
+                              "trainer.resume=false to evaluate the initial model")
+        if trainer.resume_missing == "fail":
+            raise ConfigError(f"{problem}; fix trainer.output_dir, or set trainer.resume=false "
+                              "(or trainer.resume_missing=warn) to start from step 0")
+        logger.warning("%s: starting from step 0 (trainer.resume_missing=fail makes this an "
+                       "error)", problem)
+    return config
+
+
+def has_checkpoint(checkpoints: Path) -> bool:
+    """Whether a run's checkpoints directory holds anything to resume from."""
+    return (checkpoints / "latest").is_file() or any(checkpoints.glob("step_*"))
 
 
 def _train(config_path: str, overrides: list[str]) -> None:
-    from tandem.config.load import load_config
+    config = checked_config(config_path, overrides, "train")
+    from tandem.quiet import quiet_libraries
+
+    quiet_libraries()
     from tandem.trainer.plots import plot_run
     from tandem.trainer.rl_trainer import RLTrainer
     from tandem.trainer.sync import fit_sync
-
-    config = load_config(config_path, overrides)
 
     async def run() -> dict:
         trainer = RLTrainer(config)
@@ -33,17 +74,19 @@ def _train(config_path: str, overrides: list[str]) -> None:
 
 
 def _eval(config_path: str, overrides: list[str]) -> None:
-    from tandem.config.load import load_config
-    from tandem.trainer.rl_trainer import RLTrainer
+    config = checked_config(config_path, overrides, "eval")
+    from tandem.quiet import quiet_libraries
 
-    config = load_config(config_path, overrides)
+    quiet_libraries()
+    from tandem.trainer.rl_trainer import RLTrainer
 
     async def run() -> dict:
         trainer = RLTrainer(config, evaluation_only=True)
         await trainer.start()
         try:
-            if config.trainer.resume:
-                await trainer.load_latest_checkpoint()
+            if config.trainer.resume and not await trainer.load_latest_checkpoint():
+                raise RuntimeError(f"trainer.resume=true but no checkpoint could be loaded from "
+                                   f"{config.trainer.output_dir}/checkpoints")
             await trainer.sync_weights()
             return await trainer.validate()
         finally:
@@ -52,34 +95,38 @@ def _eval(config_path: str, overrides: list[str]) -> None:
     print(json.dumps(asyncio.run(run()), indent=1))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of the `tandem` command."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "RL training from a YAML config"),
                        ("eval", "validation metrics of a config's model (or its latest checkpoint)")):
-        command = commands.add_parser(name, help=text)
+        command = commands.add_parser(name, help=text, parents=[debug])
         command.add_argument("config", help="YAML config file")
         command.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
-    data = commands.add_parser("make-data", help="write the arithmetic train/val JSONL files")
+    data = commands.add_parser("make-data", help="write the arithmetic train/val JSONL files",
+                               parents=[debug])
     data.add_argument("directory")
     data.add_argument("--train-size", type=int, default=512)
     data.add_argument("--val-size", type=int, default=64)
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--kind", choices=["tool", "easy"], default="tool",
                       help="tool: word problems needing the calculator; easy: small sums (no tool)")
-    demo = commands.add_parser("demo", help="the CPU demo: GRPO teaches a tiny model a calculator tool")
+    demo = commands.add_parser("demo", help="the CPU demo: GRPO teaches a tiny model a calculator tool",
+                               parents=[debug])
     demo.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the demo config")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    quiet_libraries()
+    return parser
+
+
+def _run(args: argparse.Namespace) -> None:
     if args.command == "train":
         _train(args.config, args.overrides)
     elif args.command == "eval":
         _eval(args.config, args.overrides)
     elif args.command == "make-data":
-        from pathlib import Path
-
         from tandem.demo.tasks import make_datasets
 
         for path in make_datasets(Path(args.directory), args.train_size, args.val_size, args.seed,
@@ -87,8 +134,28 @@ def main(argv: list[str] | None = None) -> None:
             print(path)
     else:
         from tandem.demo.run import run_demo
+        from tandem.quiet import quiet_libraries
 
+        quiet_libraries()
         run_demo(args.overrides)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `tandem` command: exit status 2 for a config error, 1 for any other."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        _run(args)
+    except Exception as error:  # one message per error; the traceback only on request
+        if args.debug:
+            raise
+        from tandem.config.load import ConfigError
+
+        config_error = isinstance(error, ConfigError)
+        message = str(error) if config_error else f"{type(error).__name__}: {error}"
+        print(f"tandem {args.command}: error: {message}\n(run with --debug to see the traceback)",
+              file=sys.stderr)
+        sys.exit(2 if config_error else 1)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 STOP_REASONS = ("completed", "length", "aborted")
+# Below this a temperature is greedy: logits / 1e-39 overflow to inf and sampling degenerates.
+TEMPERATURE_FLOOR = 1e-5
+MAX_TOP_K = (1 << 31) - 1  # no vocabulary is larger; the engine also checks its own vocab
 
 
 @dataclass
@@ -39,8 +43,9 @@ class TokenOutput:
 class SamplingParams:
     """The unified sampling dict, validated. Backends translate it into their own API.
 
-    temperature 0 means greedy; top_k -1 and top_p 1 disable those filters; max_tokens is the
-    token budget of this call; logprobs asks for one sampled-token logprob per token.
+    temperature 0 (or below TEMPERATURE_FLOOR) means greedy; top_k -1 and top_p 1 disable those
+    filters; max_tokens is the token budget of this call; logprobs asks for one sampled-token
+    logprob per token. Wrong types are rejected, never coerced.
     """
 
     temperature: float = 1.0
@@ -55,38 +60,78 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any]) -> "SamplingParams":
-        """Build from a sampling dict; unknown keys and out-of-range values raise ValueError."""
+        """Build from a sampling dict; unknown keys, wrong types and out-of-range values raise
+        ValueError naming the field."""
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(params) - known)
         if unknown:
             raise ValueError(f"unknown sampling keys {unknown}; valid keys: {sorted(known)}")
         values = dict(params)
         if "stop_token_ids" in values:
-            values["stop_token_ids"] = tuple(int(t) for t in values["stop_token_ids"] or ())
-        if "logprobs" in values:
-            values["logprobs"] = bool(values["logprobs"])
+            stop = values["stop_token_ids"] or ()
+            if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__"):
+                raise ValueError(f"sampling stop_token_ids={stop!r}: must be a list of token ids")
+            values["stop_token_ids"] = tuple(stop)
         return cls(**values)
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+        # a wrong type is never coerced: "false" would be truthy, 2.5 would be cut to 2
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            _set(self, name, _real(name, getattr(self, name)))
+        for name in ("top_k", "max_tokens"):
+            _set(self, name, _integer(name, getattr(self, name)))
+        for name in ("logprobs", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"sampling {name}={getattr(self, name)!r}: must be true or false "
+                                 f"(a boolean, not {type(getattr(self, name)).__name__})")
+        if self.seed is not None:
+            _set(self, "seed", _integer("seed", self.seed))
+            if not 0 <= self.seed < 1 << 64:
+                raise ValueError(f"sampling seed={self.seed}: must be in [0, 2**64)")
+        _set(self, "stop_token_ids", tuple(_integer("stop_token_ids", t)
+                                           for t in self.stop_token_ids))
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"sampling stop_token_ids={list(self.stop_token_ids)}: token ids are >= 0")
+        if self.temperature < 0:
             raise ValueError(f"sampling temperature={self.temperature}: must be a finite value >= 0 "
                              "(0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"sampling top_p={self.top_p}: must be in (0, 1]; 1 disables top-p")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"sampling top_k={self.top_k}: use -1 to disable or a positive count")
+        if self.top_k == 0 or self.top_k < -1 or self.top_k > MAX_TOP_K:
+            raise ValueError(f"sampling top_k={self.top_k}: use -1 to disable or a positive count "
+                             "no larger than the vocabulary")
         if not self.repetition_penalty > 0:
             raise ValueError(f"sampling repetition_penalty={self.repetition_penalty}: must be > 0 "
                              "(1.0 is off)")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.max_tokens < 1:
             raise ValueError(f"sampling max_tokens={self.max_tokens}: the token budget must be an "
                              "integer >= 1")
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax."""
-        return self.temperature == 0.0
+        """True when sampling reduces to argmax: temperature 0, or below TEMPERATURE_FLOOR."""
+        return self.temperature < TEMPERATURE_FLOOR
 
     def to_dict(self) -> dict[str, Any]:
         """The unified dict form (what crosses process boundaries)."""
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def _set(params: SamplingParams, name: str, value: Any) -> None:
+    object.__setattr__(params, name, value)  # the dataclass is frozen; normalise once, here
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"sampling {name}={value!r}: must be a number, not "
+                         f"{type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"sampling {name}={value}: must be finite")
+    return float(value)
+
+
+def _integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"sampling {name}={value!r}: must be an integer, not "
+                         f"{type(value).__name__}")
+    return int(value)

@@ -1,15 +1,27 @@
-"""Dataset rows -> n agent-loop sessions -> Trajectory records (single-turn and tool-calling)."""
+"""Dataset rows -> n agent-loop sessions -> Trajectory records (single-turn and tool-calling).
 
-from tandem.agent.chat_format import ChatFormat
-from tandem.agent.dataset import DatasetRow, PromptDataset, read_records, row_from_record
-from tandem.agent.runner import AgentLoopRunner, RewardFn
-from tandem.agent.sampling import remaining_budget, sampling_params
-from tandem.agent.session import Session, TokenClient
-from tandem.agent.single_turn import SingleTurnLoop
-from tandem.agent.tool_loop import ToolAgentLoop, truncate_tool_text
-from tandem.agent.tool_parser import ToolCall, parse_tool_calls
+Names are imported on first use, so `tandem.agent.dataset` (read by the CLI's checks before
+anything starts) does not pull torch in through the loops.
+"""
 
-__all__ = ["AgentLoopRunner", "ChatFormat", "DatasetRow", "PromptDataset", "RewardFn", "Session",
-           "SingleTurnLoop", "TokenClient", "ToolAgentLoop", "ToolCall", "parse_tool_calls",
-           "read_records", "remaining_budget", "row_from_record", "sampling_params",
-           "truncate_tool_text"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_MODULES = {
+    "ChatFormat": "chat_format", "DatasetRow": "dataset", "PromptDataset": "dataset",
+    "read_records": "dataset", "row_from_record": "dataset", "AgentLoopRunner": "runner",
+    "RewardFn": "runner", "SessionFailure": "runner", "remaining_budget": "sampling",
+    "sampling_params": "sampling", "Session": "session", "TokenClient": "session",
+    "SingleTurnLoop": "single_turn", "ToolAgentLoop": "tool_loop",
+    "truncate_tool_text": "tool_loop", "ToolCall": "tool_parser", "parse_tool_calls": "tool_parser",
+}
+
+__all__ = sorted(_MODULES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULES:
+        raise AttributeError(f"module 'tandem.agent' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tandem.agent.{_MODULES[name]}"), name)

@@ -5,6 +5,7 @@ ground_truth (or reward_model.ground_truth), reward_model, extra_info, tools_kwa
 interaction_kwargs (top level, or inside extra_info), and two per-row overrides: rollout_n
 (sessions for this prompt) and do_sample (False: greedy in training). Every column stays in
 `raw`. Each row handed out gets a fresh uid, the key GRPO groups its n trajectories by.
+Every error names the file and the row (or line).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import random
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from tandem.config.schema import DataConfig
 
@@ -49,17 +50,32 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
         return parquet.read_table(path).to_pylist()
     if path.suffix in (".jsonl", ".json"):
         records = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for number, line in enumerate(_utf8_text(path).splitlines(), start=1):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{number}: not a JSON line ({error.msg}); JSONL files "
                                  "hold one JSON object per line") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: a JSON {type(record).__name__}, not an "
+                                 "object; JSONL files hold one JSON object (one row) per line")
+            records.append(record)
         return records
     raise ValueError(f"dataset file {str(path)!r}: unknown format {path.suffix!r}; use .parquet "
                      "or .jsonl")
+
+
+def _utf8_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        utf16 = data[:2] in (b"\xff\xfe", b"\xfe\xff")
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start}"
+                         f"{'; it starts with a UTF-16 byte-order mark' if utf16 else ''}); "
+                         "save the file as UTF-8") from None
 
 
 def _dict_column(record: dict[str, Any], name: str, where: str) -> dict[str, Any]:
@@ -118,9 +134,11 @@ def row_from_record(record: dict[str, Any], index: int, prompt_key: str = "promp
 
 
 class PromptDataset:
-    """Rows of one or more files, validated at load, handed out with a fresh uid each time."""
+    """Rows of one or more files, validated at load, handed out with a fresh uid each time.
+    check_row(row) returns what is wrong with a row for its consumer (e.g. its reward), or None."""
 
-    def __init__(self, files: Sequence[str | Path], prompt_key: str = "prompt") -> None:
+    def __init__(self, files: Sequence[str | Path], prompt_key: str = "prompt",
+                 check_row: Callable[[DatasetRow], str | None] | None = None) -> None:
         if isinstance(files, (str, Path)):
             files = [files]
         if not files:
@@ -128,18 +146,24 @@ class PromptDataset:
                              "data.val_files)")
         self.rows: list[DatasetRow] = []
         for path in files:
-            for record in read_records(path):
-                self.rows.append(row_from_record(record, len(self.rows), prompt_key,
-                                                 where=f"{path}: row"))
+            for number, record in enumerate(read_records(path)):
+                row = row_from_record(record, len(self.rows), prompt_key, where=f"{path}: row")
+                problem = check_row(row) if check_row is not None else None
+                if problem:
+                    raise ValueError(f"{path}: row {number}: {problem}")
+                self.rows.append(row)
         if not self.rows:
             raise ValueError(f"dataset files {list(map(str, files))} hold no rows")
 
     @classmethod
-    def from_config(cls, config: DataConfig, split: str = "train") -> "PromptDataset":
+    def from_config(cls, config: DataConfig, split: str = "train",
+                    check_row: Callable[[DatasetRow], str | None] | None = None
+                    ) -> "PromptDataset":
         """The train or val dataset named in the data config."""
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        return cls(config.train_files if split == "train" else config.val_files, config.prompt_key)
+        return cls(config.train_files if split == "train" else config.val_files, config.prompt_key,
+                   check_row)
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -4,13 +4,19 @@ Each prompt gets n independent sessions (rollout.n in training, rollout.val_kwar
 validation, row.rollout_n overrides both), all sharing the row's uid; at most
 rollout.agent_concurrency sessions are in flight at once across all prompts. The request id
 of a session ("<uid>-<session_id>") is the same on every turn, so routing stays sticky.
+
+A session that raises (a broken tool, a client error, a reward function that throws) fails
+alone: it is left out of the result and recorded in `failures`, so its group trains on the
+sessions that finished; only a call in which every session fails raises.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import weakref
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
 from tandem.agent.chat_format import ChatFormat
@@ -25,6 +31,17 @@ from tandem.tools.registry import ToolRegistry, build_tool_registry
 RewardOutput = tuple[float, dict[str, Any]]
 # reward_fn(trajectory, row) -> (score, extra), or an awaitable of it; called as a session ends.
 RewardFn = Callable[[Trajectory, DatasetRow], RewardOutput | Awaitable[RewardOutput]]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionFailure:
+    """A session that raised instead of returning a Trajectory; error is the exception."""
+
+    uid: str
+    session_id: int
+    error: BaseException
 
 
 class AgentLoopRunner:
@@ -57,6 +74,7 @@ class AgentLoopRunner:
                                  "rollout.multi_turn.enable=true")
             self.loop = SingleTurnLoop(client, chat_format, config)
         self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.failures: list[SessionFailure] = []  # every failed session since the last take
 
     @classmethod
     def from_tokenizer(cls, client: TokenClient, tokenizer: Any, config: RolloutConfig,
@@ -79,8 +97,26 @@ class AgentLoopRunner:
             self._semaphores[loop] = asyncio.Semaphore(self.config.agent_concurrency)
         return self._semaphores[loop]
 
+    def take_failures(self) -> list[SessionFailure]:
+        """The sessions that failed since the last call (they are cleared)."""
+        failures, self.failures = self.failures, []
+        return failures
+
     async def _run_session(self, session: Session,
-                           on_trajectory: Callable[[Trajectory], None] | None = None) -> Trajectory:
+                           on_trajectory: Callable[[Trajectory], None] | None = None
+                           ) -> Trajectory | SessionFailure:
+        try:
+            return await self._run_session_or_raise(session, on_trajectory)
+        except Exception as error:  # one session's fault stays in that session
+            logger.warning("session %s failed: %s: %s", session.request_id,
+                           type(error).__name__, error)
+            failure = SessionFailure(session.row.uid, session.session_id, error)
+            self.failures.append(failure)
+            return failure
+
+    async def _run_session_or_raise(self, session: Session,
+                                    on_trajectory: Callable[[Trajectory], None] | None
+                                    ) -> Trajectory:
         async with self._semaphore():
             trajectory = await self.loop.run(session)
             if self.reward_fn is not None:
@@ -96,20 +132,28 @@ class AgentLoopRunner:
 
     async def run_prompt(self, row: DatasetRow, validate: bool = False, seed: int | None = None,
                          on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
-        """All sessions of one prompt (one GRPO group), ordered by session_id. With a seed,
-        session s samples turn t with seed + s * 1000 + t, so a rerun draws the same tokens."""
+        """The finished sessions of one prompt (one GRPO group), ordered by session_id; failed
+        ones are left out (see `failures`), and if all fail, RuntimeError. With a seed, session s
+        samples turn t with seed + s * 1000 + t, so a rerun draws the same tokens."""
+        return _finished(await self._run_prompt(row, validate, seed, on_trajectory))
+
+    async def _run_prompt(self, row: DatasetRow, validate: bool, seed: int | None,
+                          on_trajectory: Callable[[Trajectory], None] | None
+                          ) -> list[Trajectory | SessionFailure]:
         if not row.uid:
             raise ValueError(f"row {row.index} has no uid; draw rows from PromptDataset (which "
                              "gives each draw a fresh uid) or set row.uid")
         sessions = [Session(row, session_id, f"{row.uid}-{session_id}", validate,
                             None if seed is None else seed + session_id * 1000)
                     for session_id in range(self.sessions_per_prompt(row, validate))]
-        return await _all_or_nothing([self._run_session(session, on_trajectory) for session in sessions])
+        return await _all_or_nothing([self._run_session(session, on_trajectory)
+                                      for session in sessions])
 
     async def run(self, rows: Sequence[DatasetRow], validate: bool = False,
                   seeds: Sequence[int] | None = None,
                   on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
-        """Every session of every row, concurrently; ordered by row, then session_id.
+        """Every finished session of every row, concurrently; ordered by row, then session_id.
+        Failed sessions are left out and recorded in `failures`; if all fail, RuntimeError.
         seeds: one base sampling seed per row (see run_prompt), or None for unseeded sampling;
         on_trajectory: called as each session ends (e.g. a progress bar)."""
         if seeds is not None and len(seeds) != len(rows):
@@ -118,10 +162,22 @@ class AgentLoopRunner:
         if len(set(uids)) != len(uids):
             raise ValueError("two rows share a uid; GRPO would merge their groups. Draw each row "
                              "from PromptDataset, which assigns a fresh uid per draw")
-        groups = await _all_or_nothing([self.run_prompt(row, validate, None if seeds is None else seeds[i],
-                                                        on_trajectory)
+        groups = await _all_or_nothing([self._run_prompt(row, validate,
+                                                         None if seeds is None else seeds[i],
+                                                         on_trajectory)
                                         for i, row in enumerate(rows)])
-        return [trajectory for group in groups for trajectory in group]
+        return _finished([result for group in groups for result in group])
+
+
+def _finished(results: list[Trajectory | SessionFailure]) -> list[Trajectory]:
+    """The trajectories; RuntimeError (from the first failure) when every session failed."""
+    trajectories = [result for result in results if isinstance(result, Trajectory)]
+    if results and not trajectories:
+        first = results[0]
+        raise RuntimeError(f"all {len(results)} sessions failed; the first ({first.uid}-"
+                           f"{first.session_id}): {type(first.error).__name__}: {first.error}"
+                           ) from first.error
+    return trajectories
 
 
 async def _all_or_nothing(coroutines: list[Awaitable[Any]]) -> list[Any]:

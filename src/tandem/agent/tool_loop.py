@@ -7,6 +7,8 @@ stream sent to the engine is always prompt + everything appended so far, never r
 
 stop_reason of the trajectory: "completed" (a turn without tool calls), "length" (response
 budget spent), "aborted" (an aborted result), "max_assistant_turns" or "max_user_turns".
+At most rollout.multi_turn.max_tool_calls_per_turn calls of a turn run (the rest get one error
+message), and each call gets rollout.multi_turn.tool_timeout_seconds, enforced here.
 """
 
 from __future__ import annotations
@@ -58,7 +60,27 @@ class ToolAgentLoop:
         if call.error is not None:
             return ToolResult(f"Error: {call.error}. Call a tool as <tool_call>{{\"name\": ..., "
                               f"\"arguments\": {{...}}}}</tool_call>", ok=False)
-        return await self.tools.call(call.name, call.arguments, tools_kwargs.get(call.name) or {})
+        timeout = self.config.multi_turn.tool_timeout_seconds
+        try:
+            return await asyncio.wait_for(
+                self.tools.call(call.name, call.arguments, tools_kwargs.get(call.name) or {}),
+                timeout)
+        except asyncio.TimeoutError:
+            return ToolResult(f"Error: the {call.name} call ran longer than {timeout:g} s and was "
+                              "stopped", ok=False)
+
+    async def _run_tools(self, calls: list[ToolCall], tools_kwargs: dict[str, Any]
+                         ) -> list[ToolResult]:
+        """Results of the first max_tool_calls_per_turn calls (run concurrently), then one error
+        result for the calls over the cap, which are not run."""
+        cap = self.config.multi_turn.max_tool_calls_per_turn
+        results = list(await asyncio.gather(*(self._call_tool(c, tools_kwargs) for c in calls[:cap])))
+        if len(calls) > cap:
+            results.append(ToolResult(
+                f"Error: {len(calls)} tool calls in one turn; only the first {cap} ran "
+                f"(rollout.multi_turn.max_tool_calls_per_turn={cap}). Make fewer calls per turn.",
+                ok=False))
+        return results
 
     async def run(self, session: Session) -> Trajectory:
         """Run the conversation of one session until a stop condition; return its Trajectory."""
@@ -94,9 +116,10 @@ class ToolAgentLoop:
             if user_turns >= turns.max_user_turns:
                 stop_reason = "max_user_turns"
                 break
-            results = await asyncio.gather(*(self._call_tool(c, row.tools_kwargs) for c in calls))
+            results = await self._run_tools(calls, row.tools_kwargs)
             tool_calls += len(calls)
-            tool_errors += sum(not result.ok for result in results)
+            ran = results[:turns.max_tool_calls_per_turn]  # the cap's message is not a call
+            tool_errors += sum(not result.ok for result in ran) + len(calls) - len(ran)
             tool_messages = [{"role": "tool", "content": truncate_tool_text(
                 result.text, turns.max_tool_response_length, turns.tool_response_truncate_side,
                 self.chat_format)} for result in results]

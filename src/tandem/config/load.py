@@ -5,13 +5,19 @@ Every error is a ConfigError whose message names the field and the fix.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from pathlib import Path
 from typing import Any, Iterable
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from tandem.config.kv_budget import kv_budget_problem
+from tandem.config.ranges import out_of_range
 from tandem.config.schema import RolloutCorrectionConfig, TandemConfig
+from tandem.types import TEMPERATURE_FLOOR
 
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 DISAGGREGATION_BACKENDS = ("vllm", "sglang")
@@ -42,20 +48,23 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     try:
         layers = [schema]
         if path is not None:
-            layers.append(OmegaConf.load(str(path)))
+            layers.append(_load_yaml(Path(path)))
         overrides = list(overrides)
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form a.b.c=value")
         if overrides:
             layers.append(OmegaConf.from_dotlist(overrides))
+        for layer in layers[1:]:
+            _check_sections(OmegaConf.to_container(layer, resolve=False), TandemConfig, "")
         merged = OmegaConf.merge(*layers)
         config: TandemConfig = OmegaConf.to_object(merged)
     except ConfigKeyError as error:
         raise ConfigError(_unknown_key_message(error)) from None
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or "?"
-        raise ConfigError(f"{key}: {error.msg if hasattr(error, 'msg') else error}. "
+        message = str(error.msg if hasattr(error, "msg") else error).splitlines()[0]
+        raise ConfigError(f"{key}: {message}. "
                           "Fix the value's type or spelling in the YAML or override.") from None
     validate(config)
     return config
@@ -64,6 +73,34 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 def to_yaml(config: TandemConfig) -> str:
     """Serialise a config back to YAML (what a run saves next to its outputs)."""
     return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def _load_yaml(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        layer = OmegaConf.load(str(path))
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(layer, DictConfig):
+        raise ConfigError(f"{path} must be a YAML mapping of sections (model: ..., rollout: ...), "
+                          f"not a {type(OmegaConf.to_container(layer)).__name__}")
+    return layer
+
+
+def _check_sections(layer: Any, cls: type, prefix: str) -> None:
+    """A section (a dataclass in the schema) must be given as a mapping, e.g. not `rollout: 5`."""
+    hints = typing.get_type_hints(cls)
+    for key, value in layer.items():
+        hint = hints.get(key)
+        if not dataclasses.is_dataclass(hint):
+            continue  # unknown keys are reported by the merge
+        if not isinstance(value, dict):
+            raise ConfigError(f"{prefix}{key}: is {value!r}, but it is a section: give a mapping of "
+                              f"its options (e.g. `{key}:` then indented `name: value` lines), or "
+                              f"leave it out. Valid keys: "
+                              f"{', '.join(f.name for f in dataclasses.fields(hint))}")
+        _check_sections(value, hint, f"{prefix}{key}.")
 
 
 def _unknown_key_message(error: ConfigKeyError) -> str:
@@ -93,6 +130,9 @@ def validate(config: TandemConfig) -> None:
     from tandem.tools.registry import builtin_tool_names
     from tandem.weight_sync.registry import checkpoint_engine_names
 
+    problem = out_of_range(config)
+    if problem:
+        raise ConfigError(problem)
     rollout = config.rollout
     if rollout.mode != "async":
         _fail("rollout.mode", f"{rollout.mode!r} is not supported: the synchronous generation path "
@@ -102,20 +142,13 @@ def validate(config: TandemConfig) -> None:
     if rollout.pipeline_model_parallel_size != 1:
         _fail("rollout.pipeline_model_parallel_size", f"is {rollout.pipeline_model_parallel_size}; "
               "pipeline parallelism is not supported by any rollout backend. Set it to 1.")
-    for name in ("tensor_model_parallel_size", "data_parallel_size", "n", "max_num_seqs",
-                 "max_num_batched_tokens", "prompt_length", "response_length", "block_size"):
-        if getattr(rollout, name) < 1:
-            _fail(f"rollout.{name}", f"is {getattr(rollout, name)}; it must be >= 1")
     _check_sampling("rollout", rollout.temperature, rollout.top_p, rollout.top_k)
     _check_sampling("rollout.val_kwargs", rollout.val_kwargs.temperature, rollout.val_kwargs.top_p,
                     rollout.val_kwargs.top_k)
-    if rollout.val_kwargs.n < 1:
-        _fail("rollout.val_kwargs.n", "must be >= 1")
     _choice("rollout.logprobs_mode", rollout.logprobs_mode, LOGPROBS_MODES)
-    if not 0.0 < rollout.gpu_memory_utilization <= 1.0:
-        _fail("rollout.gpu_memory_utilization", "must be in (0, 1]")
-    if rollout.kv_cache_memory_bytes < 0:
-        _fail("rollout.kv_cache_memory_bytes", "must be >= 0 (0: derive from gpu_memory_utilization)")
+    problem = kv_budget_problem(config)
+    if problem:
+        raise ConfigError(problem)
 
     disagg = rollout.disaggregation
     if disagg.enabled:
@@ -126,21 +159,13 @@ def validate(config: TandemConfig) -> None:
             _fail("rollout.disaggregation.prefill_replicas", "must be exactly 1 with disaggregation")
         if rollout.data_parallel_size != 1:
             _fail("rollout.data_parallel_size", "must be 1 with prefill/decode disaggregation")
-        for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size", "decode_replicas"):
-            if getattr(disagg, name) < 1:
-                _fail(f"rollout.disaggregation.{name}", "must be >= 1")
 
     ckpt = rollout.checkpoint_engine
     _choice("rollout.checkpoint_engine.backend", ckpt.backend, checkpoint_engine_names())
-    if ckpt.update_weights_bucket_megabytes < 1:
-        _fail("rollout.checkpoint_engine.update_weights_bucket_megabytes", "must be >= 1")
 
     turns = rollout.multi_turn
     _choice("rollout.multi_turn.tool_response_truncate_side", turns.tool_response_truncate_side,
             TRUNCATE_SIDES)
-    for name in ("max_assistant_turns", "max_user_turns", "max_tool_response_length"):
-        if getattr(turns, name) < 1:
-            _fail(f"rollout.multi_turn.{name}", "must be >= 1")
     for tool in turns.tools:
         _choice("rollout.multi_turn.tools", tool, builtin_tool_names())
     if turns.tools and not turns.enable:
@@ -162,11 +187,6 @@ def validate(config: TandemConfig) -> None:
     _kl_type("actor.kl_loss_type", actor.kl_loss_type)
     _choice("actor.optim.schedule", actor.optim.schedule, LR_SCHEDULES)
     _choice("critic.optim.schedule", config.critic.optim.schedule, LR_SCHEDULES)
-    if actor.clip_ratio_c <= 1.0:
-        _fail("actor.clip_ratio_c", f"is {actor.clip_ratio_c}; the dual-clip constant must be > 1")
-    for name in ("ppo_mini_batch_size", "ppo_epochs", "ppo_max_token_len_per_micro_batch", "fsdp_size"):
-        if getattr(actor, name) < 1:
-            _fail(f"actor.{name}", "must be >= 1")
     longest = rollout.prompt_length + rollout.response_length
     if actor.ppo_max_token_len_per_micro_batch < longest:
         _fail("actor.ppo_max_token_len_per_micro_batch", f"is {actor.ppo_max_token_len_per_micro_batch}, "
@@ -196,8 +216,6 @@ def validate(config: TandemConfig) -> None:
               "(or use adv_estimator=grpo)")
     _choice("reward.placement", config.reward.placement, REWARD_PLACEMENTS)
 
-    if config.data.train_batch_size < 1:
-        _fail("data.train_batch_size", "must be >= 1")
     if config.data.train_batch_size < actor.ppo_mini_batch_size:
         _fail("actor.ppo_mini_batch_size", f"is {actor.ppo_mini_batch_size} prompts, more than "
               f"data.train_batch_size={config.data.train_batch_size}: a mini-batch would be mostly "
@@ -205,8 +223,7 @@ def validate(config: TandemConfig) -> None:
 
     trainer = config.trainer
     _choice("trainer.trainer_mode", trainer.trainer_mode, TRAINER_MODES)
-    if trainer.n_devices < 1:
-        _fail("trainer.n_devices", "must be >= 1")
+    _choice("trainer.resume_missing", trainer.resume_missing, ("warn", "fail"))
     if actor.fsdp_size != trainer.n_devices:
         _fail("actor.fsdp_size", f"is {actor.fsdp_size} but trainer.n_devices={trainer.n_devices}: in the "
               "hybrid layout every device runs one FSDP rank; set both to the same value")
@@ -227,8 +244,6 @@ def validate(config: TandemConfig) -> None:
                   f"needs train_batch_size == trainer.separate_async.parameter_sync_step ({sync_step})"
                   f" x actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) = "
                   f"{sync_step * actor.ppo_mini_batch_size}")
-    if trainer.total_steps < 0 or trainer.test_freq < 0 or trainer.save_freq < 0:
-        _fail("trainer.total_steps", "total_steps, test_freq and save_freq must be >= 0")
 
 
 def _kl_type(field_name: str, value: str) -> None:
@@ -240,7 +255,7 @@ def _kl_type(field_name: str, value: str) -> None:
 
 
 def _check_rollout_correction(correction: RolloutCorrectionConfig) -> None:
-    from tandem.algorithms.rejection import parse_rejection
+    from tandem.config.rejection_spec import parse_rejection
 
     prefix = "algorithm.rollout_correction"
     _choice(f"{prefix}.importance_sampling", correction.importance_sampling, CORRECTION_LEVELS)
@@ -261,9 +276,8 @@ def _check_rollout_correction(correction: RolloutCorrectionConfig) -> None:
 
 
 def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int) -> None:
-    if temperature < 0:
-        _fail(f"{prefix}.temperature", f"is {temperature}; it must be >= 0 (0 means greedy)")
-    if not 0.0 < top_p <= 1.0:
-        _fail(f"{prefix}.top_p", f"is {top_p}; it must be in (0, 1] (1 disables top-p)")
-    if top_k == 0 or top_k < -1:
+    if 0 < temperature < TEMPERATURE_FLOOR:  # the engine would sample greedily, the actor not
+        _fail(f"{prefix}.temperature", f"is {temperature}, below {TEMPERATURE_FLOOR:g}; use 0 for "
+              f"greedy decoding or a temperature >= {TEMPERATURE_FLOOR:g}")
+    if top_k == 0:
         _fail(f"{prefix}.top_k", f"is {top_k}; use -1 to disable top-k or a positive count")

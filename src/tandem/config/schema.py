@@ -59,6 +59,8 @@ class MultiTurnConfig:
     max_tool_response_length: int = 256  # in tokens
     tool_response_truncate_side: str = "middle"  # left | right | middle
     tools: list[str] = field(default_factory=list)  # registered tool names
+    max_tool_calls_per_turn: int = 8  # calls over it are not run; the model gets one error message
+    tool_timeout_seconds: float = 30.0  # per call, enforced by the loop (above the sandbox's 10 s)
 
 
 @dataclass
@@ -228,6 +230,7 @@ class TrainerConfig:
     save_freq: int = 0  # checkpoint every k steps (0: never)
     output_dir: str = "runs/default"
     resume: bool = False
+    resume_missing: str = "warn"  # resume=true without a checkpoint: warn (start at step 0) | fail
     seed: int = 0
     tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
     progress: bool = True

@@ -26,7 +26,19 @@ def extract_number(text: str) -> Fraction | None:
     return Fraction(numbers[-1]) if numbers else None
 
 
-@register_reward("arithmetic")
+def check_ground_truth(ground_truth: Any) -> str | None:
+    """The ground truth must be a number (an int, a decimal or a fraction's text)."""
+    if ground_truth is None:
+        return ("no ground_truth (give a ground_truth column or reward_model.ground_truth); "
+                "the arithmetic reward compares the answer with it")
+    try:
+        Fraction(str(ground_truth))
+    except (ValueError, ZeroDivisionError):
+        return f"ground_truth {ground_truth!r} is not a number"
+    return None
+
+
+@register_reward("arithmetic", check_ground_truth)
 def arithmetic_reward(response_text: str, ground_truth: Any, extra_info: dict) -> RewardResult:
     """1.0 when the final answer's last number equals ground_truth exactly, else 0.0."""
     answer = extract_number(final_answer_text(response_text))

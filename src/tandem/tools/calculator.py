@@ -1,12 +1,15 @@
 """A calculator tool: arithmetic expressions parsed with `ast` against a whitelist, never eval.
 
-Integers stay exact; every intermediate integer is bounded (MAX_INT_BITS) and exponents are
-checked before they are computed, so `9**9**9` is refused instead of hanging the host.
+Integers stay exact; every intermediate integer is bounded (MAX_INT_BITS) and exponents and
+round()'s digits are checked before they are computed, so `9**9**9` and `round(1, -10**9)` are
+refused instead of hanging the host. Evaluation runs in a worker thread, off the event loop;
+since every step is this small, the agent loop's per-call deadline holds.
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import math
 import operator
 from typing import Any, Callable
@@ -17,20 +20,30 @@ MAX_EXPRESSION_CHARS = 500
 MAX_DEPTH = 50
 MAX_INT_BITS = 4096
 MAX_EXPONENT = 10_000
+MAX_ROUND_DIGITS = 1_300  # a MAX_INT_BITS integer has at most 1,234 decimal digits
 
 BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
 UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-FUNCTIONS: dict[str, Callable[..., Any]] = {
-    "abs": abs, "round": round, "min": min, "max": max, "sqrt": math.sqrt, "floor": math.floor,
-    "ceil": math.ceil, "log": math.log, "log2": math.log2, "log10": math.log10, "exp": math.exp,
-    "sin": math.sin, "cos": math.cos, "tan": math.tan}
-CONSTANTS = {"pi": math.pi, "e": math.e}
 
 
 class CalculatorError(ValueError):
     """The expression is not allowed or cannot be evaluated; the message is for the model."""
+
+
+def _round(value: Any, digits: Any = None) -> Any:
+    # round(int, -N) builds 10**N first, holding the GIL for as long as that takes
+    if isinstance(digits, int) and abs(digits) > MAX_ROUND_DIGITS:
+        raise CalculatorError(f"ndigits {digits} is beyond +-{MAX_ROUND_DIGITS}")
+    return round(value) if digits is None else round(value, digits)
+
+
+FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "abs": abs, "round": _round, "min": min, "max": max, "sqrt": math.sqrt, "floor": math.floor,
+    "ceil": math.ceil, "log": math.log, "log2": math.log2, "log10": math.log10, "exp": math.exp,
+    "sin": math.sin, "cos": math.cos, "tan": math.tan}
+CONSTANTS = {"pi": math.pi, "e": math.e}
 
 
 def _check_size(value: Any) -> Any:
@@ -130,6 +143,7 @@ class CalculatorTool:
     async def execute(self, arguments: dict[str, Any], context: dict[str, Any]) -> ToolResult:
         """Evaluate arguments["expression"]; an invalid expression is an error result."""
         try:
-            return ToolResult(format_number(evaluate_expression(arguments["expression"])))
+            value = await asyncio.to_thread(evaluate_expression, arguments["expression"])
+            return ToolResult(format_number(value))
         except CalculatorError as error:
             return ToolResult(f"Error: {error}", ok=False)

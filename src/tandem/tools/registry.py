@@ -1,7 +1,9 @@
 """Tools the model may call: the Tool contract, JSON-schema descriptions and a registry by name.
 
 A tool returns a ToolResult for anything the model got wrong (bad input, failing code); an
-exception from a tool means the host is broken and propagates.
+exception from a tool means the host is broken and propagates (the agent loop fails that one
+session). A tool must not block the event loop: run blocking work in a thread or subprocess,
+bounded, so the loop's per-call deadline (rollout.multi_turn.tool_timeout_seconds) holds.
 """
 
 from __future__ import annotations

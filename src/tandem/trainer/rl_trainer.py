@@ -241,7 +241,8 @@ class RLTrainer:
         trajectories = await self.generate(rows, self.step, validate=True)
         if self.config.reward.placement == "after_sampling":
             self.compute_rewards(trajectories)
-        return _trajectory_metrics(trajectories, "val")
+        return {**_trajectory_metrics(trajectories, "val"),
+                "val/failed_sessions": len(self.runner.take_failures())}
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.output_dir / "checkpoints" / f"step_{step}"

@@ -42,6 +42,7 @@ async def fit_sync(trainer: RLTrainer,
         timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{name} step [{phase}]"))
         with timer.phase("generate"):
             trajectories = await trainer.generate(trainer.train_rows(trainer.step), trainer.step)
+            failed_sessions = len(trainer.runner.take_failures())  # left out of the batch
         with timer.phase("sleep"):
             await trainer.sleep_rollout()
         with timer.phase("reward"):
@@ -66,6 +67,7 @@ async def fit_sync(trainer: RLTrainer,
         generated = sum(int(t.response_mask.sum()) for t in trajectories)
         metrics["throughput/generated_tokens_per_second"] = generated / max(timer.times["generate"], 1e-9)
         metrics["weight_version"] = trainer.step
+        metrics["rollout/failed_sessions"] = failed_sessions
         if config.test_freq and trainer.step % config.test_freq == 0 and trainer.step < config.total_steps:
             validation = await validate()
             metrics.update(validation)

@@ -250,6 +250,7 @@ class AsyncEngine:
         self._ensure_loop()
         params = SamplingParams.from_dict(sampling_params)
         prompt = self._check_prompt(prompt_ids)
+        self._check_params(params)
         if self.weights_state != "loaded" or self.unfilled_weights:
             raise RuntimeError(self._weights_missing_message())
         if request_id in self.requests:
@@ -276,6 +277,13 @@ class AsyncEngine:
         seq.aborted = True
         self.aborted.add(seq.request_id)
         self._work.set()
+
+    def _check_params(self, params: SamplingParams) -> None:
+        # checked here, at submission: a value the step cannot take would fail its neighbours
+        vocab = self.runner.vocab_size
+        if params.top_k > vocab:
+            raise ValueError(f"sampling top_k={params.top_k}: larger than the vocabulary ({vocab} "
+                             "tokens); use -1 to disable top-k")
 
     def _check_prompt(self, prompt_ids: list[int]) -> list[int]:
         if isinstance(prompt_ids, torch.Tensor):

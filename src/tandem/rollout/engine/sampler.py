@@ -1,6 +1,7 @@
 """Next-token sampling for a batch of sequences, each with its own sampling parameters.
 
-Processing order: repetition penalty, temperature, top-k, top-p; then greedy rows take the
+Processing order: repetition penalty, temperature, top-k, top-p; then greedy rows (temperature
+0 or below types.TEMPERATURE_FLOOR, whose logits are not divided) take the
 argmax and the others sample by inverse CDF (one uniform per row: ~20x cheaper on CPU than
 drawing a noise value per vocabulary entry); a seeded request draws its uniform from its own
 generator, the rest share the engine's.
@@ -61,15 +62,17 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], logprobs_mode: str,
     if any(p.repetition_penalty != 1.0 for p in params):
         logits = logits.clone()
         _apply_repetition_penalty(logits, seqs)
-    temperatures = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    # greedy rows (temperature 0 or below the floor) keep temperature 1: 1e-39 would overflow
+    temperatures = [1.0 if p.greedy else p.temperature for p in params]
     if any(t != 1.0 for t in temperatures):
         logits = logits / torch.tensor(temperatures, device=device)[:, None]
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         vocab = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
+                             device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
         logits = _apply_top_k_top_p(logits, top_k, top_p)
-    greedy = [p.temperature == 0 for p in params]
+    greedy = [p.greedy for p in params]
     if all(greedy):
         tokens = logits.argmax(dim=-1)
     else:
