@@ -15,7 +15,7 @@ def _train(config_path: str, overrides: list[str]) -> None:
     from tandem.config.load import load_config
     from tandem.trainer.plots import plot_run
     from tandem.trainer.rl_trainer import RLTrainer
-    from tandem.trainer.sync import fit_sync
+    from tandem.trainer.modes import fit
 
     config = load_config(config_path, overrides)
 
@@ -23,7 +23,7 @@ def _train(config_path: str, overrides: list[str]) -> None:
         trainer = RLTrainer(config)
         await trainer.start()
         try:
-            return await fit_sync(trainer)
+            return await fit(trainer)
         finally:
             await trainer.stop()
 

@@ -221,6 +221,15 @@ def validate(config: TandemConfig) -> None:
                   f"needs train_batch_size == trainer.separate_async.parameter_sync_step ({sync_step})"
                   f" x actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) = "
                   f"{sync_step * actor.ppo_mini_batch_size}")
+    async_rollout = trainer.async_rollout
+    if async_rollout.max_staleness < 0:
+        _fail("trainer.async_rollout.max_staleness", f"is {async_rollout.max_staleness}; it must be "
+              ">= 0 (0: every token of an update comes from the current weights)")
+    _choice("trainer.async_rollout.on_stale", async_rollout.on_stale, ("drop", "regenerate"))
+    if async_rollout.buffer_groups and async_rollout.buffer_groups < config.data.train_batch_size:
+        _fail("trainer.async_rollout.buffer_groups", f"is {async_rollout.buffer_groups}, fewer than "
+              f"data.train_batch_size={config.data.train_batch_size}: a step could never fill its "
+              "batch. Raise it (or 0 for 2 x train_batch_size)")
     if trainer.total_steps < 0 or trainer.test_freq < 0 or trainer.save_freq < 0:
         _fail("trainer.total_steps", "total_steps, test_freq and save_freq must be >= 0")
 
