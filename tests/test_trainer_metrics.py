@@ -41,6 +41,17 @@ def test_plots_are_written(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_async_runs_get_a_staleness_plot(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    for step, lag1 in ((1, 0.0), (2, 0.5)):
+        logger.log(step, {"time/wait_rollout": 0.3, "time/update": 0.5, "staleness/lag_mean": lag1,
+                          "staleness/lag_0_fraction": 1 - lag1, "staleness/lag_1_fraction": lag1,
+                          "staleness/stale_groups": float(step == 2)})
+    paths = plot_run(tmp_path)
+    assert "staleness.png" in [p.name for p in paths] and "timeline.png" in [p.name for p in paths]
+    assert (tmp_path / "staleness.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_make_data_command(tmp_path, capsys):
     main(["make-data", str(tmp_path), "--train-size", "5", "--val-size", "3"])
     train = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]

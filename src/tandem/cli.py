@@ -58,13 +58,13 @@ def _train(config_path: str, overrides: list[str]) -> None:
     quiet_libraries()
     from tandem.trainer.plots import plot_run
     from tandem.trainer.rl_trainer import RLTrainer
-    from tandem.trainer.sync import fit_sync
+    from tandem.trainer.modes import fit
 
     async def run() -> dict:
         trainer = RLTrainer(config)
         await trainer.start()
         try:
-            return await fit_sync(trainer)
+            return await fit(trainer)
         finally:
             await trainer.stop()
 

@@ -244,6 +244,12 @@ def validate(config: TandemConfig) -> None:
                   f"needs train_batch_size == trainer.separate_async.parameter_sync_step ({sync_step})"
                   f" x actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) = "
                   f"{sync_step * actor.ppo_mini_batch_size}")
+    async_rollout = trainer.async_rollout
+    _choice("trainer.async_rollout.on_stale", async_rollout.on_stale, ("drop", "regenerate"))
+    if async_rollout.buffer_groups and async_rollout.buffer_groups < config.data.train_batch_size:
+        _fail("trainer.async_rollout.buffer_groups", f"is {async_rollout.buffer_groups}, fewer than "
+              f"data.train_batch_size={config.data.train_batch_size}: a step could never fill its "
+              "batch. Raise it (or 0 for 2 x train_batch_size)")
 
 
 def _kl_type(field_name: str, value: str) -> None:

@@ -73,6 +73,8 @@ RANGES: dict[str, str] = {
     "trainer.seed": "[0, inf)",
     "trainer.n_devices": "[1, inf)",
     "trainer.separate_async.parameter_sync_step": "[1, inf)",
+    "trainer.async_rollout.max_staleness": "[0, inf)",
+    "trainer.async_rollout.buffer_groups": "[0, inf)",  # 0: 2 x data.train_batch_size
 }
 for _role in ("actor", "critic"):
     RANGES.update({

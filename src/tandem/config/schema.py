@@ -221,6 +221,15 @@ class SeparateAsyncConfig:
 
 
 @dataclass
+class AsyncRolloutConfig:
+    """The async modes' rollout buffer and staleness bound (sync mode ignores it)."""
+
+    max_staleness: int = 1  # largest (trainer version - oldest token version) allowed in an update
+    on_stale: str = "drop"  # drop | regenerate: what happens to a group over the bound
+    buffer_groups: int = 0  # prompt groups generating or waiting at once (0: 2 x data.train_batch_size)
+
+
+@dataclass
 class TrainerConfig:
     """The outer loop: mode, steps, validation, checkpoints, logging."""
 
@@ -235,6 +244,7 @@ class TrainerConfig:
     tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
     progress: bool = True
     separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
+    async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
     n_devices: int = 1  # devices (CPU workers or GPUs) for the actor and hybrid rollout
 
 

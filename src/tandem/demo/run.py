@@ -22,7 +22,7 @@ def run_demo(overrides: list[str] = (), train_size: int = 512, val_size: int = 6
     """The whole demo; returns (held-out accuracy before GRPO, after GRPO)."""
     from tandem.trainer.plots import plot_run
     from tandem.trainer.rl_trainer import RLTrainer
-    from tandem.trainer.sync import fit_sync
+    from tandem.trainer.modes import fit
 
     started = time.time()
     config = load_config(DEMO_CONFIG, list(overrides))
@@ -47,7 +47,7 @@ def run_demo(overrides: list[str] = (), train_size: int = 512, val_size: int = 6
         trainer = RLTrainer(config)
         await trainer.start()
         try:
-            after = await fit_sync(trainer, on_validation=report)
+            after = await fit(trainer, on_validation=report)
         finally:
             await trainer.stop()
         return accuracy[0], after["val/acc"]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from tandem.trainer.metrics import read_metrics
 
-TIMELINE_PHASES = ("generate", "sleep", "reward", "old_log_prob", "ref_log_prob", "values",
-                   "advantages", "update", "sync")
+TIMELINE_PHASES = ("generate", "wait_rollout", "abort", "sleep", "reward", "old_log_prob",
+                   "ref_log_prob", "values", "advantages", "update", "sync", "resume")
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -16,7 +16,8 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def plot_run(output_dir: str | Path) -> list[Path]:
-    """Write reward.png, logprob_gap.png and timeline.png next to metrics.jsonl; return paths."""
+    """Write reward.png, logprob_gap.png, timeline.png (and staleness.png for the async modes)
+    next to metrics.jsonl; return their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,7 +54,7 @@ def plot_run(output_dir: str | Path) -> list[Path]:
 
     figure, axis = plt.subplots(figsize=(8, 4))
     colors = plt.get_cmap("tab10")
-    train = [r for r in records if "time/generate" in r]
+    train = [r for r in records if "time/update" in r]
     for row, record in enumerate(train):
         left = 0.0
         for index, phase in enumerate(TIMELINE_PHASES):
@@ -68,7 +69,32 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     axis.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     axis.set_title("phase timeline per step")
     written.append(_save(figure, output_dir / "timeline.png"))
+    if any("staleness/lag_mean" in r for r in records):
+        written.append(_plot_staleness(plt, records, output_dir / "staleness.png"))
     return written
+
+
+def _plot_staleness(plt, records: list[dict], path: Path) -> Path:
+    """Per step: the share of consumed groups at each version lag (stacked), and groups over the bound."""
+    figure, axis = plt.subplots(figsize=(7, 4))
+    steps = [r for r in records if "staleness/lag_mean" in r]
+    lags = sorted({int(k.split("_")[1]) for r in steps for k in r if k.startswith("staleness/lag_")
+                   and k.endswith("_fraction")})
+    bottom = [0.0] * len(steps)
+    for lag in lags:
+        shares = [r.get(f"staleness/lag_{lag}_fraction") or 0.0 for r in steps]
+        axis.bar([r["step"] for r in steps], shares, bottom=bottom, label=f"lag {lag}")
+        bottom = [b + s for b, s in zip(bottom, shares)]
+    stale = [r.get("staleness/stale_groups") or 0.0 for r in steps]
+    if any(stale):
+        twin = axis.twinx()
+        twin.plot([r["step"] for r in steps], stale, color="black", marker="x", label="over the bound")
+        twin.set_ylabel("groups over max_staleness")
+    axis.set_xlabel("step")
+    axis.set_ylabel("share of the update's groups")
+    axis.legend(fontsize=8)
+    axis.set_title("version lag of the trajectories in each update")
+    return _save(figure, path)
 
 
 def _save(figure, path: Path) -> Path:

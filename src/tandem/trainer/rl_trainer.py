@@ -10,7 +10,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import torch
@@ -29,12 +29,16 @@ from tandem.models.tiny import resolve_model_path
 from tandem.rewards import compute_reward
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ServerOptions
+from tandem.serving.resumable_client import ResumableClient
 from tandem.trainer import ppo
 from tandem.trainer.hybrid_worker import HybridWorkerActor, needs_reference
-from tandem.trainer.metrics import MetricsLogger
+from tandem.trainer.metrics import MetricsLogger, PhaseTimer
 from tandem.training.fsdp import shard_batch
 
 logger = logging.getLogger(__name__)
+
+# on_validation(step, metrics): called after each validation (e.g. the demo's report)
+ValidationHook = Callable[[int, dict[str, float]], None]
 
 
 class RLTrainer:
@@ -44,10 +48,9 @@ class RLTrainer:
         """evaluation_only: read a run's directory without writing to it (tandem eval)."""
         from transformers import AutoTokenizer
 
-        if config.trainer.trainer_mode != "sync":
-            raise ValueError(f"trainer.trainer_mode={config.trainer.trainer_mode!r}: only the sync loop "
-                             "exists so far (colocate_async and separate_async are planned); set "
-                             "trainer.trainer_mode=sync")
+        if config.trainer.trainer_mode == "separate_async":
+            raise ValueError("trainer.trainer_mode='separate_async' is not built yet (it needs the "
+                             "cross-process checkpoint engines); use sync or colocate_async")
         self.config = config
         self.evaluation_only = evaluation_only
         self.model_path = resolve_model_path(config.model.path)
@@ -92,9 +95,17 @@ class RLTrainer:
         self.runner = AgentLoopRunner.from_tokenizer(self.client(), self.tokenizer, config.rollout,
                                                      reward_fn=reward_fn)
 
+    @property
+    def algorithm_name(self) -> str:
+        """GRPO or PPO, for progress bars."""
+        return "GRPO" if self.config.algorithm.adv_estimator == "grpo" else "PPO"
+
     def client(self):
-        """The client agent loops use (sync mode: plain; async modes override with resumable)."""
-        return self.manager.client()
+        """The client agent loops use: plain in sync mode; in the async modes the resumable one,
+        which finishes requests aborted by a weight sync with the new weights."""
+        if self.config.trainer.trainer_mode == "sync":
+            return self.manager.client()
+        return ResumableClient(self.manager.client())
 
     async def stop(self) -> None:
         """Stop servers and workers; leave Ray to its owner."""
@@ -120,7 +131,8 @@ class RLTrainer:
         data = self.config.data
         return self.train_data.batch_at(data.train_batch_size, epoch, index, data.shuffle, data.seed)
 
-    def _seeds(self, step: int, count: int, validate: bool) -> list[int]:
+    def seeds(self, step: int, count: int, validate: bool) -> list[int]:
+        """One deterministic sampling seed per row of batch `step`."""
         base = self.config.trainer.seed * 7_919 + (10**6 if validate else 0) + step * 10_007
         return [(base + i * 104_729) % (1 << 30) for i in range(count)]
 
@@ -129,7 +141,7 @@ class RLTrainer:
         total = sum(self.runner.sessions_per_prompt(row, validate) for row in rows)
         with tqdm(total=total, desc="validate" if validate else "generate", unit="traj", leave=False,
                   disable=not self.config.trainer.progress) as bar:
-            return await self.runner.run(rows, validate=validate, seeds=self._seeds(step, len(rows), validate),
+            return await self.runner.run(rows, validate=validate, seeds=self.seeds(step, len(rows), validate),
                                          on_trajectory=lambda _: bar.update())
 
     def _reward_fn(self, trajectory: Trajectory, row: DatasetRow | None = None) -> tuple[float, dict]:
@@ -218,6 +230,25 @@ class RLTrainer:
         metrics.update((await self._per_worker("update_actor", batch, size))[0])
         return metrics
 
+    async def train_on(self, trajectories: list[Trajectory], timer: PhaseTimer) -> tuple[TensorDict, dict[str, float]]:
+        """The training phases every mode shares, in order: reward (after_sampling) ->
+        old_log_prob -> ref_log_prob -> values -> advantages -> update. Returns (batch, metrics)."""
+        with timer.phase("reward"):
+            if self.config.reward.placement == "after_sampling":
+                self.compute_rewards(trajectories)
+        batch = self.make_batch(trajectories)
+        with timer.phase("old_log_prob"):
+            await self.compute_old_log_probs(batch)
+        with timer.phase("ref_log_prob"):
+            await self.compute_ref_log_probs(batch)
+        with timer.phase("values"):
+            await self.compute_values(batch)
+        with timer.phase("advantages"):
+            metrics = self.compute_advantages(batch)
+        with timer.phase("update"):
+            metrics.update(await self.update(batch))
+        return batch, metrics
+
     # ---- metrics, validation, checkpoints -----------------------------------------------
 
     def batch_metrics(self, trajectories: list[Trajectory], batch: TensorDict) -> dict[str, float]:
@@ -243,6 +274,33 @@ class RLTrainer:
             self.compute_rewards(trajectories)
         return {**_trajectory_metrics(trajectories, "val"),
                 "val/failed_sessions": len(self.runner.take_failures())}
+
+    async def validate_and_report(self, on_validation: ValidationHook | None = None) -> dict[str, float]:
+        """validate(), then on_validation(step, metrics) when there was something to validate."""
+        metrics = await self.validate()
+        if metrics and on_validation is not None:
+            on_validation(self.step, metrics)
+        return metrics
+
+    async def finish_step(self, trajectories: list[Trajectory], batch: TensorDict,
+                          metrics: dict[str, float], timer: PhaseTimer,
+                          on_validation: ValidationHook | None = None) -> dict[str, float]:
+        """After the sync: batch and timing metrics, periodic validation and checkpoint, then
+        one metrics record for the step. Returns the step's metrics."""
+        config = self.config.trainer
+        metrics.update(self.batch_metrics(trajectories, batch))
+        metrics.update(timer.metrics())
+        generated = sum(int(t.response_mask.sum()) for t in trajectories)
+        # sync mode: tokens per second of generation; async modes: per second of the whole step
+        seconds = timer.times.get("generate") or sum(timer.times.values())
+        metrics["throughput/generated_tokens_per_second"] = generated / max(seconds, 1e-9)
+        metrics["weight_version"] = self.step
+        if config.test_freq and self.step % config.test_freq == 0 and self.step < config.total_steps:
+            metrics.update(await self.validate_and_report(on_validation))
+        if config.save_freq and self.step % config.save_freq == 0:
+            await self.save_checkpoint()
+        self.metrics.log(self.step, metrics)
+        return metrics
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.output_dir / "checkpoints" / f"step_{step}"

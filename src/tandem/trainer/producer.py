@@ -1,0 +1,75 @@
+"""The async modes' producer: submits prompt groups fire-and-forget, in dataset order, as the
+rollout buffer frees slots; regenerated rows go first. A group that fails is counted and its
+slot freed: one bad prompt never stops the run."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+from tandem.agent.dataset import DatasetRow
+from tandem.trainer.rollout_buffer import RolloutBuffer, RolloutGroup
+
+if TYPE_CHECKING:
+    from tandem.trainer.rl_trainer import RLTrainer
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutProducer:
+    """Feeds `buffer` from trainer.train_rows(k), k = start_batch, start_batch + 1, ..."""
+
+    def __init__(self, trainer: "RLTrainer", buffer: RolloutBuffer, start_batch: int) -> None:
+        self.trainer = trainer
+        self.buffer = buffer
+        self.next_batch = start_batch
+        self._regenerate: deque[tuple[DatasetRow, int]] = deque()
+        self._regenerations = 0
+        self._loop_task: asyncio.Task | None = None
+        self._groups: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        """Begin submitting in the background."""
+        self._loop_task = asyncio.create_task(self._submit_forever(), name="rollout-producer")
+
+    def resubmit(self, group: RolloutGroup) -> None:
+        """Generate a stale group's prompt again (fresh uid, so it never merges with the old one)."""
+        self._regenerations += 1
+        row = dataclasses.replace(group.row, uid=f"{group.row.uid}-regen{self._regenerations}")
+        self._regenerate.append((row, self.trainer.config.trainer.seed + self._regenerations))
+
+    async def stop(self) -> None:
+        """Cancel submission and every group still generating (their slots are freed)."""
+        tasks = [t for t in (self._loop_task, *self._groups) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _submit_forever(self) -> None:
+        pending: deque[tuple[DatasetRow, int]] = deque()
+        while True:
+            if not pending:
+                rows = self.trainer.train_rows(self.next_batch)
+                seeds = self.trainer.seeds(self.next_batch, len(rows), validate=False)
+                pending.extend(zip(rows, seeds))
+                self.next_batch += 1
+            await self.buffer.reserve()
+            row, seed = self._regenerate.popleft() if self._regenerate else pending.popleft()
+            task = asyncio.create_task(self._run_group(row, seed, self.trainer.step))
+            self._groups.add(task)
+            task.add_done_callback(self._groups.discard)
+
+    async def _run_group(self, row: DatasetRow, seed: int, version: int) -> None:
+        try:
+            trajectories = await self.trainer.runner.run_prompt(row, seed=seed)
+        except asyncio.CancelledError:
+            self.buffer.cancel()
+            raise
+        except Exception:  # one prompt's failure is that prompt's, never the run's
+            logger.exception("prompt %s failed; its group is skipped", row.uid)
+            self.buffer.cancel(failed=True)
+            return
+        self.buffer.put(RolloutGroup(row, trajectories, version))
