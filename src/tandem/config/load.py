@@ -25,6 +25,7 @@ CORRECTION_LEVELS = ("none", "token", "sequence")
 REWARD_PLACEMENTS = ("agent_loop", "after_sampling")
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
+NONFINITE_LOSS_POLICIES = ("skip", "stop")
 
 
 class ConfigError(ValueError):
@@ -199,6 +200,7 @@ def validate(config: TandemConfig) -> None:
 
     trainer = config.trainer
     _choice("trainer.trainer_mode", trainer.trainer_mode, TRAINER_MODES)
+    _choice("trainer.on_nonfinite_loss", trainer.on_nonfinite_loss, NONFINITE_LOSS_POLICIES)
     if trainer.n_devices < 1:
         _fail("trainer.n_devices", "must be >= 1")
     if actor.fsdp_size != trainer.n_devices:

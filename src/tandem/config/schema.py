@@ -218,6 +218,7 @@ class TrainerConfig:
     save_freq: int = 0  # checkpoint every k steps (0: never)
     output_dir: str = "runs/default"
     resume: bool = False
+    on_nonfinite_loss: str = "skip"  # skip: drop that optimizer step | stop: raise; NaN/inf loss
     seed: int = 0
     tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
     progress: bool = True
