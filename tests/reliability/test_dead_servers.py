@@ -257,3 +257,94 @@ async def test_a_server_killed_mid_rollout_leaves_every_trajectory_whole(ray_man
     await manager.resume_generation()
     expect_exact(await client.generate("after", [2], {"max_tokens": 5}), [2], 5)
     assert (await manager.fault_metrics())["serving/dead_servers"] == 1.0
+
+
+# -- the same over the real native engine (slow) ------------------------------------------------
+
+NATIVE = RolloutConfig(kv_cache_memory_bytes=16 << 20, block_size=16)
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture
+def native_manager(ray_cluster):
+    from tandem.models import build_tiny_model
+
+    options = ServerOptions(model_path=str(build_tiny_model()), device_bundle={"CPU": 0.01},
+                            start_timeout_s=180)
+    manager = asyncio.run(ServerManager.create(NATIVE, options, "standalone", total_devices=3))
+    yield manager
+    asyncio.run(manager.shutdown())
+
+
+async def native_generated(manager: ServerManager) -> dict[str, int]:
+    return {sid: s["backend"]["generated_tokens"] for sid, s in (await manager.stats()).items()}
+
+
+def assert_whole(outputs: list[TokenOutput], budget: int) -> None:
+    import math
+
+    for output in outputs:
+        assert output.stop_reason == "length" and len(output.token_ids) == budget
+        assert len(output.log_probs) == budget
+        assert all(math.isfinite(lp) and lp <= 0 for lp in output.log_probs)
+
+
+@pytest.mark.slow
+async def test_native_server_killed_mid_rollout_every_trajectory_completes(native_manager) -> None:
+    manager, budget = native_manager, 48
+    client = manager.resumable_client()
+    prompts = {f"n{i}": [3 + i, 4, 5 + i % 7] for i in range(24)}
+    reference = await asyncio.gather(*(client.generate(f"ref-{r}", p, {**GREEDY,
+                                                                        "max_tokens": budget})
+                                       for r, p in prompts.items()))
+    start = await native_generated(manager)
+    tasks = [asyncio.ensure_future(client.generate(r, p, {**GREEDY, "max_tokens": budget}))
+             for r, p in prompts.items()]
+    for _ in range(2000):  # every request is running and has some tokens
+        before = await manager.status()
+        if (sum(before.in_flight().values()) == 24
+                and sum((await native_generated(manager)).values()) - sum(start.values()) >= 24):
+            break
+        await asyncio.sleep(0.01)
+    ray.kill(manager.replicas["replica-1"].main_server, no_restart=True)
+    outputs = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+    assert_whole(outputs, budget)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
+    status = await manager.status()
+    assert status.dead_servers == ["replica-1"]
+    assert 1 <= status.retried_requests <= before.in_flight()["replica-1"]
+    after = await native_generated(manager)
+    survivors = [sid for sid in after if sid != "replica-1"]
+    assert list(after) == ["replica-0", "replica-2"]
+    # Survivors generated their own requests once and each moved one once, from its start.
+    own = sum(before.in_flight()[sid] for sid in survivors)
+    assert sum(after[sid] - start[sid] for sid in survivors) == budget * (
+        own + status.retried_requests)
+
+
+@pytest.mark.slow
+async def test_native_abort_storm_during_generation_and_sync(native_manager) -> None:
+    manager, budget, rounds = native_manager, 64, 12
+    client = manager.resumable_client()
+    start = await native_generated(manager)
+    tasks = [asyncio.ensure_future(client.generate(f"s{i}", [3 + i, 9], {**GREEDY,
+                                                                         "max_tokens": budget}))
+             for i in range(18)]
+    from safetensors.torch import load_file
+
+    weights = load_file(manager.options.model_path + "/model.safetensors")
+    for version in range(1, rounds + 1):
+        await asyncio.sleep(0.02)
+        await manager.abort_all_requests()
+        if version % 2 == 0:  # every other storm round is a (same-weights) sync
+            await manager.update_weights(weights.items(), version=version)
+        await manager.resume_generation()
+    outputs = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+    assert_whole(outputs, budget)
+    # The engines sampled exactly the tokens returned: none lost, none generated twice.
+    after = await native_generated(manager)
+    assert sum(after[s] - start[s] for s in after) == 18 * budget
+    for output in outputs:
+        fields = output.extra_fields
+        assert 0 <= fields["min_global_steps"] <= fields["max_global_steps"] <= rounds
+    assert (await manager.fault_metrics())["serving/dead_servers"] == 0.0
