@@ -307,3 +307,56 @@ def test_on_nonfinite_loss_is_validated_at_load_time() -> None:
     with pytest.raises(ConfigError, match=r"trainer.on_nonfinite_loss: unknown value 'ignore'; "
                                           "valid values are skip, stop"):
         load_config(overrides=["trainer.on_nonfinite_loss=ignore"])
+
+
+# -- two FSDP2 ranks ------------------------------------------------------------------------------
+
+def fsdp_worker(rank: int, port: int, path: str, out_dir: str) -> None:
+    from tandem.training.fsdp import init_process_group
+
+    torch.set_num_threads(1)
+    init_process_group(rank, 2, f"tcp://127.0.0.1:{port}")
+    engine = new_engine(path)
+    engine.train_mini_batch(batch(rank), loss_fn())
+    engine.save_checkpoint(f"{out_dir}/step_1")
+    engine.load_checkpoint(f"{out_dir}/step_1")  # both ranks verify the files they read
+    if rank == 1:  # a NaN in rank 1's shard only
+        with torch.no_grad():
+            engine.model.get_parameter("model.embed_tokens.weight").to_local()[0, 0] = float("nan")
+    try:
+        engine.save_checkpoint(f"{out_dir}/step_2")
+        outcome = "saved"
+    except CheckpointError as error:
+        outcome = str(error)
+    with open(f"{out_dir}/rank{rank}.txt", "w") as handle:
+        handle.write(outcome)
+
+
+def test_two_fsdp_ranks_checksum_both_rng_files_and_refuse_nan_together(tiny_path,
+                                                                        tmp_path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(fsdp_worker, args=(port, str(tiny_path), str(tmp_path)), nprocs=2,
+                       join=True, start_method="fork")
+    files = json.loads((tmp_path / "step_1" / "manifest.json").read_text())["files"]
+    assert {"rng_rank0.pt", "rng_rank1.pt", "model.safetensors", "optimizer.pt"} <= set(files)
+    # Both ranks refused (no rank hung in a barrier the other skipped); nothing was written.
+    assert "non-finite values (on another rank)" in (tmp_path / "rank0.txt").read_text()
+    assert "['model.embed_tokens.weight']" in (tmp_path / "rank1.txt").read_text()
+    assert not (tmp_path / "step_2").exists()
+    # Fewer ranks may resume it (each finds its own RNG file); more ranks may not (see above).
+    assert new_engine(tiny_path).load_checkpoint(tmp_path / "step_1") == {}
+
+
+def test_a_rank_without_an_rng_file_in_the_checkpoint_is_refused(saved, tiny_path,
+                                                                 monkeypatch) -> None:
+    monkeypatch.setattr(checkpoint, "dp_rank_and_size", lambda: (1, 2))  # as rank 1 of 2
+    engine = new_engine(tiny_path)
+    with pytest.raises(CheckpointError, match=r"rng_rank1\.pt: not part of this checkpoint .* "
+                                              "saved with another number of ranks"):
+        engine.load_checkpoint(saved)

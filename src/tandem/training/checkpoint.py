@@ -72,6 +72,8 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
         dist.barrier()  # every RNG file is written before the manifest lists them
     if rank == 0:
         write_manifest(directory)
+    if dist.is_initialized():
+        dist.barrier()  # no rank returns before the checkpoint is complete
     return directory
 
 
