@@ -30,7 +30,7 @@ class BalancerStatus:
     sticky_entries: int
     removed_in_flight: int  # requests still running on servers removed while they ran
     dead_servers: list[str] = field(default_factory=list)  # removed because their actor died
-    retried_requests: int = 0  # calls that failed on a dead server and were routed again
+    retried_requests: int = 0  # calls that found their server dead (each tried again elsewhere)
 
     def in_flight(self) -> dict[str, int]:
         """server_id -> requests in flight."""

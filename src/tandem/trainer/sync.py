@@ -63,6 +63,7 @@ async def fit_sync(trainer: RLTrainer,
             metrics.update(await trainer.sync_weights())
         metrics.update(trainer.batch_metrics(trajectories, batch))
         metrics.update(timer.metrics())
+        metrics.update(await trainer.manager.fault_metrics())  # dead servers, retried requests
         generated = sum(int(t.response_mask.sum()) for t in trajectories)
         metrics["throughput/generated_tokens_per_second"] = generated / max(timer.times["generate"], 1e-9)
         metrics["weight_version"] = trainer.step
