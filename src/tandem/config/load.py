@@ -36,6 +36,7 @@ IMPORTANCE_SAMPLING_MODES = ("truncate", "icepop")
 REWARD_PLACEMENTS = ("agent_loop", "after_sampling")
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
+NONFINITE_LOSS_POLICIES = ("skip", "stop")
 
 
 class ConfigError(ValueError):
@@ -224,6 +225,7 @@ def validate(config: TandemConfig) -> None:
     trainer = config.trainer
     _choice("trainer.trainer_mode", trainer.trainer_mode, TRAINER_MODES)
     _choice("trainer.resume_missing", trainer.resume_missing, ("warn", "fail"))
+    _choice("trainer.on_nonfinite_loss", trainer.on_nonfinite_loss, NONFINITE_LOSS_POLICIES)
     if actor.fsdp_size != trainer.n_devices:
         _fail("actor.fsdp_size", f"is {actor.fsdp_size} but trainer.n_devices={trainer.n_devices}: in the "
               "hybrid layout every device runs one FSDP rank; set both to the same value")

@@ -240,6 +240,7 @@ class TrainerConfig:
     output_dir: str = "runs/default"
     resume: bool = False
     resume_missing: str = "warn"  # resume=true without a checkpoint: warn (start at step 0) | fail
+    on_nonfinite_loss: str = "skip"  # skip: drop that optimizer step | stop: raise; NaN/inf loss
     seed: int = 0
     tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
     progress: bool = True

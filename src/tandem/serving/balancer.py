@@ -7,7 +7,7 @@ Its methods are synchronous, so as an actor it handles one call at a time: count
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -29,6 +29,8 @@ class BalancerStatus:
     servers: list[ServerLoad]
     sticky_entries: int
     removed_in_flight: int  # requests still running on servers removed while they ran
+    dead_servers: list[str] = field(default_factory=list)  # removed because their actor died
+    retried_requests: int = 0  # calls that found their server dead (each tried again elsewhere)
 
     def in_flight(self) -> dict[str, int]:
         """server_id -> requests in flight."""
@@ -50,6 +52,8 @@ class LoadBalancer:
         self._handles: dict[str, Any] = {}
         self._sticky: OrderedDict[str, str] = OrderedDict()  # request_id -> server_id, LRU order
         self._removed_in_flight: dict[str, int] = {}  # removed server_id -> requests still out
+        self._dead: list[str] = []
+        self._retried = 0
 
     def add_server(self, server_id: str, handle: Any = None) -> None:
         """Register a server (its Ray handle, if any, so clients can look it up by id)."""
@@ -74,6 +78,17 @@ class LoadBalancer:
                                                   + load.in_flight)
         for request_id in [rid for rid, sid in self._sticky.items() if sid == server_id]:
             del self._sticky[request_id]
+
+    def report_dead(self, server_id: str, retried_requests: int = 1) -> bool:
+        """A call on server_id found its actor dead: stop routing to it (its sticky entries go)
+        and count the requests retried elsewhere. True if this report removed it (another may
+        have first)."""
+        self._retried += retried_requests
+        if server_id not in self._loads:
+            return False
+        self.remove_server(server_id)
+        self._dead.append(server_id)
+        return True
 
     def server_handle(self, server_id: str) -> Any:
         """The handle registered with a server id."""
@@ -116,10 +131,12 @@ class LoadBalancer:
         load.in_flight -= 1
 
     def status(self) -> BalancerStatus:
-        """In-flight and total counts per server, sticky-map size, requests on removed servers."""
+        """In-flight and total counts per server, sticky-map size, requests on removed servers,
+        dead servers and retried requests."""
         return BalancerStatus([ServerLoad(l.server_id, l.in_flight, l.requests)
                                for l in self._loads.values()], len(self._sticky),
-                              sum(self._removed_in_flight.values()))
+                              sum(self._removed_in_flight.values()), list(self._dead),
+                              self._retried)
 
 
 # Tiny and synchronous: no CPU reservation, so it never competes with servers for placement.

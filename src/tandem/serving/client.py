@@ -7,11 +7,19 @@ turn of one conversation never collides with the first inside the engine.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from typing import Any, Mapping
 
-from tandem.serving.remote import is_actor, resolve, submit
+from ray.exceptions import RayActorError
+
+from tandem.serving.remote import call, is_actor, resolve, submit
 from tandem.types import TokenOutput
+
+logger = logging.getLogger(__name__)
+
+# The server process is gone (ActorDiedError and ActorUnavailableError subclass RayActorError).
+DEAD_SERVER_ERRORS = (RayActorError,)
 
 
 class ServerClient:
@@ -37,13 +45,33 @@ class ServerClient:
                        sampling_params: Mapping[str, Any]) -> TokenOutput:
         """Acquire a server, generate once with a fresh backend id, always release the server.
 
+        A call whose server actor died (DEAD_SERVER_ERRORS) reports it to the balancer, which
+        stops routing there, and runs again from the same prompt on another server: the dead
+        server returned no token, so none is lost or repeated. No server left: NoServerError.
         extra_fields gets min_global_steps / max_global_steps (both = global_steps) unless set.
         """
-        server_id = await self._acquire(request_id)
+        while True:  # ends: each failure removes a server, which acquire() never returns again
+            server_id = await self._acquire(request_id)
+            try:
+                output = await self._generate_on(server_id, request_id, prompt_ids,
+                                                 sampling_params)
+                break
+            except DEAD_SERVER_ERRORS as error:
+                if await call(self.balancer, "report_dead", server_id):
+                    logger.warning("server %r died (%s); removed from the balancer, its requests "
+                                   "are retried on the other servers", server_id,
+                                   type(error).__name__)
+        steps = output.extra_fields["global_steps"]
+        output.extra_fields.setdefault("min_global_steps", steps)
+        output.extra_fields.setdefault("max_global_steps", steps)
+        return output
+
+    async def _generate_on(self, server_id: str, request_id: str, prompt_ids: list[int],
+                           sampling_params: Mapping[str, Any]) -> TokenOutput:
         try:
             server = await self._server(server_id)
             backend_request_id = f"{request_id}-{uuid.uuid4().hex}"
-            output = await resolve(
+            return await resolve(
                 submit(server, "generate", backend_request_id, list(prompt_ids),
                        dict(sampling_params)),
                 self.timeout_s, f"generate({request_id!r}) on server {server_id!r}")
@@ -52,10 +80,6 @@ class ServerClient:
             release = asyncio.ensure_future(resolve(submit(self.balancer, "release", server_id),
                                                     cancel_remote=False))
             await asyncio.shield(release)
-        steps = output.extra_fields["global_steps"]
-        output.extra_fields.setdefault("min_global_steps", steps)
-        output.extra_fields.setdefault("max_global_steps", steps)
-        return output
 
     async def _acquire(self, request_id: str) -> str:
         acquire = asyncio.ensure_future(resolve(submit(self.balancer, "acquire", request_id),

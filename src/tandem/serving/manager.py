@@ -7,6 +7,7 @@ in-process mode) get a plain LoadBalancer, so the whole path runs on the caller'
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Iterable, Iterator, Sequence
 
 import ray
@@ -17,11 +18,13 @@ from tandem.config.load import ConfigError
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.base import MEMORY_TAGS
 from tandem.serving.balancer import BalancerStatus, LoadBalancer, LoadBalancerActor
-from tandem.serving.client import ServerClient
+from tandem.serving.client import DEAD_SERVER_ERRORS, ServerClient
 from tandem.serving.footprint import check_backend_fits, replica_count, replica_world_size
 from tandem.serving.remote import call, is_actor
 from tandem.serving.replica import ReplicaLayout, RolloutReplica, ServerOptions
-from tandem.serving.resumable_client import ResumableClient
+from tandem.serving.resumable_client import MAX_ABORTS_WITHOUT_PROGRESS, ResumableClient
+
+logger = logging.getLogger(__name__)
 
 
 class ServerManager:
@@ -93,15 +96,19 @@ class ServerManager:
         """A client for agent loops (picklable to other Ray processes when servers are actors)."""
         return ServerClient(self.balancer, self.servers, timeout_s)
 
-    def resumable_client(self, resume: bool = True,
-                         timeout_s: float | None = None) -> ResumableClient:
+    def resumable_client(self, resume: bool = True, timeout_s: float | None = None,
+                         max_aborts_without_progress: int = MAX_ABORTS_WITHOUT_PROGRESS
+                         ) -> ResumableClient:
         """A client that resumes aborted requests across weight updates."""
-        return ResumableClient(self.client(timeout_s), resume)
+        return ResumableClient(self.client(timeout_s), resume, max_aborts_without_progress)
 
     # -- servers at run time (spillover) ---------------------------------------------------
 
     async def add_replica(self, replica: RolloutReplica) -> None:
-        """Route new requests to an initialised replica too."""
+        """Open generation on an initialised replica (undoing a remove_replica(abort=True)) and
+        route new requests to it too."""
+        # A replica still rerouting would answer every call "aborted" with no token, forever.
+        await replica.resume_generation()
         handle = replica.main_server if replica.is_remote else None
         await call(self.balancer, "add_server", replica.server_id, handle)
         self.replicas[replica.server_id] = replica
@@ -125,16 +132,38 @@ class ServerManager:
         """The balancer's view: in-flight and total requests per server."""
         return await call(self.balancer, "status")
 
+    async def fault_metrics(self) -> dict[str, float]:
+        """Counters for the trainer's metrics: servers found dead, requests retried elsewhere."""
+        status = await self.status()
+        return {"serving/dead_servers": float(len(status.dead_servers)),
+                "serving/retried_requests": float(status.retried_requests),
+                "serving/servers": float(len(status.servers))}
+
     async def stats(self) -> dict[str, dict[str, Any]]:
         """server_id -> that replica's main-server counters."""
-        results = await asyncio.gather(*(r.stats() for r in self.replicas.values()))
-        return {sid: stats[0] for sid, stats in zip(self.replicas, results)}
+        return {sid: stats[0] for sid, stats in (await self._all("stats")).items()}
 
     # -- trainer control, fanned out to every replica -------------------------------------
 
-    async def _all(self, method: str, *args: Any) -> list[Any]:
-        return list(await asyncio.gather(*(getattr(r, method)(*args)
-                                           for r in self.replicas.values())))
+    async def _all(self, method: str, *args: Any) -> dict[str, Any]:
+        """server_id -> result of every replica's call. A replica whose actor died leaves the
+        fleet (and the balancer) instead of failing the call: a dead server never blocks the
+        trainer's control calls. Any other error is raised once every call has returned."""
+        replicas = dict(self.replicas)
+        results = await asyncio.gather(*(getattr(r, method)(*args) for r in replicas.values()),
+                                       return_exceptions=True)
+        outcome = dict(zip(replicas, results))
+        for server_id, result in outcome.items():
+            if isinstance(result, DEAD_SERVER_ERRORS):
+                logger.warning("replica %r died (%s); it leaves the fleet", server_id,
+                               type(result).__name__)
+                self.replicas.pop(server_id, None)
+                await call(self.balancer, "report_dead", server_id, 0)
+        errors = [r for r in results if isinstance(r, BaseException)
+                  and not isinstance(r, DEAD_SERVER_ERRORS)]
+        if errors:
+            raise errors[0]
+        return {sid: r for sid, r in outcome.items() if not isinstance(r, BaseException)}
 
     async def sleep(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
         """Release the tagged memory everywhere; generation waits until wake_up()."""
@@ -146,7 +175,7 @@ class ServerManager:
 
     async def abort_all_requests(self) -> int:
         """Pause generation everywhere and abort running requests; returns how many ran."""
-        return sum(await self._all("abort_all_requests"))
+        return sum((await self._all("abort_all_requests")).values())
 
     async def resume_generation(self) -> None:
         """Reopen generation everywhere; waiting (re-asked) requests proceed."""

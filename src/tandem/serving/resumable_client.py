@@ -3,7 +3,9 @@
 When a request comes back "aborted" (the trainer is swapping weights), the tokens it already
 has are appended to the prompt and the request is asked again, with the same request_id (so it
 sticks to the same server) and the remaining budget. The re-ask waits inside the server until
-generation resumes, so nothing spins here.
+generation resumes, so nothing spins here. Should aborted replies keep coming without a new token
+(a server left rerouting, aborts faster than a token), the request fails after
+`max_aborts_without_progress` of them in a row instead of spinning forever.
 """
 
 from __future__ import annotations
@@ -14,12 +16,26 @@ from tandem.serving.client import ServerClient
 from tandem.types import SamplingParams, TokenOutput
 
 
+# Aborted replies in a row without a new token before a request gives up: far more than weight
+# syncs produce (a re-ask waits in the paused server), few enough that a stuck request fails fast.
+MAX_ABORTS_WITHOUT_PROGRESS = 64
+
+
+class StalledRequestError(RuntimeError):
+    """Aborted replies kept coming without a new token; the request gave up."""
+
+
 class ResumableClient:
     """Same API as ServerClient; resumes aborted requests unless resume=False."""
 
-    def __init__(self, client: ServerClient, resume: bool = True) -> None:
+    def __init__(self, client: ServerClient, resume: bool = True,
+                 max_aborts_without_progress: int = MAX_ABORTS_WITHOUT_PROGRESS) -> None:
+        if max_aborts_without_progress < 1:
+            raise ValueError("max_aborts_without_progress must be >= 1, not "
+                             f"{max_aborts_without_progress}")
         self.client = client
         self.resume = resume
+        self.max_aborts_without_progress = max_aborts_without_progress
 
     async def generate(self, request_id: str, prompt_ids: list[int],
                        sampling_params: Mapping[str, Any]) -> TokenOutput:
@@ -33,7 +49,7 @@ class ResumableClient:
         token_ids: list[int] = []
         log_probs: list[float] | None = [] if params.get("logprobs", True) else None
         versions: list[tuple[int, int, int]] = []  # (min, max, last) of segments with tokens
-        resumes = 0
+        resumes = stalled = 0
         while True:
             params["max_tokens"] = budget - len(token_ids)
             output = await self.client.generate(request_id, list(prompt_ids) + token_ids, params)
@@ -50,6 +66,13 @@ class ResumableClient:
             if len(token_ids) >= budget:
                 stop_reason = "length"  # aborted exactly at the budget: nothing left to ask for
                 break
+            stalled = 0 if output.token_ids else stalled + 1
+            if stalled >= self.max_aborts_without_progress:
+                raise StalledRequestError(
+                    f"request {request_id!r}: {stalled} aborted replies in a row without a new "
+                    f"token ({len(token_ids)} of {budget} tokens so far); a server stays in "
+                    "reroute mode (remove_replica(abort=True) without resume_generation()) or "
+                    "aborts come faster than one token")
             resumes += 1
         versions = versions or [(output.global_steps,) * 3]
         extra = dict(output.extra_fields)

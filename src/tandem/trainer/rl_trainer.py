@@ -5,7 +5,6 @@ the order of these calls."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
@@ -33,6 +32,7 @@ from tandem.serving.resumable_client import ResumableClient
 from tandem.trainer import ppo
 from tandem.trainer.hybrid_worker import HybridWorkerActor, needs_reference
 from tandem.trainer.metrics import MetricsLogger, PhaseTimer
+from tandem.training import checkpoint
 from tandem.training.fsdp import shard_batch
 
 logger = logging.getLogger(__name__)
@@ -290,6 +290,7 @@ class RLTrainer:
         config = self.config.trainer
         metrics.update(self.batch_metrics(trajectories, batch))
         metrics.update(timer.metrics())
+        metrics.update(await self.manager.fault_metrics())  # dead servers, retried requests
         generated = sum(int(t.response_mask.sum()) for t in trajectories)
         # sync mode: tokens per second of generation; async modes: per second of the whole step
         seconds = timer.times.get("generate") or sum(timer.times.values())
@@ -306,25 +307,26 @@ class RLTrainer:
         return self.output_dir / "checkpoints" / f"step_{step}"
 
     async def save_checkpoint(self) -> Path:
-        """Actor/critic state on every worker plus the trainer's own state; `latest` points here."""
+        """Actor/critic state on every worker plus the trainer's own state; `latest` points here
+        only once all of it is written and checksummed (non-finite weights are not saved)."""
         directory = self.checkpoint_dir(self.step)
         if directory.exists():
             shutil.rmtree(directory)
         await asyncio.gather(*(w.save_checkpoint.remote(str(directory)) for w in self.workers))
         state = {"step": self.step, "kl_controller": self.kl_controller.state_dict()}
-        (directory / "trainer_state.json").write_text(json.dumps(state))
-        (self.output_dir / "checkpoints" / "latest").write_text(str(self.step))
+        checkpoint.save_trainer_state(directory, state)
+        checkpoint.write_latest(self.output_dir / "checkpoints", self.step)
         return directory
 
     async def load_latest_checkpoint(self) -> bool:
         """Resume from `latest` if there is one; a training run drops the metrics of later steps
         (they are about to be recomputed), an evaluation leaves them."""
-        latest = self.output_dir / "checkpoints" / "latest"
-        if not latest.exists():
+        step = checkpoint.read_latest(self.output_dir / "checkpoints")
+        if step is None:
             return False
-        directory = self.checkpoint_dir(int(latest.read_text()))
+        directory = self.checkpoint_dir(step)
+        state = checkpoint.load_trainer_state(directory)
         await asyncio.gather(*(w.load_checkpoint.remote(str(directory)) for w in self.workers))
-        state = json.loads((directory / "trainer_state.json").read_text())
         self.step = state["step"]
         self.kl_controller.load_state_dict(state["kl_controller"])
         if self.metrics is not None:

@@ -31,16 +31,25 @@ ROLES = ("actor", "reference", "critic")
 LossFn = Callable[[TensorDict, ForwardOutput], tuple[torch.Tensor, dict[str, float]]]
 
 
+class NonFiniteLossError(RuntimeError):
+    """A mini-batch's loss was NaN or inf and trainer.on_nonfinite_loss=stop."""
+
+
 class TrainingEngine:
     """Actor, reference or critic over an HF model; `optim=None` makes it frozen (inference only)."""
 
     def __init__(self, model: torch.nn.Module, role: str, max_token_len: int, use_remove_padding: bool = True,
-                 optim: OptimConfig | None = None, total_steps: int | None = None, device: str = "cpu"):
+                 optim: OptimConfig | None = None, total_steps: int | None = None, device: str = "cpu",
+                 on_nonfinite_loss: str = "skip"):
+        """on_nonfinite_loss: "skip" drops a step whose loss is NaN/inf, "stop" raises."""
         if role not in ROLES:
             raise ValueError(f"TrainingEngine role={role!r}: use one of {ROLES}")
         if role == "reference" and optim is not None:
             raise ValueError("TrainingEngine role='reference' is frozen: pass optim=None")
+        if on_nonfinite_loss not in ("skip", "stop"):
+            raise ValueError(f"on_nonfinite_loss={on_nonfinite_loss!r}: use 'skip' or 'stop'")
         self.role, self.max_token_len, self.use_remove_padding = role, max_token_len, use_remove_padding
+        self.on_nonfinite_loss = on_nonfinite_loss
         self.device = device
         self.rank, self.dp_size = dp_rank_and_size()
         model = model.to(device)
@@ -77,7 +86,7 @@ class TrainingEngine:
                                                          attn_implementation=attn_implementation)
             optim = config.actor.optim if role == "actor" else None
         return cls(model, role, config.actor.ppo_max_token_len_per_micro_batch, config.actor.use_remove_padding,
-                   optim, total_steps, config.model.device)
+                   optim, total_steps, config.model.device, config.trainer.on_nonfinite_loss)
 
     # ---- forward passes -------------------------------------------------------------------
 
@@ -150,8 +159,9 @@ class TrainingEngine:
                        "global_tokens": tokens})
         return {f"{self.role}/{key}": value for key, value in result.items()}
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip the gradient norm, step (skipped if the norm is not finite), advance the schedule."""
+    def optimizer_step(self, loss_finite: bool = True) -> dict[str, float]:
+        """Clip the gradient norm, step (skipped if the loss or the norm is not finite), advance
+        the schedule."""
         if self.optimizer is None or self.scheduler is None or self.optim_config is None:
             raise ValueError(f"the {self.role} engine is frozen (no optimizer); it cannot step")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_config.grad_clip)
@@ -159,7 +169,7 @@ class TrainingEngine:
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
         learning_rate = self.scheduler.get_last_lr()[0]
-        finite = bool(torch.isfinite(torch.tensor(grad_norm)))
+        finite = loss_finite and bool(torch.isfinite(torch.tensor(grad_norm)))
         if finite:
             self.optimizer.step()
         self.scheduler.step()
@@ -176,7 +186,15 @@ class TrainingEngine:
             # momentum and weight decay would still move the weights).
             metrics[f"{self.role}/step_skipped"] = 1.0
             return metrics
-        metrics.update(self.optimizer_step())
+        # The loss is summed over ranks, so every rank takes the same decision.
+        loss_finite = bool(torch.isfinite(torch.tensor(metrics[f"{self.role}/loss"])))
+        if not loss_finite and self.on_nonfinite_loss == "stop":
+            raise NonFiniteLossError(
+                f"the {self.role} loss is {metrics[f'{self.role}/loss']} at optimizer step "
+                f"{self.global_step}; stopped by trainer.on_nonfinite_loss=stop before the "
+                "weights changed (the last checkpoint is intact). Set it to skip to drop such steps")
+        metrics.update(self.optimizer_step(loss_finite))
+        metrics[f"{self.role}/nonfinite_loss"] = float(not loss_finite)
         return metrics
 
     def update(self, batch: TensorDict, loss_fn: LossFn, mini_batch_size: int, epochs: int = 1,
