@@ -70,14 +70,22 @@ def build_sender(key: str, engine: str, kwargs: dict, n_receivers: int, version:
     return _SENDERS[key].build_topology(n_receivers, version, receiver_versions)
 
 
-def run_sender(key: str, plan, state: dict[str, torch.Tensor], die_after_buckets: int | None = None):
-    """Rank 0: send `state`; returns bytes_sent, or the error's record. die_after_buckets makes
-    this process exit abruptly once that many tensors were taken from the stream."""
+def use_cuda(index: int) -> str:
+    """Select this worker's CUDA device."""
+    torch.cuda.set_device(index)
+    return torch.cuda.get_device_name(index)
+
+
+def run_sender(key: str, plan, state: dict[str, torch.Tensor], die_after: int | None = None,
+               device: str = "cpu"):
+    """Rank 0: send `state` (moved to `device`); returns bytes_sent, or the error's record.
+    die_after makes this process exit abruptly once that many tensors were taken."""
     engine = _SENDERS[key]
+    state = {name: tensor.to(device) for name, tensor in state.items()}
 
     def stream():
         for index, item in enumerate(state.items()):
-            if die_after_buckets is not None and index == die_after_buckets:
+            if die_after is not None and index == die_after:
                 os._exit(3)
             yield item
 
@@ -106,7 +114,7 @@ def run_receiver(engine: str, kwargs: dict, plan, rank: int,
         for index, (name, tensor) in enumerate(receiver.receive_weights()):
             if die_after is not None and index == die_after:
                 os._exit(3)
-            received[name] = tensor.clone()
+            received[name] = tensor.to("cpu", copy=True)
         return {"error": False, "tensors": received}
     except WeightSyncError as error:
         return error_record(error, started)
