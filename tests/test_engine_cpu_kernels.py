@@ -209,7 +209,6 @@ def test_silu_and_mul_matches_torch_without_overflow(ops, size):
 
 
 def test_switch_off_is_reported():
-    import os
 
     saved = os.environ.get(cpu_kernels.ENV_SWITCH)
     os.environ[cpu_kernels.ENV_SWITCH] = "0"
@@ -283,7 +282,6 @@ def test_unsupported_head_size_takes_the_torch_path(ops):
 
 
 def test_a_stale_build_lock_is_removed_and_a_hung_build_is_given_up(tmp_path, monkeypatch):
-    import os
     import time
 
     calls = []
