@@ -10,6 +10,8 @@ error, ~1e-16 relative, is neglected), so each bound is the float32 side's alone
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 U = 2.0 ** -24  # float32 unit roundoff
@@ -78,8 +80,6 @@ def token_logprob_bounds(model: torch.nn.Module, prompt: list[int], response: li
     The second-order terms (products of two such errors, ~1e-10 here) are covered by a factor
     1.01. A float32 implementation's error is within the bound whatever its summation order.
     """
-    import copy
-
     exact = copy.deepcopy(model).double().eval()
     for parameter in exact.parameters():
         parameter.requires_grad_(False)
@@ -91,7 +91,7 @@ def token_logprob_bounds(model: torch.nn.Module, prompt: list[int], response: li
         return hook
 
     handles = []
-    for name, module in exact.named_modules():
+    for module in exact.modules():
         if isinstance(module, torch.nn.Linear):
             handles.append(module.register_forward_hook(keep("linear")))
         elif type(module).__name__.endswith("RMSNorm"):
