@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-slow bench smollm2 clean-venv
+.PHONY: demo test test-engine-torch-path test-slow bench smollm2 clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The engine tests on the torch path: the fused CPU kernels switched off (CI runs both paths).
+test-engine-torch-path: $(STAMP)
+	TANDEM_CPU_KERNELS=0 $(PY) -m pytest -q tests/test_engine_*.py
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -148,3 +148,15 @@ def test_shipped_configs_load(name):
     from pathlib import Path
 
     load_config(Path(__file__).resolve().parents[1] / name)
+
+
+def test_grpo_with_groups_of_one_is_rejected_naming_the_fix():
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=["algorithm.adv_estimator=grpo", "rollout.n=1"])
+    message = str(error.value)
+    assert message.startswith("rollout.n: is 1") and "rollout.n >= 2" in message
+    assert "adv_estimator=gae" in message
+    load_config(overrides=["algorithm.adv_estimator=grpo", "rollout.n=2"])
+    # a critic's baseline needs no group, and validation never computes advantages
+    load_config(overrides=["algorithm.adv_estimator=gae", "critic.enable=true", "rollout.n=1",
+                           "rollout.val_kwargs.n=1"])

@@ -13,6 +13,8 @@ from tandem.config.schema import RolloutConfig
 from tandem.models import TinyModelSpec, build_tiny_model
 from tandem.rollout.native import NativeRollout
 
+from float_bounds import assert_within, token_logprob_bounds
+
 SMALL_KV = 8 << 20
 
 
@@ -31,13 +33,6 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
         out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
                                 dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt):].tolist()
-
-
-def hf_token_logprobs(hf_model, prompt: list[int], response: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([prompt + response])).logits[0].float()
-    logprobs = logits.log_softmax(-1)[len(prompt) - 1:-1]
-    return logprobs.gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
 def random_prompts(count: int, vocab: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
@@ -82,8 +77,22 @@ async def test_logprobs_match_hf_forward(model_path, hf_model):
                                   for i, p in enumerate(prompts)))
     for prompt, out in zip(prompts, outs):
         assert len(out.token_ids) == len(out.log_probs) == 30
-        expected = hf_token_logprobs(hf_model, prompt, out.token_ids)
-        torch.testing.assert_close(torch.tensor(out.log_probs), expected, atol=1e-4, rtol=0)
+        # the exact (float64) HF log-probs, within the float32 forward's error bound
+        assert_within(torch.tensor(out.log_probs), *token_logprob_bounds(hf_model, prompt, out.token_ids),
+                      "engine log-probs vs HF")
+
+
+def test_the_logprob_bound_rejects_an_off_by_one(hf_model):
+    """The bound holds any float32 forward, yet a context one token short or a top-k one too
+    wide moves the log-probs far past it."""
+    prompt = random_prompts(1, hf_model.config.vocab_size, 12, 12, seed=6)[0]
+    response = hf_greedy(hf_model, prompt, 20)  # in every top-k
+    exact, bound = token_logprob_bounds(hf_model, prompt, response)
+    shorter, _ = token_logprob_bounds(hf_model, prompt[1:], response)
+    assert float(((shorter - exact).abs() / bound).max()) > 10
+    top5, bound5 = token_logprob_bounds(hf_model, prompt, response, temperature=0.7, top_k=5)
+    top6, _ = token_logprob_bounds(hf_model, prompt, response, temperature=0.7, top_k=6)
+    assert float(((top6 - top5).abs() / bound5).min()) > 10
 
 
 async def test_processed_logprobs_follow_the_sampled_distribution(model_path, hf_model):
@@ -92,13 +101,10 @@ async def test_processed_logprobs_follow_the_sampled_distribution(model_path, hf
     prompt = random_prompts(1, hf_model.config.vocab_size, 10, 10, seed=4)[0]
     params = {"temperature": 0.7, "top_k": 5, "max_tokens": 12, "ignore_eos": True}
     out = await rollout.generate("p", prompt, params)
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
-    logits = logits / 0.7
-    threshold = logits.topk(5, dim=-1).values[:, -1:]
-    processed = logits.masked_fill(logits < threshold, float("-inf")).log_softmax(-1)
-    expected = processed.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor(out.log_probs), expected, atol=1e-4, rtol=0)
+    # log_softmax over the top 5 of logits / 0.7, exact, within the float32 error bound
+    assert_within(torch.tensor(out.log_probs),
+                  *token_logprob_bounds(hf_model, prompt, out.token_ids, temperature=0.7, top_k=5),
+                  "processed log-probs")
 
 
 async def test_seeded_requests_reproduce_whatever_the_batch(model_path):
@@ -157,9 +163,8 @@ async def test_cuda_greedy_and_logprobs_match_hf(model_path, hf_model):
                                   for i, p in enumerate(prompts)))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf_model, prompt, 16)
-        torch.testing.assert_close(torch.tensor(out.log_probs),
-                                   hf_token_logprobs(hf_model, prompt, out.token_ids),
-                                   atol=1e-4, rtol=0)
+        assert_within(torch.tensor(out.log_probs),
+                      *token_logprob_bounds(hf_model, prompt, out.token_ids), "CUDA log-probs")
     await rollout.sleep()
     assert rollout.memory_bytes() == {"weights": 0, "kv_cache": 0}
     await rollout.wake_up()
@@ -185,5 +190,5 @@ async def test_qwen3_style_qk_norm_matches_hf(tmp_path):
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
                                   eos_token_id=None)[0, len(prompt):].tolist()
     assert out.token_ids == expected
-    torch.testing.assert_close(torch.tensor(out.log_probs),
-                               hf_token_logprobs(model, prompt, out.token_ids), atol=1e-4, rtol=0)
+    assert_within(torch.tensor(out.log_probs), *token_logprob_bounds(model, prompt, out.token_ids),
+                  "Qwen3 log-probs")

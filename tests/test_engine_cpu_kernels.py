@@ -4,10 +4,12 @@ and the engine's fused path against its torch path."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
 import tandem.rollout.engine.model_runner as model_runner
@@ -16,9 +18,13 @@ from tandem.models import TinyModelSpec, build_tiny_model
 from tandem.rollout.engine import cpu_kernels
 from tandem.rollout.native import NativeRollout
 
+from float_bounds import EXP_RELATIVE, U, assert_within, gamma, max_ratio, token_logprob_bounds
+
 
 @pytest.fixture(scope="module")
 def ops():
+    if os.environ.get(cpu_kernels.ENV_SWITCH) == "0":
+        pytest.skip(f"{cpu_kernels.ENV_SWITCH}=0: the engine runs its torch path")
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler: the engine runs its torch path (logged)")
     loaded = cpu_kernels.load()
@@ -27,22 +33,41 @@ def ops():
 
 
 def reference_attention(query, key_cache, value_cache, tables, lengths, scale):
-    """Plain softmax attention per sequence over its gathered blocks, K/V repeated per group."""
+    """Softmax attention per sequence over its gathered blocks (K/V repeated per group), in
+    float64, and the float32 error bound of any kernel computing it -> (out, bound) [B, H, D].
+
+    With S_j = scale * sum_d |q_d k_jd| (length D), the float32 scores are off by at most
+    gamma(D + 2) S_j (the +2: rounding scale and q * scale); x_j = s_j - max rounds by
+    u |s_j - max| and exp adds EXP_RELATIVE. Perturbing logit j by eta_j moves the output by
+    sum_j p_j eta_j (v_j - o) to first order (the common part of eta cancels), so
+    |err_d| <= sum_j p_j eta_j |v_jd - o_d| + (2 gamma(L) + 3u) sum_j p_j |v_jd|: the value sum
+    and the normaliser are length-L sums of positive weights, then 1/sum and the product.
+    The factor 1.01 covers the second-order terms (eta <= 1e-3 here).
+    """
     kv_heads, _, block, dim = key_cache.shape
     group = query.shape[1] // kv_heads
-    outs = []
+    outs, bounds = [], []
     for b, (table, length) in enumerate(zip(tables, lengths)):
-        keys = key_cache[:, table].reshape(kv_heads, -1, dim)[:, :length]
-        values = value_cache[:, table].reshape(kv_heads, -1, dim)[:, :length]
+        keys = key_cache[:, table].reshape(kv_heads, -1, dim)[:, :length].double()
+        values = value_cache[:, table].reshape(kv_heads, -1, dim)[:, :length].double()
         keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        weights = (query[b][:, None] @ keys.transpose(1, 2) * scale).softmax(-1)
-        outs.append((weights @ values)[:, 0])
-    return torch.stack(outs)
+        q = query[b].double()[:, None]  # [H, 1, D]
+        scores = (q @ keys.transpose(1, 2))[:, 0] * scale  # [H, L]
+        magnitude = (q.abs() @ keys.abs().transpose(1, 2))[:, 0] * scale
+        weights = scores.softmax(-1)
+        out = (weights[:, None] @ values)[:, 0]  # [H, D]
+        eta = (gamma(dim + 2) * magnitude + U * (scores.max(-1, keepdim=True).values - scores)
+               + EXP_RELATIVE)
+        spread = (values - out[:, None]).abs()  # [H, L, D]
+        bound = 1.01 * (weights * eta)[:, None] @ spread + \
+            (2 * gamma(length) + 3 * U) * (weights[:, None] @ values.abs())
+        outs.append(out)
+        bounds.append(bound[:, 0])
+    return torch.stack(outs), torch.stack(bounds)
 
 
-@pytest.mark.parametrize("dim,heads,kv_heads", [(16, 4, 2), (64, 14, 2), (128, 8, 8), (80, 8, 1),
-                                               (256, 4, 2), (16, 64, 1)])
-def test_decode_attention_matches_softmax_attention(ops, dim, heads, kv_heads):
+def attention_case(dim, heads, kv_heads):
+    """Random caches, five sequences around block edges, a scaled query; tables padded."""
     torch.manual_seed(dim)
     block, num_blocks = 16, 40
     key_cache = torch.randn(kv_heads, num_blocks, block, dim)
@@ -52,11 +77,34 @@ def test_decode_attention_matches_softmax_attention(ops, dim, heads, kv_heads):
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     query = torch.randn(len(lengths), heads, dim) * 3
+    return query, key_cache, value_cache, tables, padded, lengths, dim ** -0.5
+
+
+@pytest.mark.parametrize("dim,heads,kv_heads", [(16, 4, 2), (64, 14, 2), (128, 8, 8), (80, 8, 1),
+                                               (256, 4, 2), (16, 64, 1)])
+def test_decode_attention_matches_softmax_attention(ops, dim, heads, kv_heads):
+    query, key_cache, value_cache, tables, padded, lengths, scale = attention_case(dim, heads, kv_heads)
     out = torch.full_like(query, float("nan"))
-    scale = dim ** -0.5
     ops.decode_attention(out, query, key_cache, value_cache, padded, torch.tensor(lengths), scale)
-    expected = reference_attention(query, key_cache, value_cache, tables, lengths, scale)
-    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    expected, bound = reference_attention(query, key_cache, value_cache, tables, lengths, scale)
+    assert_within(out, expected, bound, f"decode_attention dim {dim}")
+
+
+@pytest.mark.parametrize("dim", [16, 256])
+def test_the_attention_bound_rejects_an_off_by_one_and_a_wrong_scale(dim):
+    """The bound is loose enough for any float32 order, tight enough for real bugs: attending
+    to one token too few, or a scale off by 1% (or 1/D for 1/sqrt(D)), exceeds it."""
+    query, key_cache, value_cache, tables, _, lengths, scale = attention_case(dim, 4, 2)
+    expected, bound = reference_attention(query, key_cache, value_cache, tables, lengths, scale)
+    longer = lengths[1:]  # the sequences with more than one token: drop their last one
+    short, _ = reference_attention(query[1:], key_cache, value_cache, tables[1:],
+                                   [n - 1 for n in longer], scale)
+    assert max_ratio(short, expected[1:], bound[1:]) > 10
+    for wrong in (scale * 1.01, 1 / dim):
+        mis_scaled, _ = reference_attention(query, key_cache, value_cache, tables, lengths, wrong)
+        # every sequence longer than one token (one token: softmax of one is 1 whatever the scale)
+        for b in range(1, len(lengths)):
+            assert max_ratio(mis_scaled[b], expected[b], bound[b]) > 10
 
 
 def test_decode_attention_rejects_bad_metadata(ops):
@@ -80,6 +128,15 @@ def test_decode_attention_rejects_bad_metadata(ops):
                              torch.tensor([[0]]), torch.tensor([3]), 1.0)
 
 
+def rms_norm_reference(x, weight, eps):
+    """w * x / sqrt(mean(x^2) + eps) in float64, and the float32 bound, relative per element:
+    the sum of H squares (positive terms) is within gamma(H); the mean, + eps, sqrt (halving
+    the relative error) and 1/. add 4u; x * inv and w * () add 2u: gamma(H) / 2 + 6u."""
+    x64 = x.double()
+    out = weight.double() * x64 / (x64.square().mean(-1, keepdim=True) + eps).sqrt()
+    return out, (gamma(x.shape[-1]) / 2 + 6 * U) * out.abs()
+
+
 @pytest.mark.parametrize("rows", [37, 1500])  # 1500 x 96: split across threads
 def test_rms_norm_and_fused_residual_add_match_hf(ops, rows):
     torch.manual_seed(0)
@@ -87,12 +144,15 @@ def test_rms_norm_and_fused_residual_add_match_hf(ops, rows):
     norm.weight.data.normal_()
     x, residual = torch.randn(rows, 96) * 4, torch.randn(rows, 96)
     with torch.no_grad():
-        torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-6), norm(x),
-                                   atol=1e-6, rtol=1e-5)
-        expected_residual = residual + x
+        assert_within(ops.rms_norm(x, norm.weight, 1e-6), *rms_norm_reference(x, norm.weight, 1e-6),
+                      "rms_norm")
+        expected_residual = residual + x  # one IEEE rounding of the same sum: bit-exact
         out = ops.add_rms_norm_(residual, x, norm.weight, 1e-6)
         torch.testing.assert_close(residual, expected_residual, atol=0, rtol=0)  # in place
-        torch.testing.assert_close(out, norm(expected_residual), atol=1e-6, rtol=1e-5)
+        assert_within(out, *rms_norm_reference(expected_residual, norm.weight, 1e-6), "add_rms_norm_")
+        # tight enough to see a mean over H - 1 (every output off by 1 - sqrt(95/96))
+        expected, bound = rms_norm_reference(x, norm.weight, 1e-6)
+        assert max_ratio(expected * (95 / 96) ** 0.5, expected, bound) > 10
 
 
 def test_rotary_write_kv_matches_hf_and_writes_only_the_slots(ops):
@@ -106,16 +166,27 @@ def test_rotary_write_kv_matches_hf_and_writes_only_the_slots(ops):
     cos, sin = table.cos().repeat(1, 2).contiguous(), table.sin().repeat(1, 2).contiguous()
     q, k, v = torch.randn(tokens, heads, dim), torch.randn(tokens, kv_heads, dim), \
         torch.randn(tokens, kv_heads, dim)
-    # HF's [batch, heads, seq, dim] layout: one "batch" row, tokens as the sequence
-    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                        cos[positions][None], sin[positions][None])
+
+    def reference(x):
+        """HF's rotation (its [batch, heads, seq, dim] layout, tokens as the sequence) in
+        float64 on the same float32 tables; each output is x_i c_i -/+ x_j s_i, two products
+        and one sum: within gamma(2) (|x_i c_i| + |x_j s_i|)."""
+        x = x.transpose(0, 1)[None].double()
+        c, s = cos[positions][None].double(), sin[positions][None].double()
+        out, _ = apply_rotary_pos_emb(x, x, c, s)
+        partner = x.roll(dim // 2, -1)  # x_j: the other half, as rotate_half pairs them
+        magnitude = x.abs() * c.abs()[:, None] + partner.abs() * s.abs()[:, None]
+        return out[0].transpose(0, 1), gamma(2) * magnitude[0].transpose(0, 1)
+
+    q_expected, q_bound = reference(q)
+    k_expected, k_bound = reference(k)
     key_cache = torch.full((kv_heads, 8, block, dim), 7.0)
     value_cache = torch.full((kv_heads, 8, block, dim), 7.0)
     ops.rotary_write_kv(q, k, v, cos, sin, positions, slots, key_cache, value_cache)
-    torch.testing.assert_close(q, q_ref[0].transpose(0, 1), atol=1e-6, rtol=1e-5)
+    assert_within(q, q_expected, q_bound, "rotated q")
     flat_keys = key_cache.view(kv_heads, -1, dim)
     flat_values = value_cache.view(kv_heads, -1, dim)
-    torch.testing.assert_close(flat_keys[:, slots], k_ref[0], atol=1e-6, rtol=1e-5)
+    assert_within(flat_keys[:, slots].transpose(0, 1), k_expected, k_bound, "rotated k")
     assert torch.equal(flat_values[:, slots], v.transpose(0, 1))
     untouched = torch.ones(flat_keys.shape[1], dtype=torch.bool)
     untouched[slots] = False
@@ -129,13 +200,16 @@ def test_silu_and_mul_matches_torch_without_overflow(ops, size):
     gate = torch.cat([torch.randn(size) * 5, torch.tensor([0.0, -100.0, 100.0, -1e30, 1e30])])
     up = torch.randn_like(gate)
     out = ops.silu_and_mul(gate.view(-1, 5), up.view(-1, 5))
-    expected = torch.nn.functional.silu(gate) * up
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.view(-1), expected, atol=1e-6, rtol=1e-5)
+    expected = torch.nn.functional.silu(gate.double()) * up.double()
+    # e = exp(-|x|) within EXP_RELATIVE moves sigmoid by at most as much (relative); 1 + e,
+    # the division, x * sigmoid and * up add 4u. Below e^-87 (2^-125.5) e flushes to 0: an
+    # absolute |x up| 2^-125 on top.
+    bound = (EXP_RELATIVE + 4 * U) * expected.abs() + (gate.double() * up.double()).abs() * 2.0 ** -125
+    assert_within(out.view(-1), expected, bound, "silu_and_mul")
 
 
 def test_switch_off_is_reported():
-    import os
 
     saved = os.environ.get(cpu_kernels.ENV_SWITCH)
     os.environ[cpu_kernels.ENV_SWITCH] = "0"
@@ -148,15 +222,18 @@ def test_switch_off_is_reported():
             os.environ[cpu_kernels.ENV_SWITCH] = saved
 
 
+def workload_prompt(index: int) -> list[int]:
+    return list(range(40, 59)) + [100 + index] * (3 + 5 * (index % 3))
+
+
 async def _run_workload(model_path) -> tuple[NativeRollout, list]:
     """Shared prefixes, staggered arrivals, chunked prompts, seeded sampling and greedy."""
     rollout = NativeRollout.create(model_path, RolloutConfig(
         kv_cache_memory_bytes=8 << 20, block_size=4, max_num_batched_tokens=48))
-    system = list(range(40, 59))
 
     async def one(index: int):
         await asyncio.sleep(0.002 * index)
-        prompt = system + [100 + index] * (3 + 5 * (index % 3))
+        prompt = workload_prompt(index)
         params = {"temperature": 0 if index % 2 else 1.0, "seed": index, "max_tokens": 12 + index,
                   "ignore_eos": True}
         return await rollout.generate(f"r{index}", prompt, params)
@@ -192,10 +269,13 @@ async def test_fused_path_matches_torch_path(ops, architecture, monkeypatch, tmp
     monkeypatch.setattr(model_runner.cpu_kernels, "load", lambda: None)
     torch_rollout, plain = await _run_workload(path)
     assert torch_rollout.engine.runner.kernels is None
-    for a, b in zip(fused, plain):
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for index, (a, b) in enumerate(zip(fused, plain)):
         assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs),
-                                   atol=1e-5, rtol=0)
+        # both within the float32 bound of the exact log-probs, so within twice it of each other
+        exact, bound = token_logprob_bounds(hf, workload_prompt(index), a.token_ids)
+        assert_within(torch.tensor(a.log_probs), exact, bound, "fused path")
+        assert_within(torch.tensor(a.log_probs), torch.tensor(b.log_probs), 2 * bound, "fused vs torch")
 
 
 def test_unsupported_head_size_takes_the_torch_path(ops):
@@ -209,7 +289,6 @@ def test_unsupported_head_size_takes_the_torch_path(ops):
 
 
 def test_a_stale_build_lock_is_removed_and_a_hung_build_is_given_up(tmp_path, monkeypatch):
-    import os
     import time
 
     calls = []

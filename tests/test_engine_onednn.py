@@ -1,5 +1,5 @@
 """CPU fp32: the native engine's linear layers run through oneDNN with packed weights, give the
-plain path's logits, and follow update_weights and sleep/wake."""
+plain path's log-probs, and follow update_weights and sleep/wake."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from tandem.config.schema import RolloutConfig
 from tandem.models import TinyModelSpec, build_tiny_model
 from tandem.rollout.engine.model_runner import PackedLinear
 from tandem.rollout.native import NativeRollout
+
+from float_bounds import assert_within, token_logprob_bounds
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 PROMPTS = [[5 + i, 6, 7 + 2 * i, 8, 9, 10 + i, 11, 12, 13] * (1 + i % 3) for i in range(6)]
@@ -34,20 +36,6 @@ def model_path(request):
 def make(model_path, dtype: str = "float32") -> NativeRollout:
     config = RolloutConfig(kv_cache_memory_bytes=8 << 20, block_size=4)
     return NativeRollout.create(model_path, config, dtype=dtype)
-
-
-def record_logits(rollout: NativeRollout) -> list[torch.Tensor]:
-    """Every step's logits, appended as the engine computes them."""
-    runner = rollout.engine.runner
-    forward_layers, seen = runner.forward_layers, []
-
-    def recording(batch):
-        logits = yield from forward_layers(batch)
-        seen.append(logits.clone())
-        return logits
-
-    runner.forward_layers = recording
-    return seen
 
 
 async def greedy_all(rollout: NativeRollout, prefix: str = "g") -> list[list[int]]:
@@ -94,18 +82,25 @@ async def test_cpu_fp32_runs_linears_through_onednn(model_path):
     assert not ops & {"aten::linear", "aten::addmm", "aten::mm"}
 
 
-async def test_logits_match_the_plain_path(model_path, monkeypatch):
+async def test_log_probs_match_the_plain_path(model_path, monkeypatch):
+    async def generate_all(rollout):
+        return await asyncio.gather(*(rollout.generate(f"g{i}", p, GREEDY) for i, p in enumerate(PROMPTS)))
+
     onednn = make(model_path)
-    onednn_logits = record_logits(onednn)
-    onednn_tokens = await greedy_all(onednn)
+    assert onednn.engine.runner.packed_linears
+    onednn_outs = await generate_all(onednn)
     monkeypatch.setattr(model_runner, "uses_onednn", lambda device, dtype: False)
     plain = make(model_path)
     assert not plain.engine.runner.packed_linears
-    plain_logits = record_logits(plain)
-    assert await greedy_all(plain) == onednn_tokens
-    assert len(plain_logits) == len(onednn_logits) > 0
-    for ours, theirs in zip(onednn_logits, plain_logits):
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    plain_outs = await generate_all(plain)
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    for prompt, ours, theirs in zip(PROMPTS, onednn_outs, plain_outs):
+        assert ours.token_ids == theirs.token_ids
+        # each path within the float32 bound of the exact log-probs, so within twice it of the other
+        exact, bound = token_logprob_bounds(hf, prompt, ours.token_ids)
+        assert_within(torch.tensor(ours.log_probs), exact, bound, "oneDNN path")
+        assert_within(torch.tensor(ours.log_probs), torch.tensor(theirs.log_probs), 2 * bound,
+                      "oneDNN vs plain path")
 
 
 async def test_update_weights_repacks(model_path, tmp_path):

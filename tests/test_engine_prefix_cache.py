@@ -13,6 +13,8 @@ from tandem.rollout.engine.sequence import Sequence
 from tandem.rollout.native import NativeRollout
 from tandem.types import SamplingParams
 
+from float_bounds import assert_within, token_logprob_bounds
+
 BLOCK = 8
 
 
@@ -152,10 +154,9 @@ async def test_cascade_attention_over_shared_prefixes_matches_plain_attention(mo
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     for index, (a, b) in enumerate(zip(with_cascade, plain)):
         assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs),
-                                   atol=1e-5, rtol=0)
-        prompt = prompts[index // 4]
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + a.token_ids])).logits[0, len(prompt) - 1:-1]
-        expected = logits.log_softmax(-1).gather(-1, torch.tensor(a.token_ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(a.log_probs), expected, atol=1e-4, rtol=0)
+        # each path is within the float32 bound of the exact log-probs, so within twice it of
+        # the other
+        exact, bound = token_logprob_bounds(hf, prompts[index // 4], a.token_ids)
+        assert_within(torch.tensor(a.log_probs), exact, bound, "cascade attention")
+        assert_within(torch.tensor(a.log_probs), torch.tensor(b.log_probs), 2 * bound,
+                      "cascade vs plain attention")

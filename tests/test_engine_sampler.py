@@ -8,6 +8,8 @@ from tandem.rollout.engine.sampler import sample
 from tandem.rollout.engine.sequence import Sequence
 from tandem.types import SamplingParams
 
+from float_bounds import U, assert_within, log_softmax_bound
+
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
 
@@ -33,8 +35,9 @@ def test_temperature_sampling_follows_softmax():
                                   "raw", generator)
         expected = (LOGITS / temperature).softmax(-1)
         assert (frequencies(tokens) - expected).abs().max() < 0.01
-        raw = LOGITS.log_softmax(-1)
-        assert torch.allclose(torch.tensor(logprobs), raw[tokens])
+        # raw mode: the untempered model's log-probs, exact within the float32 log-softmax bound
+        exact, bound = LOGITS.double().log_softmax(-1), log_softmax_bound(LOGITS)
+        assert_within(torch.tensor(logprobs), exact[tokens], bound[tokens], "raw log-probs")
 
 
 def test_top_k_and_top_p_restrict_the_support_and_renormalise():
@@ -45,7 +48,9 @@ def test_top_k_and_top_p_restrict_the_support_and_renormalise():
     assert set(tokens) == {0, 1}
     kept = LOGITS[:2].softmax(-1)
     assert (frequencies(tokens)[:2] - kept).abs().max() < 0.015
-    assert torch.allclose(torch.tensor(logprobs), kept.log()[tokens], atol=1e-6)
+    top2 = torch.cat([LOGITS[:2], torch.full((len(LOGITS) - 2,), float("-inf"))])
+    exact, bound = top2.double().log_softmax(-1), log_softmax_bound(top2)
+    assert_within(torch.tensor(logprobs), exact[tokens], bound[tokens], "processed log-probs")
     probs = LOGITS.softmax(-1)  # 0.55, 0.20, 0.12, ...: top_p 0.7 keeps the first two
     tokens, _ = sample(LOGITS.repeat(count, 1), seqs(count, top_p=0.7), "raw", generator)
     assert set(tokens) == {0, 1} and probs[:2].sum() > 0.7 > probs[0]
@@ -67,9 +72,14 @@ def test_repetition_penalty_follows_hf():
     tokens, logprobs = sample(LOGITS[None].clone(), seqs(1, seen, temperature=0,
                                                          repetition_penalty=5.0),
                               "processed", generator)
-    expected = RepetitionPenaltyLogitsProcessor(5.0)(torch.tensor([seen]), LOGITS[None].clone())
+    expected = RepetitionPenaltyLogitsProcessor(5.0)(torch.tensor([seen]), LOGITS[None].double())[0]
     assert tokens == [int(expected.argmax())] == [1]
-    assert abs(logprobs[0] - float(expected.log_softmax(-1)[0, 1])) < 1e-6
+    # the penalty rounds each penalised logit once (u |z|), moving log p_1 by (e_1 - p) . dz
+    exact = expected.log_softmax(-1)
+    penalty = U * ((torch.nn.functional.one_hot(torch.tensor(1), len(LOGITS)) - exact.exp()).abs()
+                   * expected.abs())[seen].sum()
+    assert_within(torch.tensor(logprobs), exact[1:2], log_softmax_bound(expected)[1] + penalty,
+                  "penalised log-prob")
 
 
 def test_per_request_seed_is_independent_of_the_batch():

@@ -141,6 +141,8 @@ def test_two_fsdp_workers_tempered_sampling(tmp_path, ray_cluster):
     record = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "time/generate" in r][0]
     assert record["rollout_gap/abs_diff_max"] < 1e-4
     assert record["actor/step_skipped"] == 0.0
+    # sequence balancing reported: the step's imbalance is at most its worst mini-batch's
+    assert 1.0 <= record["balance/token_imbalance"] <= record["balance/token_imbalance_worst_mini_batch"]
     # rollout data parallelism: both workers' engines served requests
     assert len(status.servers) == 2 and all(load.requests > 0 for load in status.servers)
     assert all(load.in_flight == 0 for load in status.servers)

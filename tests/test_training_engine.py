@@ -18,6 +18,8 @@ from tandem.training.engine import TrainingEngine
 from tandem.training.micro_batches import split_by_token_budget, split_into
 from tandem.training.optim import lr_multiplier
 
+from float_bounds import assert_within, token_logprob_bounds
+
 
 def make_batch(shapes, seed=0, tool_tokens=True):
     generator = torch.Generator().manual_seed(seed)
@@ -71,7 +73,12 @@ def test_gradient_does_not_depend_on_micro_batch_size(tiny_path, mode):
     assert len(split_by_token_budget(field_lengths(batch["input_ids"]), longest)) == 4
     # inference cut into micro-batches (first-fit reorders them) returns the batch's order
     reordered = actor(tiny_path, max_token_len=longest).compute_log_prob(batch).field("log_probs")
-    assert (field_values(reordered) - field_values(batch["old_log_probs"])).abs().max() < 1e-5
+    # the same log-probs up to rounding: each forward within the float32 bound of the exact ones
+    # (tests/float_bounds.py), so the two within twice it
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    for i in range(batch.batch_size[0]):
+        _, bound = token_logprob_bounds(model, batch["prompts"][i].tolist(), batch["responses"][i].tolist())
+        assert_within(reordered[i], batch["old_log_probs"][i], 2 * bound, f"sample {i}")
     one_at_a_time.accumulate_gradients(batch, ppo_loss_fn(mode), max_token_len=longest)
     all_at_once.accumulate_gradients(batch, ppo_loss_fn(mode), max_token_len=4096)
     worst = max((a.grad - b.grad).abs().max().item() for a, b in

@@ -1,10 +1,13 @@
-"""Sample padding: append no-op samples so the batch divides by data-parallel x mini-batch size.
+"""Sample padding: append no-op samples so the batch divides by the data-parallel size and the
+mini-batch size (their least common multiple, seed §7.6).
 
 This is padding of the sample count, not of token lengths (seed §7.6). A padding sample is
 prompt [eos], response [eos], every mask 0, rollout_log_probs [0.0], reward 0, is_padding True.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from tensordict import TensorDict
@@ -34,7 +37,7 @@ def pad_to_multiple(batch: TensorDict, multiple: int, eos_token_id: int) -> Tens
     """
     if multiple < 1:
         raise ValueError(f"pad_to_multiple: multiple={multiple} must be >= 1 "
-                         "(data-parallel size x mini-batch size)")
+                         "(lcm of the data-parallel size and the mini-batch size)")
     size = batch.batch_size[0]
     missing = -size % multiple
     if missing == 0:
@@ -63,6 +66,16 @@ def pad_to_multiple(batch: TensorDict, multiple: int, eos_token_id: int) -> Tens
         padding[key] = make_field(torch.zeros(missing * width, *field.shape[2:], dtype=field.dtype),
                                   torch.full((missing,), width, dtype=torch.long))
     return concat_batches([batch, padding])
+
+
+def pad_for_data_parallel(batch: TensorDict, dp_size: int, mini_batch_size: int,
+                          eos_token_id: int) -> TensorDict:
+    """Pad to a multiple of lcm(dp_size, mini_batch_size) trajectories: every rank gets an equal
+    shard and every optimizer step a full mini-batch, with the fewest padding samples."""
+    if dp_size < 1 or mini_batch_size < 1:
+        raise ValueError(f"pad_for_data_parallel: dp_size={dp_size} and mini_batch_size="
+                         f"{mini_batch_size} must both be >= 1")
+    return pad_to_multiple(batch, math.lcm(dp_size, mini_batch_size), eos_token_id)
 
 
 def drop_padding_samples(batch: TensorDict) -> TensorDict:

@@ -212,6 +212,10 @@ def validate(config: TandemConfig) -> None:
     if correction.bypass_mode and not rollout.calculate_log_probs:
         _fail("algorithm.rollout_correction.bypass_mode", "uses rollout_log_probs as old_log_probs, "
               "so rollout.calculate_log_probs must be true")
+    if algorithm.adv_estimator == "grpo" and rollout.n < 2:
+        _fail("rollout.n", f"is {rollout.n}, but adv_estimator=grpo normalises each reward against "
+              "its prompt's group: a group of one gets advantage 0 and learns nothing. Set "
+              "rollout.n >= 2 (e.g. rollout.n=4) or use algorithm.adv_estimator=gae with a critic")
     if algorithm.adv_estimator == "gae" and not config.critic.enable:
         _fail("algorithm.adv_estimator", "gae needs a value model: set critic.enable=true "
               "(or use adv_estimator=grpo)")

@@ -20,7 +20,8 @@ from tandem import algorithms
 from tandem.agent.dataset import DatasetRow, PromptDataset
 from tandem.agent.runner import AgentLoopRunner
 from tandem.batch.jagged import field_lengths, field_values, make_field, trajectories_to_batch
-from tandem.batch.padding import drop_padding_samples, pad_to_multiple
+from tandem.batch.balance import balance_batch, token_imbalance
+from tandem.batch.padding import drop_padding_samples, pad_for_data_parallel
 from tandem.batch.trajectory import Trajectory
 from tandem.config.load import to_yaml
 from tandem.config.schema import TandemConfig
@@ -173,10 +174,12 @@ class RLTrainer:
         return self.config.actor.ppo_mini_batch_size * self.config.rollout.n
 
     def make_batch(self, trajectories: list[Trajectory]) -> TensorDict:
-        """Jagged batch padded with no-op samples to a multiple of n_devices x mini-batch."""
-        batch = trajectories_to_batch(trajectories)
-        multiple = self.config.trainer.n_devices * self.mini_batch_trajectories()
-        return pad_to_multiple(batch, multiple, self.tokenizer.eos_token_id)
+        """Jagged batch padded with no-op samples to a multiple of lcm(n_devices, mini-batch),
+        ordered so each worker's contiguous shard is token-balanced (batch.balance)."""
+        n, mini_batch = self.config.trainer.n_devices, self.mini_batch_trajectories()
+        batch = pad_for_data_parallel(trajectories_to_batch(trajectories), n, mini_batch,
+                                      self.tokenizer.eos_token_id)
+        return balance_batch(batch, n, mini_batch)
 
     def _shards(self, batch: TensorDict) -> list[TensorDict]:
         n = len(self.workers)
@@ -257,6 +260,7 @@ class RLTrainer:
         mask = ppo.dense(real, "response_mask")
         metrics = _trajectory_metrics(trajectories, "reward")
         metrics["response/policy_tokens_mean"] = float(mask.sum(1).mean())
+        metrics.update(token_imbalance(batch, self.config.trainer.n_devices, self.mini_batch_trajectories()))
         if "entropy" in real.keys():
             metrics["actor/entropy"] = float(algorithms.masked_mean(ppo.dense(real, "entropy"), mask))
         if "ref_log_prob" in real.keys():

@@ -56,10 +56,11 @@ def all_reduce(values: list[float], op: str = "sum") -> list[float]:
 
 
 def shard_batch(batch: TensorDict, rank: int, world_size: int) -> TensorDict:
-    """This rank's contiguous 1/world_size of the samples (the size must divide evenly)."""
+    """This rank's contiguous 1/world_size of the samples (the size must divide evenly); the
+    trainer orders the batch first so these shards are token-balanced (batch.balance)."""
     size = batch.batch_size[0]
     if size % world_size:
         raise ValueError(f"shard_batch: {size} samples do not split over {world_size} data-parallel "
-                         "ranks; pad first with batch.padding.pad_to_multiple")
+                         "ranks; pad first with batch.padding.pad_for_data_parallel")
     chunk = size // world_size
     return select_samples(batch, torch.arange(rank * chunk, (rank + 1) * chunk))

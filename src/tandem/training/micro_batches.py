@@ -42,8 +42,8 @@ def split_into(groups: list[torch.Tensor], count: int) -> list[torch.Tensor]:
         raise ValueError(f"split_into: cannot merge {len(groups)} groups into {count}")
     if count > sum(g.numel() for g in groups):
         raise ValueError(f"split_into: {count} micro-batches need at least {count} samples on every "
-                         "rank; pad the batch (batch.padding.pad_to_multiple) to a multiple of the "
-                         "data-parallel size times the mini-batch size")
+                         "rank; pad the batch with batch.padding.pad_for_data_parallel (a multiple "
+                         "of the data-parallel size and the mini-batch size)")
     while len(groups) < count:
         largest = max(range(len(groups)), key=lambda i: groups[i].numel())
         group = groups.pop(largest)

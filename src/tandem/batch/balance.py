@@ -1,0 +1,99 @@
+"""Sequence balancing (seed §8.3 "balance"): order a padded batch so that its contiguous
+data-parallel shards carry equal token counts and equal shares of real samples.
+
+A rank's shard is its contiguous 1/world_size of the batch (`training.fsdp.shard_batch`), and
+each rank trains on its shard's k-th local chunk at optimizer step k, so global mini-batch k is
+the union of the ranks' k-th chunks. `balance_order` keeps mini-batch k's real samples the k-th
+contiguous run of the batch's real samples (prompt groups stay together, as generated), spreads
+the padding samples evenly over the mini-batches, and splits each mini-batch over the ranks by a
+largest-first partition of token counts with real-sample counts differing by at most one,
+heaviest part to the rank with the fewest tokens so far. So every rank gets real samples when
+there are at least as many as ranks (none trains on padding only), and no rank waits long for
+another at each optimizer step's gradient all-reduce. GRPO advantages need no grouping here: they are computed on the
+driver over the whole batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+import torch
+from tensordict import TensorDict
+
+from tandem.batch.jagged import field_lengths, select_samples
+
+
+def balanced_partition(lengths: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
+    """Indices of `lengths` split into len(sizes) parts of exactly those sizes, token sums as
+    equal as possible: longest first, each to the lightest part that still has room
+    (largest-first greedy under a size constraint). Indices ascend per part."""
+    if sum(sizes) != len(lengths):
+        raise ValueError(f"balanced_partition: part sizes {list(sizes)} do not add up to "
+                         f"{len(lengths)} samples")
+    parts: list[list[int]] = [[] for _ in sizes]
+    heap = [(0, part) for part, size in enumerate(sizes) if size > 0]
+    heapq.heapify(heap)
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        total, part = heapq.heappop(heap)
+        parts[part].append(index)
+        if len(parts[part]) < sizes[part]:
+            heapq.heappush(heap, (total + lengths[index], part))
+    return [sorted(part) for part in parts]
+
+
+def _even_split(count: int, parts: int) -> list[int]:
+    """count split into `parts` sizes differing by at most one, larger ones first."""
+    base, extra = divmod(count, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def balance_order(lengths: Sequence[int], is_padding: Sequence[bool], world_size: int,
+                  mini_batch_size: int) -> list[int]:
+    """The sample order whose contiguous shards (world_size of them) are balanced per global
+    mini-batch of `mini_batch_size` samples (see the module docstring). The batch size must be a
+    multiple of mini_batch_size, and mini_batch_size of world_size."""
+    size = len(lengths)
+    if mini_batch_size % world_size or size % mini_batch_size:
+        raise ValueError(f"balance_order: {size} samples in mini-batches of {mini_batch_size} over "
+                         f"{world_size} ranks do not divide; pad with batch.padding.pad_for_data_parallel")
+    real = [i for i in range(size) if not is_padding[i]]
+    padding = [i for i in range(size) if is_padding[i]]
+    per_rank = mini_batch_size // world_size
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    totals = [0] * world_size
+    for count in _even_split(len(real), size // mini_batch_size):
+        chunk, real = real[:count], real[count:]
+        parts = [[chunk[i] for i in part] for part in
+                 balanced_partition([lengths[i] for i in chunk], _even_split(count, world_size))]
+        parts.sort(key=lambda part: (-len(part), -sum(lengths[i] for i in part)))
+        # the heaviest part to the rank with the fewest tokens so far: the step balances too,
+        # and a mini-batch with fewer real samples than ranks hands them to different ranks
+        for part, rank in zip(parts, sorted(range(world_size), key=lambda r: (totals[r], r))):
+            fill = per_rank - len(part)
+            shards[rank] += part + padding[:fill]
+            padding = padding[fill:]
+            totals[rank] += sum(lengths[i] for i in part)
+    return [index for shard in shards for index in shard]
+
+
+def balance_batch(batch: TensorDict, world_size: int, mini_batch_size: int) -> TensorDict:
+    """The batch reordered by `balance_order` on its sequence lengths (prompt + response)."""
+    order = balance_order(field_lengths(batch["input_ids"]).tolist(), batch["is_padding"].tolist(),
+                          world_size, mini_batch_size)
+    return select_samples(batch, torch.tensor(order, dtype=torch.long))
+
+
+def token_imbalance(batch: TensorDict, world_size: int, mini_batch_size: int) -> dict[str, float]:
+    """max / mean of the ranks' token counts (1.0 = balanced) over the step and, the worst, over
+    one mini-batch (the ranks meet at every optimizer step's all-reduce)."""
+    lengths = field_lengths(batch["input_ids"]).double()
+    per_rank = mini_batch_size // world_size
+    # [rank, mini-batch, sample]: the layout shard_batch and the engine's update give
+    tokens = lengths.view(world_size, -1, per_rank).sum(-1)
+
+    def ratio(totals: torch.Tensor) -> torch.Tensor:
+        return totals.max(0).values / totals.mean(0)
+
+    return {"balance/token_imbalance": float(ratio(tokens.sum(1, keepdim=True))),
+            "balance/token_imbalance_worst_mini_batch": float(ratio(tokens).max())}

@@ -1,0 +1,167 @@
+"""float32 rounding-error bounds for the numeric tests (Higham, Accuracy and Stability of
+Numerical Algorithms, ch. 3), so that tolerances follow from the sizes and the data, not from
+one CPU's observed error.
+
+u = 2**-24 is float32's unit roundoff; gamma(n) = n u / (1 - n u). A dot product of length n
+computed in float32 in any order, with or without FMA, satisfies
+|fl(x.y) - x.y| <= gamma(n) * sum_i |x_i y_i|. References are computed in float64 (their own
+error, ~1e-16 relative, is neglected), so each bound is the float32 side's alone.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+U = 2.0 ** -24  # float32 unit roundoff
+# exp_nonpositive (csrc/cpu_kernels.cpp): Horner of degree 7 on |r| <= ln2/2 is within
+# gamma(14) * e^{2|r|} <= 28u of the series, the truncation is < 0.2u, the range reduction
+# < 0.5u; torch's own exp is within a few ulp. 32u covers both.
+EXP_RELATIVE = 32 * U
+
+
+def gamma(n: int | torch.Tensor) -> float | torch.Tensor:
+    """gamma_n = n u / (1 - n u): the relative error bound of n float32 operations."""
+    return n * U / (1 - n * U)
+
+
+def assert_within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor | float,
+                  what: str = "") -> None:
+    """|actual - expected| <= bound element-wise (in float64); the message gives the worst
+    ratio error / bound and where it is."""
+    error = (actual.double() - expected.double()).abs()
+    bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(error)
+    over = error > bound
+    if bool(over.any()):
+        ratio = error / bound.clamp(min=1e-300)
+        worst = int(ratio.argmax())
+        raise AssertionError(f"{what}: {int(over.sum())} of {error.numel()} elements exceed the "
+                             f"float32 bound; worst at flat index {worst}: error "
+                             f"{float(error.flatten()[worst]):.3e} > bound "
+                             f"{float(bound.flatten()[worst]):.3e}")
+
+
+def max_ratio(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> float:
+    """max |actual - expected| / bound: > 1 means the bound rejects `actual`."""
+    return float(((actual.double() - expected.double()).abs() / bound).max())
+
+
+def log_softmax_bound(logits: torch.Tensor) -> torch.Tensor:
+    """Bound on float32 log_softmax(logits)[..., v] given exact logits [..., V] (-inf entries:
+    masked out): x - m rounds (u), n exps (EXP_RELATIVE), their positive sum (gamma(n)), the
+    log (u of the log-sum), the two subtractions (u of each result)."""
+    logits = logits.double()
+    count = torch.isfinite(logits).sum(-1, keepdim=True)
+    top = logits.max(-1, keepdim=True).values
+    shifted = logits - top
+    log_sum = shifted.exp().sum(-1, keepdim=True).log()
+    return (EXP_RELATIVE + gamma(count) + U * shifted.abs() * 2 + U * log_sum.abs() * 3
+            + U * (shifted - log_sum).abs())
+
+
+def token_logprob_bounds(model: torch.nn.Module, prompt: list[int], response: list[int],
+                         temperature: float = 1.0, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact (float64) log-probabilities of `response` after `prompt` under an HF causal LM
+    (of logits / temperature restricted to the top_k, if given), and for each a first-order
+    bound on the error of any float32 forward of the same model.
+
+    Running-error analysis through autograd: a rounding error e_z in an intermediate z moves a
+    log-prob l by (dl/dz) e_z to first order, so |err l| <= sum_z |dl/dz| bound(e_z), with the
+    local bound of each op from its exact inputs:
+      linear y = W x + b (n inputs)      gamma(n + 1) (|W| |x| + |b|)
+      RMSNorm of width H                 (gamma(H) / 2 + 6u) |z|
+      residual add (each norm's input)   u |z|
+      silu(gate) * up (down_proj input)  (EXP_RELATIVE + 5u) |z|
+      attention core (o_proj input)      (2 eta + 2 gamma(L) + 3u) max_j |v_j|, eta the score
+          bound of the kernel test, with sum_d |q_d k_d| <= ||q|| ||k||, 6 extra roundings
+          for the rotary embedding and room for a softmax merged from two parts
+      temperature division, log-softmax  u |z / T|, log_softmax_bound
+    The second-order terms (products of two such errors, ~1e-10 here) are covered by a factor
+    1.01. A float32 implementation's error is within the bound whatever its summation order.
+    """
+    exact = copy.deepcopy(model).double().eval()
+    for parameter in exact.parameters():
+        parameter.requires_grad_(False)
+    records: list[tuple[str, torch.nn.Module, torch.Tensor, torch.Tensor]] = []
+
+    def keep(kind):
+        def hook(module, inputs, output):
+            records.append((kind, module, inputs[0], output))
+        return hook
+
+    handles = []
+    for module in exact.modules():
+        if isinstance(module, torch.nn.Linear):
+            handles.append(module.register_forward_hook(keep("linear")))
+        elif type(module).__name__.endswith("RMSNorm"):
+            handles.append(module.register_forward_hook(keep("norm")))
+    embeddings = exact.get_input_embeddings()
+    ids = torch.tensor([prompt + response])
+    inputs = embeddings(ids).detach().requires_grad_(True)
+    try:
+        logits = exact(inputs_embeds=inputs).logits[0, len(prompt) - 1:-1] / temperature
+    finally:
+        for handle in handles:
+            handle.remove()
+    processed = logits
+    if top_k:
+        processed = logits.masked_fill(logits < logits.topk(top_k).values[:, -1:], float("-inf"))
+    chosen = torch.tensor(response)[:, None]
+    picked = processed.log_softmax(-1).gather(-1, chosen)[:, 0]
+    final = log_softmax_bound(processed.detach()).gather(-1, chosen)[:, 0]
+    local = _local_error_bounds(exact, records)
+    # every token's gradients in one batched backward: row k of each is d picked[k] / d tensor
+    weighed = [tensor for tensor, _ in local] + [logits]
+    grads = torch.autograd.grad(picked, weighed, grad_outputs=torch.eye(len(response), dtype=torch.float64),
+                                is_grads_batched=True)
+    total = final.clone()
+    for grad, (_, bound) in zip(grads, local):
+        total += (grad.abs() * bound).flatten(1).sum(1)
+    if temperature != 1.0:
+        total += U * (grads[-1].abs() * logits.detach().abs()).flatten(1).sum(1)
+    return picked.detach(), 1.01 * total.detach()
+
+
+def _local_error_bounds(model, records) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor whose gradient weighs it, local rounding-error bound of that tensor)."""
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    outputs = {id(module): y for kind, module, x, y in records}
+    local = []
+    for kind, module, x, y in records:
+        if kind == "norm":
+            local.append((y, (gamma(y.shape[-1]) / 2 + 6 * U) * y.detach().abs()))
+            if x.grad_fn is not None:  # a residual sum (not the embeddings, exact)
+                local.append((x, U * x.detach().abs()))
+            continue
+        bias = module.bias.abs() if module.bias is not None else 0.0
+        local.append((y, gamma(module.in_features + 1) * (x.detach().abs() @ module.weight.abs().T + bias)))
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        down_input = next(x for kind, module, x, y in records if module is mlp.down_proj)
+        local.append((down_input, (EXP_RELATIVE + 5 * U) * down_input.detach().abs()))
+        o_input = next(x for kind, module, x, y in records if module is attention.o_proj)
+        q = outputs[id(getattr(attention, "q_norm", None))] if hasattr(attention, "q_norm") \
+            else outputs[id(attention.q_proj)]
+        k = outputs[id(getattr(attention, "k_norm", None))] if hasattr(attention, "k_norm") \
+            else outputs[id(attention.k_proj)]
+        v = outputs[id(attention.v_proj)]
+        tokens = q.shape[1]
+        q_norms = q.detach().reshape(tokens, heads, head_dim).norm(dim=-1)  # [T, H]
+        k_norms = k.detach().reshape(tokens, kv_heads, head_dim).norm(dim=-1)
+        v_abs = v.detach().reshape(tokens, kv_heads, head_dim).abs()
+        group = heads // kv_heads
+        # causal: token t sees 0..t; bound with the running max over those
+        k_max = k_norms.cummax(0).values.repeat_interleave(group, 1)  # [T, H]
+        v_max = v_abs.cummax(0).values.repeat_interleave(group, 1)  # [T, H, D]
+        scale = getattr(attention, "scaling", head_dim ** -0.5)
+        magnitude = scale * q_norms * k_max
+        # + 2 EXP_RELATIVE + 4u: a softmax split in two parts merged by their log-sum-exps
+        # (cascade attention over a shared prefix) rescales each part once
+        eta = gamma(head_dim + 8) * magnitude + U * 2 * magnitude + 3 * EXP_RELATIVE + 4 * U
+        lengths = torch.arange(1, tokens + 1, dtype=torch.float64)[:, None, None]
+        bound = (2 * eta[..., None] + 2 * gamma(lengths) + 3 * U) * v_max
+        local.append((o_input, bound.reshape(1, tokens, heads * head_dim)))
+    return local
