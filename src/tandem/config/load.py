@@ -25,6 +25,7 @@ CORRECTION_LEVELS = ("none", "token", "sequence")
 REWARD_PLACEMENTS = ("agent_loop", "after_sampling")
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 class ConfigError(ValueError):
@@ -201,6 +202,7 @@ def validate(config: TandemConfig) -> None:
     _choice("trainer.trainer_mode", trainer.trainer_mode, TRAINER_MODES)
     if trainer.n_devices < 1:
         _fail("trainer.n_devices", "must be >= 1")
+    _choice("trainer.placement_strategy", trainer.placement_strategy, PLACEMENT_STRATEGIES)
     if actor.fsdp_size != trainer.n_devices:
         _fail("actor.fsdp_size", f"is {actor.fsdp_size} but trainer.n_devices={trainer.n_devices}: in the "
               "hybrid layout every device runs one FSDP rank; set both to the same value")
