@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
                       help="tool: word problems needing the calculator; easy: small sums (no tool)")
     demo = commands.add_parser("demo", help="the CPU demo: GRPO teaches a tiny model a calculator tool")
     demo.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the demo config")
+    demo.add_argument("--warmup-steps", type=int, default=400, help="supervised warm-up steps")
+    demo.add_argument("--train-size", type=int, default=512, help="training problems")
+    demo.add_argument("--val-size", type=int, default=64, help="held-out problems")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_libraries()
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from tandem.demo.run import run_demo
 
-        run_demo(args.overrides)
+        run_demo(args.overrides, args.train_size, args.val_size, args.warmup_steps)
 
 
 if __name__ == "__main__":
