@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.config.schema import TandemConfig
@@ -39,13 +39,18 @@ def device_bundle(config: TandemConfig) -> dict[str, float]:
 
 
 async def reserve_devices(config: TandemConfig) -> PlacementGroup:
-    """A placement group of trainer.n_devices bundles (trainer.placement_strategy), placed."""
+    """A placement group of trainer.n_devices bundles (trainer.placement_strategy), placed;
+    removed again if it cannot be placed in time."""
     n = config.trainer.n_devices
     group = placement_group([device_bundle(config)] * n, strategy=config.trainer.placement_strategy)
-    await resolve_ready(group, PLACEMENT_TIMEOUT_S,
-                        f"training workers ({n} x {device_bundle(config)}, "
-                        f"{config.trainer.placement_strategy}; trainer.n_devices / "
-                        "trainer.placement_strategy)")
+    try:
+        await resolve_ready(group, PLACEMENT_TIMEOUT_S,
+                            f"training workers ({n} x {device_bundle(config)}, "
+                            f"{config.trainer.placement_strategy}; trainer.n_devices / "
+                            "trainer.placement_strategy)")
+    except BaseException:
+        remove_placement_group(group)  # a pending group would wait for resources forever
+        raise
     return group
 
 
