@@ -68,7 +68,8 @@ def split_records(path: Path) -> tuple[dict[int, dict], dict[int, dict]]:
 
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory, ray_cluster):
-    """runs(name, *overrides) -> Run of `tandem train config.yaml *overrides`, once per name."""
+    """runs(name, *overrides) -> Run of `tandem train config.yaml *overrides`, once per module
+    for each name (call it with the same overrides every time)."""
     done: dict[str, Run] = {}
 
     def runs(name: str, *overrides: str) -> Run:

@@ -18,6 +18,8 @@ BASELINE = ("baseline", "trainer.save_freq=2")
 # actor's over the whole vocabulary: a real, systematic rollout/actor gap (rollout higher).
 TOP_K = ("rollout.top_k=20", "rollout.logprobs_mode=processed")
 CORRECTION = "algorithm.rollout_correction"
+ONE_STEP = ("trainer.total_steps=1", "data.val_files=[]")  # for paths one update shows
+IMPORTANCE_SAMPLING = ("importance_sampling", *ONE_STEP, *TOP_K, f"{CORRECTION}.importance_sampling=token")
 SKIP = ("time/", "throughput/", "actor/tokens_per_second", "critic/tokens_per_second")  # wall clock
 
 
@@ -92,8 +94,8 @@ def test_kl_loss_adds_its_term_to_the_actor_loss(tiny_runs):
 
 
 def test_kl_in_reward_feeds_the_adaptive_controller(tiny_runs):
-    run = tiny_runs("kl_in_reward", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
-                    "algorithm.kl_ctrl.kl_coef=0.1")
+    run = tiny_runs("kl_in_reward", "data.val_files=[]", "algorithm.use_kl_in_reward=true",
+                    "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1")
     first, second = run.training[1], run.training[2]
     assert first["kl_in_reward/kl"] == 0.0 and first["kl_in_reward/coef"] == 0.1
     assert finite(second["kl_in_reward/kl"]) and second["kl_in_reward/kl"] > 0
@@ -103,7 +105,7 @@ def test_kl_in_reward_feeds_the_adaptive_controller(tiny_runs):
 
 
 def test_gae_trains_the_critic(tiny_runs):
-    run = tiny_runs("gae", "algorithm.adv_estimator=gae", "critic.enable=true", "critic.optim.lr=0.01")
+    run = tiny_runs("gae", *ONE_STEP, "algorithm.adv_estimator=gae", "critic.enable=true", "critic.optim.lr=0.01")
     for record in run.training.values():
         assert finite(record["critic/loss"]) and record["critic/loss"] > 0
         assert finite(record["critic/grad_norm"]) and record["critic/grad_norm"] > 0
@@ -114,7 +116,7 @@ def test_gae_trains_the_critic(tiny_runs):
 
 
 def test_truncated_importance_sampling_weights(tiny_runs):
-    run = tiny_runs("importance_sampling", *TOP_K, f"{CORRECTION}.importance_sampling=token")
+    run = tiny_runs(*IMPORTANCE_SAMPLING)
     for record in run.training.values():
         gap_max, kl_k1 = record["rollout_gap/abs_diff_max"], record["rollout_gap/kl_k1"]
         weight = record["rollout_correction/weight_mean"]
@@ -129,7 +131,7 @@ def test_truncated_importance_sampling_weights(tiny_runs):
 def test_rejection_masks_every_off_policy_token(tiny_runs):
     """Every token's ratio is ~exp(-3) < rejection_low 0.5: all are rejected and the actor takes
     no optimizer step (the record says so) instead of learning from the off-policy samples."""
-    run = tiny_runs("rejection", *TOP_K, f"{CORRECTION}.rejection=token")
+    run = tiny_runs("rejection", *ONE_STEP, *TOP_K, f"{CORRECTION}.rejection=token")
     for record in run.training.values():
         assert record["rollout_gap/abs_diff_mean"] > math.log(2)
         assert record["rollout_correction/rejected_token_fraction"] == 1.0
@@ -141,8 +143,8 @@ def test_rejection_masks_every_off_policy_token(tiny_runs):
 def test_bypass_uses_rollout_log_probs_as_old(tiny_runs):
     """bypass_mode: old_log_probs = rollout_log_probs, so their gap is exactly 0 and PPO's first
     ratio is actor / rollout: its ppo_kl is the rollout gap the non-bypass run measures."""
-    run = tiny_runs("bypass", *TOP_K, f"{CORRECTION}.bypass_mode=true")
-    measured = tiny_runs("importance_sampling", *TOP_K, f"{CORRECTION}.importance_sampling=token")
+    run = tiny_runs("bypass", *ONE_STEP, *TOP_K, f"{CORRECTION}.bypass_mode=true")
+    measured = tiny_runs(*IMPORTANCE_SAMPLING)
     for record in run.training.values():
         for key in ("abs_diff_mean", "abs_diff_max", "kl_k1", "kl_k3"):
             assert record[f"rollout_gap/{key}"] == 0.0
