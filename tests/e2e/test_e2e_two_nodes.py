@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).with_name("two_node_run.py")
+# Two raylets, a GCS and two training workers: 56-120 s on the shared 2-core box (load 10-17).
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
