@@ -19,6 +19,10 @@ BASELINE = ("baseline", "trainer.save_freq=2")
 TOP_K = ("rollout.top_k=20", "rollout.logprobs_mode=processed")
 CORRECTION = "algorithm.rollout_correction"
 ONE_STEP = ("trainer.total_steps=1", "data.val_files=[]")  # for paths one update shows
+# PPO as in RLHF: a critic for GAE and an adaptive KL penalty in the reward (one run, two tests).
+CLASSIC_PPO = ("classic_ppo", "data.val_files=[]", "algorithm.adv_estimator=gae", "critic.enable=true",
+               "critic.optim.lr=0.01", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+               "algorithm.kl_ctrl.kl_coef=0.1")
 IMPORTANCE_SAMPLING = ("importance_sampling", *ONE_STEP, *TOP_K, f"{CORRECTION}.importance_sampling=token")
 SKIP = ("time/", "throughput/", "actor/tokens_per_second", "critic/tokens_per_second")  # wall clock
 
@@ -48,16 +52,15 @@ def test_train_writes_metrics_plots_and_checkpoint(tiny_runs):
         assert (run.output_dir / plot).stat().st_size > 0, plot
 
 
-@pytest.mark.parametrize("resume, step", [(False, 0), (True, 2)])
-def test_eval_reproduces_validation_read_only(tiny_runs, capsys, resume, step):
-    """`tandem eval` scores the config's model (or the latest checkpoint) with the same greedy
-    validation as training did at that step, and writes nothing into the run directory."""
+def test_eval_of_the_checkpoint_reproduces_validation_read_only(tiny_runs, capsys):
+    """`tandem eval trainer.resume=true` scores the latest checkpoint with the same greedy
+    validation training ran after its last step, and writes nothing into the run directory."""
     run = tiny_runs(*BASELINE)
     before = {path: path.read_bytes() for path in run.output_dir.rglob("*") if path.is_file()}
     capsys.readouterr()
-    main(["eval", str(run.config_path), f"trainer.resume={str(resume).lower()}"])
+    main(["eval", str(run.config_path), "trainer.resume=true"])
     printed = json.loads(capsys.readouterr().out)
-    expected = {k: v for k, v in run.validation[step].items() if k != "step"}
+    expected = {k: v for k, v in run.validation[2].items() if k != "step"}
     assert printed == pytest.approx(expected, abs=1e-12)
     after = {path: path.read_bytes() for path in run.output_dir.rglob("*") if path.is_file()}
     assert after == before
@@ -94,8 +97,7 @@ def test_kl_loss_adds_its_term_to_the_actor_loss(tiny_runs):
 
 
 def test_kl_in_reward_feeds_the_adaptive_controller(tiny_runs):
-    run = tiny_runs("kl_in_reward", "data.val_files=[]", "algorithm.use_kl_in_reward=true",
-                    "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1")
+    run = tiny_runs(*CLASSIC_PPO)
     first, second = run.training[1], run.training[2]
     assert first["kl_in_reward/kl"] == 0.0 and first["kl_in_reward/coef"] == 0.1
     assert finite(second["kl_in_reward/kl"]) and second["kl_in_reward/kl"] > 0
@@ -105,7 +107,7 @@ def test_kl_in_reward_feeds_the_adaptive_controller(tiny_runs):
 
 
 def test_gae_trains_the_critic(tiny_runs):
-    run = tiny_runs("gae", *ONE_STEP, "algorithm.adv_estimator=gae", "critic.enable=true", "critic.optim.lr=0.01")
+    run = tiny_runs(*CLASSIC_PPO)
     for record in run.training.values():
         assert finite(record["critic/loss"]) and record["critic/loss"] > 0
         assert finite(record["critic/grad_norm"]) and record["critic/grad_norm"] > 0
