@@ -118,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="the CPU demo: GRPO teaches a tiny model a calculator tool",
                                parents=[debug])
     demo.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the demo config")
+    demo.add_argument("--warmup-steps", type=int, default=400, help="supervised warm-up steps")
+    demo.add_argument("--train-size", type=int, default=512, help="training problems")
+    demo.add_argument("--val-size", type=int, default=64, help="held-out problems")
     return parser
 
 
@@ -137,7 +140,7 @@ def _run(args: argparse.Namespace) -> None:
         from tandem.quiet import quiet_libraries
 
         quiet_libraries()
-        run_demo(args.overrides)
+        run_demo(args.overrides, args.train_size, args.val_size, args.warmup_steps)
 
 
 def main(argv: list[str] | None = None) -> None:

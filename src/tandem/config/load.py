@@ -37,6 +37,7 @@ REWARD_PLACEMENTS = ("agent_loop", "after_sampling")
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
 NONFINITE_LOSS_POLICIES = ("skip", "stop")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 class ConfigError(ValueError):
@@ -230,6 +231,7 @@ def validate(config: TandemConfig) -> None:
     _choice("trainer.trainer_mode", trainer.trainer_mode, TRAINER_MODES)
     _choice("trainer.resume_missing", trainer.resume_missing, ("warn", "fail"))
     _choice("trainer.on_nonfinite_loss", trainer.on_nonfinite_loss, NONFINITE_LOSS_POLICIES)
+    _choice("trainer.placement_strategy", trainer.placement_strategy, PLACEMENT_STRATEGIES)
     if actor.fsdp_size != trainer.n_devices:
         _fail("actor.fsdp_size", f"is {actor.fsdp_size} but trainer.n_devices={trainer.n_devices}: in the "
               "hybrid layout every device runs one FSDP rank; set both to the same value")

@@ -247,6 +247,8 @@ class TrainerConfig:
     separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
     async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
     n_devices: int = 1  # devices (CPU workers or GPUs) for the actor and hybrid rollout
+    ray_address: str = ""  # join this Ray cluster ("auto", "ip:6379"); "" = $RAY_ADDRESS or start one
+    placement_strategy: str = "PACK"  # training workers' bundles: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
 
 
 @dataclass

@@ -18,8 +18,10 @@ DEMO_MODEL = TinyModelSpec(hidden_size=128, num_hidden_layers=4, num_attention_h
                            num_key_value_heads=2, intermediate_size=384, seed=1)
 
 
-def run_demo(overrides: list[str] = (), train_size: int = 512, val_size: int = 64) -> tuple[float, float]:
-    """The whole demo; returns (held-out accuracy before GRPO, after GRPO)."""
+def run_demo(overrides: list[str] = (), train_size: int = 512, val_size: int = 64,
+             warmup_steps: int = 400) -> tuple[float, float]:
+    """The whole demo; returns (held-out accuracy before GRPO, after GRPO). Fewer warm-up steps
+    and problems give a quick smoke run (the accuracy then means little)."""
     from tandem.trainer.plots import plot_run
     from tandem.trainer.rl_trainer import RLTrainer
     from tandem.trainer.modes import fit
@@ -28,7 +30,8 @@ def run_demo(overrides: list[str] = (), train_size: int = 512, val_size: int = 6
     config = load_config(DEMO_CONFIG, list(overrides))
     output = Path(config.trainer.output_dir)
     print(f"[demo] warm-up: supervised phase on tool-use transcripts (cached after the first run)")
-    model = warm_up(WarmupRecipe(base_model=str(build_tiny_model(DEMO_MODEL))), config.trainer.progress)
+    model = warm_up(WarmupRecipe(base_model=str(build_tiny_model(DEMO_MODEL)), steps=warmup_steps),
+                    config.trainer.progress)
     train_file, val_file = make_datasets(output / "data", train_size, val_size, config.data.seed)
     config = load_config(DEMO_CONFIG, [f"model.path={model}", f"data.train_files=[{train_file}]",
                                        f"data.val_files=[{val_file}]", *overrides])

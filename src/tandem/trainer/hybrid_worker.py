@@ -138,6 +138,10 @@ class HybridWorker(RolloutServer):
         """Readiness check: the rank."""
         return self.rank
 
+    def node_id(self) -> str:
+        """The Ray node this worker was placed on."""
+        return ray.get_runtime_context().get_node_id()
+
 
 # Generate calls overlap with control calls: an async actor with room for many of them.
 HybridWorkerActor = ray.remote(max_concurrency=10_000)(HybridWorker)

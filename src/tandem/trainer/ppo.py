@@ -122,6 +122,6 @@ def critic_loss_fn(config: TandemConfig):
             config.critic.cliprange_value)
         total = algorithms.aggregate_loss(loss, mask, "token-mean",
                                           global_token_count=outputs.mini_batch.global_tokens)
-        return total, {"critic/value_clip_fraction": float(clip_fraction)}
+        return total, {"value_clip_fraction": float(clip_fraction)}
 
     return loss_fn

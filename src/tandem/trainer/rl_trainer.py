@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import ray
 import torch
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from tensordict import TensorDict
 from tqdm import tqdm
 
@@ -30,7 +31,7 @@ from tandem.rewards import compute_reward
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ServerOptions
 from tandem.serving.resumable_client import ResumableClient
-from tandem.trainer import ppo
+from tandem.trainer import placement, ppo
 from tandem.trainer.hybrid_worker import HybridWorkerActor, needs_reference
 from tandem.trainer.metrics import MetricsLogger, PhaseTimer
 from tandem.training import checkpoint
@@ -71,21 +72,24 @@ class RLTrainer:
         self.kl_controller = algorithms.kl_controller_from_config(config.algorithm.kl_ctrl)
         self.step = 0
         self.workers: list[Any] = []
+        self.placement_group: PlacementGroup | None = None
         self.manager: ServerManager | None = None
         self.runner: AgentLoopRunner | None = None
 
     # ---- start and stop ---------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start Ray, the hybrid workers (actor + rollout engine each) and the balancer."""
+        """Join (trainer.ray_address / $RAY_ADDRESS) or start Ray, place one hybrid worker
+        (actor + rollout engine) per device bundle, rendezvous them, start the balancer."""
         config = self.config
         n = config.trainer.n_devices
         if not ray.is_initialized():
-            ray.init(num_cpus=max(os.cpu_count() or 1, n), include_dashboard=False,
-                     log_to_driver=True, _system_config={"worker_niceness": 0})
+            ray.init(**placement.ray_init_kwargs(config))
+        self.placement_group = await placement.reserve_devices(config)
         threads = max(1, (os.cpu_count() or 1) // n)
-        init_method = f"tcp://127.0.0.1:{_free_port()}" if n > 1 else None
-        self.workers = [HybridWorkerActor.options(num_cpus=0).remote(
+        init_method = await placement.rank0_rendezvous(self.placement_group) if n > 1 else None
+        bundle = placement.device_bundle(config)
+        self.workers = [HybridWorkerActor.options(**placement.in_bundle(self.placement_group, rank, bundle)).remote(
             config, rank, n, init_method, self.total_optimizer_steps(config.actor.ppo_epochs),
             self.total_optimizer_steps(config.critic.ppo_epochs), threads) for rank in range(n)]
         await asyncio.gather(*(worker.ping.remote() for worker in self.workers))
@@ -114,6 +118,9 @@ class RLTrainer:
             await self.manager.shutdown()
         for worker in self.workers:
             ray.kill(worker)
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
         if self.metrics is not None:
             self.metrics.close()
 
@@ -356,10 +363,3 @@ def _trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str
     metrics[f"{prefix}/num_turns"] = sum(t.num_turns for t in real) / count
     return metrics
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

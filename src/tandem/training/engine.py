@@ -221,6 +221,8 @@ class TrainingEngine:
                     continue  # an all-padding mini-batch says nothing about the policy
                 for key, value in metrics.items():
                     collected[key].append(value)
+        if not collected:  # every token was masked out (padding, rollout rejection): no step
+            return {f"{self.role}/global_tokens": 0.0, f"{self.role}/step_skipped": 1.0}
         return {key: sum(values) / len(values) for key, values in collected.items()}
 
     # ---- weights and checkpoints ----------------------------------------------------------

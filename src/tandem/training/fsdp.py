@@ -10,8 +10,21 @@ from tensordict import TensorDict
 from tandem.batch.jagged import select_samples
 
 
+def rendezvous_address() -> str:
+    """tcp://<this node's IP>:<a free port>: where rank 0 hosts the group's store (call it on
+    rank 0's node; the other ranks, on any node, connect there)."""
+    import socket
+
+    import ray
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+
 def init_process_group(rank: int, world_size: int, init_method: str, device: str = "cpu") -> None:
-    """Join the data-parallel group (e.g. init_method="tcp://127.0.0.1:29500")."""
+    """Join the data-parallel group (init_method from rendezvous_address() on rank 0's node)."""
     if dist.is_initialized():
         raise RuntimeError("init_process_group: torch.distributed is already initialised in this process")
     backend = "nccl" if device.startswith("cuda") else "gloo"
