@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Iterator
 
 import torch
@@ -12,8 +13,11 @@ from tandem.weight_sync.base import CheckpointEngine, NamedTensors
 class NaiveCheckpointEngine(CheckpointEngine):
     """Hands the actor's generator to the co-located rollout; tensors are never copied twice."""
 
-    def __init__(self, bucket_megabytes: int = 512, **engine_kwargs) -> None:
-        super().__init__(bucket_megabytes, **engine_kwargs)
+    name = "naive"
+
+    def __init__(self, bucket_megabytes: int = 512, timeout_s: float = 300.0,
+                 **engine_kwargs) -> None:
+        super().__init__(bucket_megabytes, timeout_s, **engine_kwargs)
         self._stream: NamedTensors | None = None
 
     async def send_weights(self, named_tensors: NamedTensors) -> None:
@@ -29,4 +33,14 @@ class NaiveCheckpointEngine(CheckpointEngine):
 
     def finalize(self) -> None:
         """Drop any stream the receiver did not consume."""
+        super().finalize()
         self._stream = None
+
+    async def sync(self, named_tensors: NamedTensors, rollout, version: int) -> None:
+        """Run the whole protocol in one process: `rollout.update_weights` consumes the stream."""
+        self.prepare()
+        try:
+            await asyncio.gather(self.send_weights(named_tensors),
+                                 rollout.update_weights(self.receive_weights(), version))
+        finally:
+            self.finalize()
