@@ -129,6 +129,9 @@ def validate(config: TandemConfig) -> None:
     _choice("rollout.checkpoint_engine.backend", ckpt.backend, checkpoint_engine_names())
     if ckpt.update_weights_bucket_megabytes < 1:
         _fail("rollout.checkpoint_engine.update_weights_bucket_megabytes", "must be >= 1")
+    if not 0 < ckpt.timeout_s < float("inf"):
+        _fail("rollout.checkpoint_engine.timeout_s", f"is {ckpt.timeout_s}; it must be a finite "
+              "number of seconds > 0 (the deadline of every wait of a weight sync)")
 
     turns = rollout.multi_turn
     _choice("rollout.multi_turn.tool_response_truncate_side", turns.tool_response_truncate_side,

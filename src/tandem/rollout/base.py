@@ -77,6 +77,11 @@ class BaseRollout(ABC):
         """Install what stage_weights() returned and stamp `version` on later tokens."""
         await self.update_weights(staged, version)
 
+    def current_weight(self, name: str) -> torch.Tensor:
+        """The dense weight `name` now served (a delta sync applies its changes to it)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot report its weights; use a "
+                                  "checkpoint engine that sends full tensors")
+
     @property
     @abstractmethod
     def weight_version(self) -> int:

@@ -59,6 +59,9 @@ class NativeRollout(BaseRollout):
     async def commit_weights(self, staged: dict[str, torch.Tensor], version: int) -> None:
         await self.engine.commit_weights(staged, version)
 
+    def current_weight(self, name: str) -> torch.Tensor:
+        return self.engine.current_weight(name)
+
     @property
     def weight_version(self) -> int:
         return self.engine.version

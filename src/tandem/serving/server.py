@@ -28,6 +28,8 @@ import torch
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags
 from tandem.types import TokenOutput
+from tandem.weight_sync.base import SyncPlan
+from tandem.weight_sync.participants import receive_into
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +243,17 @@ class RolloutServer:
         """Load (name, tensor) pairs (one bucket or all) and stamp `version` on later tokens."""
         self._require_quiet("update_weights()")
         await self.backend.update_weights(named_tensors, version)
+
+    async def receive_weights(self, plan: SyncPlan, rank: int,
+                              engine_kwargs: dict[str, Any] | None = None) -> dict[str, float]:
+        """Join a cross-process weight sync as receiver `rank` of `plan` (the sync manager calls
+        it after abort_all_requests() and release_kv_cache()). The whole stream is staged and
+        checked before it is swapped in, so a failure (WeightSyncError naming the phase) leaves
+        the engine serving its previous version. Returns seconds per phase and the version."""
+        self._require_quiet("receive_weights()")
+        timings = await receive_into(self.backend, plan, rank, f"server {self.server_id!r}",
+                                     engine_kwargs)
+        return {**timings, "version": self.backend.weight_version}
 
     async def weight_version(self) -> int:
         """The version stamped on tokens generated now."""

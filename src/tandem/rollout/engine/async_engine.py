@@ -440,6 +440,12 @@ class AsyncEngine:
             self.version = int(version)
             self._work.set()
 
+    def current_weight(self, name: str) -> torch.Tensor:
+        """A host copy of the HF-named weight now served (packed linears unpacked)."""
+        if name not in self._accepted_shapes() and name == "lm_head.weight":
+            name = "model.embed_tokens.weight"  # tied: exported under the embedding's name
+        return self.runner.dense_weight(name).to("cpu", copy=True)
+
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              version: int) -> None:
         """All or nothing: stage and check the whole stream, then swap it in."""

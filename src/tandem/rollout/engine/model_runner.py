@@ -386,6 +386,13 @@ class ModelRunner:
             with torch.no_grad():
                 parameter.copy_(tensor)
 
+    def dense_weight(self, name: str) -> torch.Tensor:
+        """The HF-named weight as a dense tensor (a packed linear is unpacked)."""
+        linear = self.packed_linears.get(name)
+        if linear is not None:
+            return linear.packed.to_dense()
+        return self.model.get_parameter(name).detach()
+
     def packed_bytes(self) -> int:
         linears = list(self.packed_linears.values()) + ([self.lm_head] if self.tied_lm_head else [])
         return sum(linear.nbytes() for linear in linears)
