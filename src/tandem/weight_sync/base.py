@@ -11,7 +11,9 @@ Contract between the transports (this package) and the sync manager that drives 
 - Rank 0 awaits `send_weights(named_tensors)`; every receiver iterates `receive_weights()`,
   which yields full `(name, tensor)` pairs. A yielded tensor may be a view of a transfer buffer:
   it is valid only until the iterator is advanced, so the consumer copies it (into staging or
-  the parameters) before asking for the next one.
+  the parameters) before asking for the next one. The iterator ends (StopIteration) only once
+  the sender has confirmed that every receiver has the whole stream; if it raises instead, the
+  receiver must not load what it got (staging is discarded, the old version stays).
 - Every participant calls `finalize()` afterwards, on success and on failure alike; it is
   idempotent and frees buffers, shared memory and the sync process group.
 - Every blocking wait is bounded by `timeout_s` and a failure raises `WeightSyncError` naming

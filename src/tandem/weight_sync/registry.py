@@ -7,11 +7,15 @@ import importlib
 # name -> "module:attribute" of a CheckpointEngine subclass; imported only when asked for.
 _CHECKPOINT_ENGINES: dict[str, str] = {
     "naive": "tandem.weight_sync.naive:NaiveCheckpointEngine",
+    "gloo": "tandem.weight_sync.collective:GlooCheckpointEngine",
+    "nccl": "tandem.weight_sync.nccl:NcclCheckpointEngine",
+    "shm": "tandem.weight_sync.shm:ShmCheckpointEngine",
+    "delta": "tandem.weight_sync.delta:DeltaCheckpointEngine",
 }
 
 
 def checkpoint_engine_names() -> tuple[str, ...]:
-    """Names accepted by `rollout.checkpoint_engine.backend`."""
+    """Names accepted by `rollout.checkpoint_engine.backend` (an optional one may not import)."""
     return tuple(_CHECKPOINT_ENGINES)
 
 
@@ -20,10 +24,34 @@ def register_checkpoint_engine(name: str, target: str) -> None:
     _CHECKPOINT_ENGINES[name] = target
 
 
+def unavailable_checkpoint_engines() -> dict[str, str]:
+    """Registered engines that fail to import here, with the reason."""
+    reasons = {}
+    for name in _CHECKPOINT_ENGINES:
+        try:
+            _load(name)
+        except ImportError as error:
+            reasons[name] = str(error)
+    return reasons
+
+
 def get_checkpoint_engine_class(name: str) -> type:
     """Import and return the checkpoint engine registered under `name`."""
     if name not in _CHECKPOINT_ENGINES:
+        missing = unavailable_checkpoint_engines()
+        why = "".join(f"; {n} is unavailable here: {reason}" for n, reason in missing.items())
         raise ValueError(f"unknown checkpoint engine {name!r}; registered: "
-                         f"{', '.join(_CHECKPOINT_ENGINES)} (config field rollout.checkpoint_engine.backend)")
+                         f"{', '.join(_CHECKPOINT_ENGINES)}{why} "
+                         "(config field rollout.checkpoint_engine.backend)")
+    try:
+        return _load(name)
+    except ImportError as error:
+        usable = [n for n in _CHECKPOINT_ENGINES if n not in unavailable_checkpoint_engines()]
+        raise ValueError(f"checkpoint engine {name!r} is unavailable here: {error}; usable: "
+                         f"{', '.join(usable)} (config field rollout.checkpoint_engine.backend)") \
+            from error
+
+
+def _load(name: str) -> type:
     module_name, attribute = _CHECKPOINT_ENGINES[name].split(":")
     return getattr(importlib.import_module(module_name), attribute)

@@ -1,0 +1,62 @@
+"""The control channel of one sync: a TCPStore served by the sender, with bounded waits that
+name the peers that did not show up."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from tandem.weight_sync.base import WeightSyncError
+
+
+def serve_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, dict]:
+    """Start a store on a free port in this (the sender's) process; returns it and its address."""
+    store = dist.TCPStore(host, 0, None, True, timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return store, {"master_addr": host, "master_port": store.port}
+
+
+def connect_store(details: dict, timeout_s: float) -> dist.TCPStore:
+    """Connect a receiver to the sender's store (phase init_process_group)."""
+    try:
+        return dist.TCPStore(details["master_addr"], details["master_port"], None, False,
+                             timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as error:
+        raise WeightSyncError("init_process_group", "sender",
+                              f"cannot reach the sync store at {details['master_addr']}:"
+                              f"{details['master_port']} ({error})") from error
+
+
+def wait_keys(store: dist.TCPStore, keys: dict[str, str], timeout_s: float, phase: str) -> None:
+    """Wait until every key exists; `keys` maps key -> the peer that sets it (for the error)."""
+    try:
+        store.wait(list(keys), timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as error:  # a timeout, or the store's owner is gone
+        missing = _missing(store, keys)
+        if missing is None:  # the store itself is unreachable: its owner, the sender, died
+            raise WeightSyncError(phase, "sender", f"lost the sync store ({error})") from error
+        raise WeightSyncError(phase, ", ".join(missing),
+                              f"no word within {timeout_s:g} s (waiting for "
+                              f"{', '.join(k for k in keys if keys[k] in missing)}): {error}") from error
+
+
+def _missing(store: dist.TCPStore, keys: dict[str, str]) -> list[str] | None:
+    try:
+        return sorted({peer for key, peer in keys.items() if not store.check([key])})
+    except (RuntimeError, OSError):
+        return None
+
+
+def commit(store: dist.TCPStore, n_receivers: int, timeout_s: float) -> None:
+    """Sender, after its last byte: wait until every receiver has everything, then say so."""
+    wait_keys(store, {f"done/{r}": f"receiver {r}" for r in range(1, n_receivers + 1)},
+              timeout_s, "send")
+    store.set("commit", b"1")
+
+
+def await_commit(store: dist.TCPStore, rank: int, timeout_s: float) -> None:
+    """Receiver, after its last byte: report it, then wait for the sender's word that every
+    receiver has it too (so no receiver loads weights from a sync that failed elsewhere)."""
+    store.set(f"done/{rank}", b"1")
+    wait_keys(store, {"commit": "sender"}, timeout_s, "receive")

@@ -1,0 +1,153 @@
+"""`shm`: same host, separate processes; buckets move through two shared buffers.
+
+CPU: two files in /dev/shm that every participant maps (`torch.from_file(shared=True)`); the
+sender unlinks them once all receivers have mapped them, so nothing outlives the processes.
+CUDA: two device buffers whose CUDA IPC handles travel in the plan. Either way a tensor is
+copied once into shared memory by the sender and once out by the receiver's consumer (the
+receiver yields views of the shared buffer, valid until its iterator advances).
+
+Control goes through the sender's TCPStore: `ready/k` holds bucket k's pickled chunk list (an
+empty value ends the stream); each receiver sets `consumed/k/rank` when its consumer has moved
+past bucket k, which frees that buffer for bucket k+2; at the end each receiver sets `done/rank`
+and its iterator finishes only once the sender has seen all of them and set `commit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import tempfile
+from typing import Iterator
+
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
+from tandem.weight_sync.base import CheckpointEngine, NamedTensors, SyncPlan, WeightSyncError
+from tandem.weight_sync.bucketing import Unpacker, bucket_size, fill_bucket, plan_buckets
+from tandem.weight_sync.control import (await_commit, commit, connect_store, serve_store,
+                                        wait_keys)
+
+N_BUFFERS = 2
+
+
+class ShmCheckpointEngine(CheckpointEngine):
+    """Double-buffered shared-memory buckets between processes of one host."""
+
+    name = "shm"
+
+    def __init__(self, bucket_megabytes: int = 512, timeout_s: float = 300.0,
+                 device: str = "cpu", shm_dir: str = "/dev/shm", **engine_kwargs) -> None:
+        super().__init__(bucket_megabytes, timeout_s, **engine_kwargs)
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"shm device must be 'cpu' or 'cuda', got {device!r} (engine_kwargs.device)")
+        self.device, self.shm_dir = device, shm_dir
+        self._store = None
+        self._buffers: list[torch.Tensor] = []
+        self._paths: list[str] = []
+        self.bytes_sent = 0  # bucket bytes written into shared memory in the last sync
+
+    def build_topology(self, n_receivers: int, version: int,
+                       receiver_versions: list[int] | None = None) -> SyncPlan:
+        """Create the shared buffers and the control store; both go into the plan."""
+        plan = super().build_topology(n_receivers, version, receiver_versions)
+        self._store, details = serve_store("127.0.0.1", self.timeout_s)
+        if self.device == "cuda":
+            self._buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device="cuda")
+                             for _ in range(N_BUFFERS)]
+            details["cuda_handles"] = [reduce_tensor(buffer) for buffer in self._buffers]
+        else:
+            for _ in range(N_BUFFERS):
+                handle, path = tempfile.mkstemp(prefix="tandem-sync-", dir=self.shm_dir)
+                os.ftruncate(handle, self.bucket_bytes)
+                os.close(handle)
+                self._paths.append(path)
+                self._buffers.append(_map(path, self.bucket_bytes))
+            details["paths"] = list(self._paths)
+        return SyncPlan(plan.engine, version, n_receivers, plan.bucket_bytes, plan.timeout_s, details)
+
+    def init_process_group(self, plan: SyncPlan, rank: int) -> None:
+        """Receivers map the buffers; everyone meets; then the sender unlinks the files."""
+        super().init_process_group(plan, rank)
+        if rank == 0:
+            if self._store is None:
+                raise RuntimeError("init_process_group(rank=0) needs this engine's build_topology first")
+        else:
+            self._store = connect_store(plan.details, plan.timeout_s)
+            try:
+                self._buffers = _attach(plan.details, plan.bucket_bytes)
+            except (RuntimeError, OSError) as error:
+                raise WeightSyncError("init_process_group", "sender",
+                                      f"cannot map the shared buffers ({error})") from error
+        self._store.set(f"joined/{rank}", b"1")
+        if rank == 0:
+            wait_keys(self._store, {f"joined/{r}": self._peer_of(r)
+                                    for r in range(1, plan.n_receivers + 1)},
+                      plan.timeout_s, "init_process_group")
+            self._unlink()
+
+    async def send_weights(self, named_tensors: NamedTensors) -> None:
+        """Fill buffer k % 2 once every receiver is done with bucket k-2; announce it."""
+        if self.rank != 0 or not self._buffers:
+            raise RuntimeError("send_weights needs init_process_group(plan, rank=0) first")
+        await asyncio.to_thread(self._send, named_tensors)
+
+    def _send(self, named_tensors: NamedTensors) -> None:
+        self.bytes_sent = 0
+        receivers = range(1, self.plan.n_receivers + 1)
+        count = 0
+        for index, bucket in enumerate(plan_buckets(named_tensors, self.plan.bucket_bytes)):
+            if index >= N_BUFFERS:
+                wait_keys(self._store, {f"consumed/{index - N_BUFFERS}/{r}": self._peer_of(r)
+                                        for r in receivers}, self.plan.timeout_s, "send")
+            chunks = fill_bucket(self._buffers[index % N_BUFFERS], bucket)
+            if self.device == "cuda":
+                torch.cuda.current_stream().synchronize()
+            self._store.set(f"ready/{index}", pickle.dumps(chunks))
+            self.bytes_sent += bucket_size(chunks)
+            count = index + 1
+        self._store.set(f"ready/{count}", b"")
+        commit(self._store, self.plan.n_receivers, self.plan.timeout_s)
+
+    def receive_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield views of the shared buffer, bucket by bucket (ranks >= 1)."""
+        if not self.rank or not self._buffers:
+            raise RuntimeError("receive_weights needs init_process_group(plan, rank>=1) first")
+        unpacker = Unpacker()
+        index = 0
+        while True:
+            wait_keys(self._store, {f"ready/{index}": "sender"}, self.plan.timeout_s, "receive")
+            header = self._store.get(f"ready/{index}")
+            if not header:
+                break
+            yield from unpacker.unpack(self._buffers[index % N_BUFFERS], pickle.loads(header))
+            if self.device == "cuda":  # the consumer's copies out of this buffer are done
+                torch.cuda.current_stream().synchronize()
+            self._store.set(f"consumed/{index}/{self.rank}", b"1")
+            index += 1
+        if unpacker.check_complete():
+            raise WeightSyncError("receive", "sender",
+                                  f"stream ended inside tensors {unpacker.check_complete()}")
+        await_commit(self._store, self.rank, self.plan.timeout_s)
+
+    def _unlink(self) -> None:
+        for path in self._paths:
+            if os.path.exists(path):
+                os.unlink(path)
+        self._paths = []
+
+    def finalize(self) -> None:
+        """Unmap the buffers (and unlink them if the receivers never came); drop the store."""
+        self._unlink()
+        self._buffers, self._store = [], None
+        super().finalize()
+
+
+def _map(path: str, size: int) -> torch.Tensor:
+    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+
+def _attach(details: dict, size: int) -> list[torch.Tensor]:
+    if "cuda_handles" in details:
+        return [rebuild(*args) for rebuild, args in details["cuda_handles"]]
+    return [_map(path, size) for path in details["paths"]]

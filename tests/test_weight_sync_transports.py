@@ -1,0 +1,138 @@
+"""Cross-process transports (gloo, shm): exact bytes to every receiver, and bounded failures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.weight_sync.base import WeightSyncError
+from tandem.weight_sync.bucketing import Unpacker, fill_bucket, plan_buckets
+from tandem.weight_sync.registry import get_checkpoint_engine_class
+from weight_sync_procs import (Worker, build_sender, random_state, run_receiver, run_sender,
+                               same_bits)
+
+ANSWER_S = 60  # how long the test waits for a worker; far above any deadline below
+KWARGS = {"bucket_megabytes": 1, "timeout_s": 20.0}
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """A sender and two receivers, spawned once for the module."""
+    pool = [Worker() for _ in range(3)]
+    yield pool
+    for worker in pool:
+        worker.close()
+
+
+def sync(workers, engine, state, kwargs=KWARGS, key=None, receiver_kwargs=None):
+    sender, *receivers = workers
+    sender.submit(build_sender, key or engine, engine, kwargs, len(receivers), 1, None)
+    plan = sender.result(ANSWER_S)
+    sender.submit(run_sender, key or engine, plan, state)
+    for rank, receiver in enumerate(receivers, 1):
+        receiver.submit(run_receiver, engine, receiver_kwargs or kwargs, plan, rank)
+    return sender.result(ANSWER_S), [receiver.result(ANSWER_S) for receiver in receivers]
+
+
+@pytest.mark.parametrize("engine", ["gloo", "shm"])
+def test_every_receiver_gets_the_exact_state(workers, engine):
+    state = random_state()
+    sent, received = sync(workers, engine, state)
+    assert not sent["error"], sent
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    assert total <= sent["bytes_sent"] < total + 64 * len(state) + 64  # alignment padding only
+    for result in received:
+        assert not result["error"], result
+        assert list(result["tensors"]) == list(state)
+        for name, tensor in state.items():
+            assert same_bits(result["tensors"][name], tensor), name
+
+
+def test_a_second_sync_reuses_nothing_stale(workers):
+    """Two syncs in a row through the same sender engine (a new store and buffers each time)."""
+    for seed in (1, 2):
+        state = random_state(seed, big_elements=1000)
+        sent, received = sync(workers, "shm", state)
+        assert not sent["error"]
+        assert all(same_bits(r["tensors"]["embed.weight"], state["embed.weight"]) for r in received)
+
+
+def test_bucketing_splits_and_rejoins_in_process():
+    state = random_state(3)
+    buffer = torch.empty(1 << 20, dtype=torch.uint8)
+    unpacker, out = Unpacker(), {}
+    big_pieces = 0
+    for bucket in plan_buckets(state.items(), 1 << 20):
+        chunks = fill_bucket(buffer, bucket)
+        big_pieces += sum(chunk.name == "layers.0.big" for chunk in chunks)
+        out.update((n, t.clone()) for n, t in unpacker.unpack(buffer, chunks))
+    assert big_pieces == 2 and not unpacker.check_complete()  # 1.6 MB spans two 1 MiB buckets
+    assert all(same_bits(out[name], tensor) for name, tensor in state.items())
+
+
+def _fresh(workers, index):
+    workers[index].close()
+    workers[index] = Worker()
+
+
+@pytest.mark.parametrize("engine", ["gloo", "shm"])
+def test_receiver_killed_mid_transfer_fails_the_sender_in_phase_send(workers, engine):
+    kwargs = dict(KWARGS, timeout_s=5.0)
+    sender, first, second = workers
+    sender.submit(build_sender, f"{engine}-kill", engine, kwargs, 2, 1, None)
+    plan = sender.result(ANSWER_S)
+    state = random_state(4, big_elements=2_000_000)  # 8 MB: several buckets
+    sender.submit(run_sender, f"{engine}-kill", plan, state)
+    first.submit(run_receiver, engine, kwargs, plan, 1)
+    second.submit(run_receiver, engine, kwargs, plan, 2, None, 1)  # dies after one tensor
+    sent = sender.result(ANSWER_S)
+    assert sent["error"] and sent["phase"] == "send", sent
+    assert sent["elapsed_s"] < 5.0 + 10.0  # the deadline plus scheduling slack on a busy box
+    if engine == "shm":
+        assert sent["peer"] == "receiver 2", sent  # shm knows exactly who stopped answering
+    other = first.result(ANSWER_S)
+    assert other["error"] and other["phase"] == "receive" and other["peer"] == "sender"
+    _fresh(workers, 2)
+
+
+@pytest.mark.parametrize("engine", ["gloo", "shm"])
+def test_sender_killed_mid_transfer_fails_every_receiver(workers, engine):
+    kwargs = dict(KWARGS, timeout_s=5.0)
+    sender, *receivers = workers
+    sender.submit(build_sender, f"{engine}-die", engine, kwargs, 2, 1, None)
+    plan = sender.result(ANSWER_S)
+    sender.submit(run_sender, f"{engine}-die", plan, random_state(5, big_elements=2_000_000), 2)
+    for rank, receiver in enumerate(receivers, 1):
+        receiver.submit(run_receiver, engine, kwargs, plan, rank)
+    for receiver in receivers:
+        result = receiver.result(ANSWER_S)
+        assert result["error"] and result["phase"] == "receive", result
+        assert result["peer"] == "sender" and result["elapsed_s"] < 5.0 + 10.0
+    _fresh(workers, 0)
+
+
+def test_a_receiver_that_never_joins_names_itself_within_the_deadline(workers):
+    sender, first, _ = workers
+    kwargs = dict(KWARGS, timeout_s=2.0)
+    sender.submit(build_sender, "gloo-absent", "gloo", kwargs, 2, 1, None)
+    plan = sender.result(ANSWER_S)
+    sender.submit(run_sender, "gloo-absent", plan, random_state(6))
+    first.submit(run_receiver, "gloo", kwargs, plan, 1)
+    sent = sender.result(ANSWER_S)
+    assert sent["error"] and sent["phase"] == "init_process_group" and sent["peer"] == "receiver 2"
+    joined = first.result(ANSWER_S)
+    assert joined["error"] and joined["phase"] in ("init_process_group", "receive")
+
+
+def test_error_and_registry_messages():
+    error = WeightSyncError("send", "receiver 2", "boom")
+    assert "phase send" in str(error) and "receiver 2" in str(error)
+    with pytest.raises(ValueError, match="unknown weight-sync phase"):
+        WeightSyncError("load_weights", None, "x")
+    with pytest.raises(ValueError, match="registered: naive, gloo, nccl, shm, delta"):
+        get_checkpoint_engine_class("ipc")
+    if not torch.distributed.is_nccl_available():
+        with pytest.raises(ValueError, match="'nccl' is unavailable here: this torch build has no NCCL"):
+            get_checkpoint_engine_class("nccl")
+    with pytest.raises(ValueError, match="engine_kwargs"):
+        get_checkpoint_engine_class("gloo")(transport="shm")

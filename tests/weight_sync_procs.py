@@ -1,0 +1,149 @@
+"""Real processes for the weight-sync transport tests: long-lived spawned workers that run one
+side of a sync each (a sender keeps its engine, and so delta's base copy, between syncs)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import multiprocessing as mp
+from typing import Any, Callable
+
+import torch
+
+from tandem.weight_sync.base import WeightSyncError
+from tandem.weight_sync.registry import get_checkpoint_engine_class
+
+_SENDERS: dict[str, Any] = {}  # engines kept by a sender worker between syncs
+
+
+class Worker:
+    """One spawned process running functions of this module on request."""
+
+    def __init__(self) -> None:
+        context = mp.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child,), daemon=True)
+        self.process.start()
+
+    def submit(self, function: Callable, *args) -> None:
+        self._conn.send((function.__name__, args))
+
+    def result(self, timeout_s: float) -> Any:
+        """The submitted call's return value; raises if the worker died or ran past timeout_s."""
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"worker gave no answer within {timeout_s} s")
+        status, value = self._conn.recv()
+        if status == "raise":
+            raise value
+        return value
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self._conn.send(None)
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def _serve(conn) -> None:
+    torch.set_num_threads(1)
+    while (message := conn.recv()) is not None:
+        name, args = message
+        try:
+            conn.send(("ok", globals()[name](*args)))
+        except Exception as error:  # handed back to the test process
+            conn.send(("raise", error))
+
+
+def error_record(error: WeightSyncError, started: float) -> dict:
+    return {"error": True, "phase": error.phase, "peer": error.peer, "message": str(error),
+            "elapsed_s": time.monotonic() - started}
+
+
+def build_sender(key: str, engine: str, kwargs: dict, n_receivers: int, version: int,
+                 receiver_versions: list[int] | None):
+    """Make (or reuse) the sender engine `key` and return its plan."""
+    if key not in _SENDERS:
+        _SENDERS[key] = get_checkpoint_engine_class(engine)(**kwargs)
+    return _SENDERS[key].build_topology(n_receivers, version, receiver_versions)
+
+
+def use_cuda(index: int) -> str:
+    """Select this worker's CUDA device."""
+    torch.cuda.set_device(index)
+    return torch.cuda.get_device_name(index)
+
+
+def run_sender(key: str, plan, state: dict[str, torch.Tensor], die_after: int | None = None,
+               device: str = "cpu"):
+    """Rank 0: send `state` (moved to `device`); returns bytes_sent, or the error's record.
+    die_after makes this process exit abruptly once that many tensors were taken."""
+    engine = _SENDERS[key]
+    state = {name: tensor.to(device) for name, tensor in state.items()}
+
+    def stream():
+        for index, item in enumerate(state.items()):
+            if die_after is not None and index == die_after:
+                os._exit(3)
+            yield item
+
+    started = time.monotonic()
+    try:
+        engine.init_process_group(plan, 0)
+        asyncio.run(engine.send_weights(stream()))
+        return {"error": False, "bytes_sent": engine.bytes_sent}
+    except WeightSyncError as error:
+        return error_record(error, started)
+    finally:
+        engine.finalize()
+
+
+def run_receiver(engine: str, kwargs: dict, plan, rank: int,
+                 current: dict[str, torch.Tensor] | None = None, die_after: int | None = None):
+    """Rank >= 1: receive everything (cloned), or the error's record. `current` becomes the
+    engine's current_weights; die_after exits abruptly after that many tensors."""
+    if current is not None:
+        kwargs = dict(kwargs, current_weights=current.__getitem__)
+    receiver = get_checkpoint_engine_class(engine)(**kwargs)
+    started = time.monotonic()
+    received = {}
+    try:
+        receiver.init_process_group(plan, rank)
+        for index, (name, tensor) in enumerate(receiver.receive_weights()):
+            if die_after is not None and index == die_after:
+                os._exit(3)
+            received[name] = tensor.to("cpu", copy=True)
+        return {"error": False, "tensors": received}
+    except WeightSyncError as error:
+        return error_record(error, started)
+    finally:
+        receiver.finalize()
+
+
+def random_state(seed: int = 0, big_elements: int = 400_000) -> dict[str, torch.Tensor]:
+    """Mixed shapes and dtypes: a tensor larger than a 1 MiB bucket, a 0-dim one, an empty one,
+    a non-contiguous one, NaNs (so bitwise equality is the only honest check)."""
+    generator = torch.Generator().manual_seed(seed)
+    big = torch.randn(big_elements, generator=generator)
+    big[::9973] = float("nan")
+    return {
+        "embed.weight": torch.randn(300, 64, generator=generator),
+        "layers.0.big": big,  # 1.6 MB > one bucket
+        "layers.0.bias": torch.randn(64, generator=generator).to(torch.bfloat16),
+        "layers.0.half": torch.randn(7, 3, generator=generator).to(torch.float16),
+        "scale": torch.tensor(0.125),  # 0-dim
+        "step": torch.tensor([3, -1, 2**40], dtype=torch.int64),
+        "mask": torch.rand(5, 5, generator=generator) > 0.5,
+        "empty": torch.empty(0, 4),
+        "transposed": torch.randn(8, 16, generator=generator).t(),  # not contiguous
+        "double": torch.randn(11, dtype=torch.float64, generator=generator),
+    }
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                            b.contiguous().reshape(-1).view(torch.uint8)))
