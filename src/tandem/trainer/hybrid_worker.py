@@ -122,20 +122,20 @@ class HybridWorker(RolloutServer):
         the sync manager hands to every receiving server (build_topology)."""
         if self.rank != 0:
             raise RuntimeError(f"build_sync_plan on rank {self.rank}: only rank 0 sends")
-        ckpt = self.config.rollout.checkpoint_engine
-        engine = make_checkpoint_engine(checkpoint_engine_name(ckpt, hybrid=False),
-                                        ckpt.update_weights_bucket_megabytes, ckpt.timeout_s,
-                                        **dict(ckpt.engine_kwargs))
-        engine.prepare()
-        self._sync_engine = engine
-        return engine.build_topology(n_receivers, version, receiver_versions)
+        if self._sync_engine is None:  # kept across syncs: delta remembers what it sent
+            ckpt = self.config.rollout.checkpoint_engine
+            self._sync_engine = make_checkpoint_engine(
+                checkpoint_engine_name(ckpt, hybrid=False), ckpt.update_weights_bucket_megabytes,
+                ckpt.timeout_s, **dict(ckpt.engine_kwargs))
+            self._sync_engine.prepare()
+        return self._sync_engine.build_topology(n_receivers, version, receiver_versions)
 
     async def send_weights(self, plan: SyncPlan) -> dict[str, float]:
         """Every training rank, concurrently with the receivers: the full tensors of the
         (FSDP2-sharded) actor are gathered one at a time; rank 0 sends them through the engine
         of build_sync_plan, the other ranks only take part in the gathers. Returns seconds per
         phase."""
-        engine, self._sync_engine = (self._sync_engine, None) if self.rank == 0 else (None, None)
+        engine = self._sync_engine if self.rank == 0 else None
         if self.rank == 0 and engine is None:
             raise RuntimeError("send_weights on rank 0 before build_sync_plan")
         stream = self.actor.export_weights()

@@ -60,6 +60,7 @@ class WeightSyncManager:
         self.trainers = list(trainers)
         self.servers = servers
         self.timeout_s = config.timeout_s
+        self.engine_kwargs = dict(config.engine_kwargs)  # receivers build the same engine
 
     async def sync(self, version: int) -> SyncReport:
         """One sync of the actor's weights as `version`; raises WeightSyncError on failure
@@ -114,15 +115,15 @@ class WeightSyncManager:
         begin = time.perf_counter()
         peers = [(f"sender rank {rank}", submit(trainer, "send_weights", plan))
                  for rank, trainer in enumerate(self.trainers)]
-        peers += [(name, submit(server, "receive_weights", plan, rank))
+        peers += [(name, submit(server, "receive_weights", plan, rank, self.engine_kwargs))
                   for rank, (name, server) in enumerate(receivers, start=1)]
-        tasks = {asyncio.ensure_future(resolve(pending, self.timeout_s, name)): name
+        tasks = {asyncio.ensure_future(resolve(pending, None, name)): name
                  for name, pending in peers}
-        await asyncio.wait(tasks)
+        await self._wait_all(tasks)
         timings["sync/transfer_s"] = time.perf_counter() - begin
         failures = []
         for task, name in tasks.items():
-            error = task.exception()
+            error = asyncio.CancelledError() if task.cancelled() else task.exception()
             if error is None:
                 for key, seconds in task.result().items():
                     if key != "version":  # the slowest participant sets each phase's time
@@ -133,6 +134,20 @@ class WeightSyncManager:
         if failures:
             labels = {name.split(" (")[0]: name for name, _ in receivers}
             raise _transfer_error(failures, labels, self.timeout_s)
+
+    async def _wait_all(self, tasks: dict[asyncio.Task, str]) -> None:
+        """Wait for every participant. Each bounds its own waits by timeout_s and reports its
+        own error; the manager gives up on the rest (cancelling them) only when none has
+        finished for 2 x timeout_s, so a participant that never answers cannot hang the sync."""
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=2 * self.timeout_s,
+                                               return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                for task in pending:
+                    task.cancel()
+                await asyncio.wait(pending)
+                return
 
     async def _within(self, awaitable: Awaitable, phase: str, peer: str) -> Any:
         """Await a call that has its own deadline; any failure becomes a WeightSyncError."""
@@ -146,7 +161,9 @@ def _transfer_error(failures: list[tuple[str, BaseException]], labels: dict[str,
                     timeout_s: float) -> WeightSyncError:
     """One error for a failed transfer: the phase and peer of the first WeightSyncError a
     participant raised (else of the first failure), with every participant's error listed."""
-    failures = [(name, error.cause if isinstance(error, RayTaskError) else error)
+    failures = [(name, error.cause if isinstance(error, RayTaskError) else
+                 TimeoutError(f"no answer within {2 * timeout_s} s")
+                 if isinstance(error, asyncio.CancelledError) else error)
                 for name, error in failures]
     named = [(name, error) for name, error in failures if isinstance(error, WeightSyncError)]
     name, first = (named or failures)[0]

@@ -79,10 +79,20 @@ async def run_in_fresh_thread(function: Callable[[], T], name: str) -> T:
 
 
 async def receive_into(backend: Any, plan: SyncPlan, rank: int, who: str,
-                       engine_kwargs: dict[str, Any] | None = None) -> dict[str, float]:
+                       engine_kwargs: dict[str, Any] | None = None,
+                       progress: dict[str, Any] | None = None) -> dict[str, float]:
     """Join `plan` as receiver `rank`: rendezvous, stage the whole stream (checked) in the
     backend, finalize, then swap it in and stamp plan.version. Any failure leaves the backend on
-    its previous complete version and raises WeightSyncError. Returns seconds per phase."""
+    its previous complete version and raises WeightSyncError. Returns seconds per phase;
+    progress["tensors_received"] counts the stream as it arrives."""
+    progress = {} if progress is None else progress
+    progress["tensors_received"] = 0
+
+    def counted(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in stream:
+            progress["tensors_received"] += 1
+            yield item
+
     engine_class = get_checkpoint_engine_class(plan.engine)
     kwargs = dict(engine_kwargs or {})
     if "current_weights" in inspect.signature(engine_class).parameters:  # delta
@@ -96,7 +106,7 @@ async def receive_into(backend: Any, plan: SyncPlan, rank: int, who: str,
             with _timed(timings, "init_process_group"):
                 engine.init_process_group(plan, rank)
             with _timed(timings, "receive"):
-                return backend.stage_weights(engine.receive_weights())
+                return backend.stage_weights(counted(engine.receive_weights()))
         except WeightSyncError:
             raise
         except Exception as error:  # a bad tensor, or a transport bug: name where it happened
