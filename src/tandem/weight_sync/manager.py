@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Sequence
 
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from tandem.config.schema import CheckpointEngineConfig
 from tandem.serving.manager import ServerManager
@@ -159,18 +159,21 @@ class WeightSyncManager:
 
 def _transfer_error(failures: list[tuple[str, BaseException]], labels: dict[str, str],
                     timeout_s: float) -> WeightSyncError:
-    """One error for a failed transfer: the phase and peer of the first WeightSyncError a
-    participant raised (else of the first failure), with every participant's error listed."""
+    """One error for a failed transfer: the phase of the first WeightSyncError a participant
+    raised (else of the first failure), the peer that died (else the one that error names),
+    and every participant's error listed."""
     failures = [(name, error.cause if isinstance(error, RayTaskError) else
                  TimeoutError(f"no answer within {2 * timeout_s} s")
                  if isinstance(error, asyncio.CancelledError) else error)
                 for name, error in failures]
     named = [(name, error) for name, error in failures if isinstance(error, WeightSyncError)]
+    dead = [name for name, error in failures if isinstance(error, RayActorError)]
     name, first = (named or failures)[0]
     if isinstance(first, WeightSyncError):
         phase, peer = first.phase, labels.get(first.peer, first.peer) or name
     else:  # the participant died or gave no answer in time
         phase, peer = ("send" if name.startswith("sender") else "receive"), name
+    peer = dead[0] if dead else peer  # a dead process is the peer at fault, whoever noticed
     listing = "; ".join(f"{who}: {type(error).__name__}: {error}" for who, error in failures)
     return WeightSyncError(phase, peer, f"{len(failures)} participant(s) failed (deadline "
                                         f"{timeout_s} s per wait): {listing}")
