@@ -168,3 +168,20 @@ async def test_delta_sync_sends_only_changes_and_matches(fleet, model_path, tmp_
                                   fraction=0.01, in_flight=1)
     assert on_all(workers[:1], _sparse_tensors)[0] > 0
     print("delta phase timings:", {k: round(v, 4) for k, v in report.timings.items()})
+
+
+async def test_sync_into_colocated_servers(fleet, model_path, tmp_path):
+    """COLOCATED: servers on bundles of a placement group another role holds."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    workers, _ = fleet
+    group = placement_group([{"CPU": 0.02}] * 2, strategy="STRICT_PACK")
+    options = ServerOptions(model_path=str(model_path), start_timeout_s=300)
+    servers = await ServerManager.create(ROLLOUT, options, "colocated", placement_group=group)
+    try:
+        config = training_config("shm").rollout.checkpoint_engine
+        on_all(workers, _use_engine, config)
+        await sync_and_check(workers, servers, model_path, tmp_path, config, in_flight=1)
+    finally:
+        await servers.shutdown()
+        remove_placement_group(group)

@@ -56,7 +56,7 @@ class WeightSyncManager:
                              "colocated replicas")
         if not trainers:
             raise ValueError("no training workers to send weights from")
-        self.engine = checkpoint_engine_name(config, hybrid=False)
+        checkpoint_engine_name(config, hybrid=False)  # a ConfigError for 'naive'
         self.trainers = list(trainers)
         self.servers = servers
         self.timeout_s = config.timeout_s
