@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -53,7 +55,7 @@ def test_a_second_sync_reuses_nothing_stale(workers):
     for seed in (1, 2):
         state = random_state(seed, big_elements=1000)
         sent, received = sync(workers, "shm", state)
-        assert not sent["error"]
+        assert not sent["error"] and not any(r["error"] for r in received), (sent, received)
         assert all(same_bits(r["tensors"]["embed.weight"], state["embed.weight"]) for r in received)
 
 
@@ -136,3 +138,18 @@ def test_error_and_registry_messages():
             get_checkpoint_engine_class("nccl")
     with pytest.raises(ValueError, match="engine_kwargs"):
         get_checkpoint_engine_class("gloo")(transport="shm")
+
+
+def test_shm_buffers_outlive_a_sync_until_close_and_orphans_are_removed(tmp_path):
+    from tandem.weight_sync.shm import ShmCheckpointEngine
+
+    orphan = tmp_path / "tandem-sync-999999999-abc"  # a sender pid that cannot exist
+    orphan.write_bytes(b"x")
+    engine = ShmCheckpointEngine(1, 5.0, shm_dir=str(tmp_path))
+    paths = engine.build_topology(1, 1).details["paths"]
+    engine.finalize()
+    assert not orphan.exists() and len(paths) == 2 and all(map(os.path.exists, paths))
+    assert engine.build_topology(1, 2).details["paths"] == paths  # reused, not re-created
+    engine.finalize()
+    engine.close()
+    assert not any(map(os.path.exists, paths))

@@ -25,15 +25,22 @@ class Worker:
         self._conn, child = context.Pipe()
         self.process = context.Process(target=_serve, args=(child,), daemon=True)
         self.process.start()
+        self._unanswered = 0
 
     def submit(self, function: Callable, *args) -> None:
         self._conn.send((function.__name__, args))
+        self._unanswered += 1
 
     def result(self, timeout_s: float) -> Any:
-        """The submitted call's return value; raises if the worker died or ran past timeout_s."""
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"worker gave no answer within {timeout_s} s")
-        status, value = self._conn.recv()
+        """The latest submitted call's return value (answers a failed test left unread are
+        dropped); raises if the worker died or ran past timeout_s."""
+        if not self._unanswered:
+            raise RuntimeError("result() without a submitted call")
+        while self._unanswered:
+            if not self._conn.poll(timeout_s):
+                raise TimeoutError(f"worker gave no answer within {timeout_s} s")
+            status, value = self._conn.recv()
+            self._unanswered -= 1
         if status == "raise":
             raise value
         return value

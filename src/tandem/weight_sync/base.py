@@ -15,7 +15,9 @@ Contract between the transports (this package) and the sync manager that drives 
   the sender has confirmed that every receiver has the whole stream; if it raises instead, the
   receiver must not load what it got (staging is discarded, the old version stays).
 - Every participant calls `finalize()` afterwards, on success and on failure alike; it is
-  idempotent and frees buffers, shared memory and the sync process group.
+  idempotent and frees the sync process group and per-sync state. Buffers worth keeping between
+  syncs (shm's shared buckets) stay until `close()`, which the owner calls when done with the
+  engine (also run at collection / interpreter exit).
 - Every blocking wait is bounded by `timeout_s` and a failure raises `WeightSyncError` naming
   the phase and, where known, the peer. The sync process group is created per sync from its own
   TCPStore (never the default/training group) and destroyed in `finalize`.
@@ -110,6 +112,9 @@ class CheckpointEngine(ABC):
     def finalize(self) -> None:
         """Release buffers and the sync group; safe to call after a failure and twice."""
         self.plan, self.rank = None, None
+
+    def close(self) -> None:
+        """Release what outlives one sync (nothing by default)."""
 
     def _peer_of(self, rank: int) -> str:
         return "sender" if rank == 0 else f"receiver {rank}"

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tandem.weight_sync.base import CheckpointEngine, NamedTensors, SyncPlan, WeightSyncError
 from tandem.weight_sync.bucketing import Unpacker, bucket_size, fill_bucket, plan_buckets
-from tandem.weight_sync.control import (await_commit, commit, connect_store, serve_store,
+from tandem.weight_sync.control import (await_commit, commit, connect_store, put, serve_store,
                                         wait_keys)
 
 
@@ -59,7 +59,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
                 raise RuntimeError("init_process_group(rank=0) needs this engine's build_topology first")
         else:
             self._store = connect_store(plan.details, plan.timeout_s)
-        self._store.set(f"joined/{rank}", b"1")
+        put(self._store, f"joined/{rank}", b"1", "init_process_group")
         peers = {f"joined/{r}": self._peer_of(r) for r in range(plan.n_receivers + 1) if r != rank}
         wait_keys(self._store, peers if rank == 0 else {"joined/0": "sender"},
                   plan.timeout_s, "init_process_group")

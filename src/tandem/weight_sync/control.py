@@ -28,6 +28,22 @@ def connect_store(details: dict, timeout_s: float) -> dist.TCPStore:
                               f"{details['master_port']} ({error})") from error
 
 
+def put(store: dist.TCPStore, key: str, value: bytes, phase: str) -> None:
+    """store.set; losing the store means its owner, the sender, is gone."""
+    try:
+        store.set(key, value)
+    except (RuntimeError, OSError) as error:
+        raise WeightSyncError(phase, "sender", f"lost the sync store ({error})") from error
+
+
+def take(store: dist.TCPStore, key: str, phase: str) -> bytes:
+    """store.get of a key known to exist, with put's error."""
+    try:
+        return store.get(key)
+    except (RuntimeError, OSError) as error:
+        raise WeightSyncError(phase, "sender", f"lost the sync store ({error})") from error
+
+
 def wait_keys(store: dist.TCPStore, keys: dict[str, str], timeout_s: float, phase: str) -> None:
     """Wait until every key exists; `keys` maps key -> the peer that sets it (for the error)."""
     try:
@@ -49,14 +65,20 @@ def _missing(store: dist.TCPStore, keys: dict[str, str]) -> list[str] | None:
 
 
 def commit(store: dist.TCPStore, n_receivers: int, timeout_s: float) -> None:
-    """Sender, after its last byte: wait until every receiver has everything, then say so."""
-    wait_keys(store, {f"done/{r}": f"receiver {r}" for r in range(1, n_receivers + 1)},
-              timeout_s, "send")
-    store.set("commit", b"1")
+    """Sender, after its last byte: wait until every receiver has everything, say so, and keep
+    the store up until every receiver has read that (its owner's exit would cut them off)."""
+    receivers = range(1, n_receivers + 1)
+    wait_keys(store, {f"done/{r}": f"receiver {r}" for r in receivers}, timeout_s, "send")
+    put(store, "commit", b"1", "send")
+    wait_keys(store, {f"ack/{r}": f"receiver {r}" for r in receivers}, timeout_s, "send")
 
 
 def await_commit(store: dist.TCPStore, rank: int, timeout_s: float) -> None:
     """Receiver, after its last byte: report it, then wait for the sender's word that every
     receiver has it too (so no receiver loads weights from a sync that failed elsewhere)."""
-    store.set(f"done/{rank}", b"1")
+    put(store, f"done/{rank}", b"1", "receive")
     wait_keys(store, {"commit": "sender"}, timeout_s, "receive")
+    try:
+        store.set(f"ack/{rank}", b"1")
+    except (RuntimeError, OSError):  # the sender saw every ack and closed its store: all is done
+        pass

@@ -1,10 +1,12 @@
 """`shm`: same host, separate processes; buckets move through two shared buffers.
 
-CPU: two files in /dev/shm that every participant maps (`torch.from_file(shared=True)`); the
-sender unlinks them once all receivers have mapped them, so nothing outlives the processes.
-CUDA: two device buffers whose CUDA IPC handles travel in the plan. Either way a tensor is
-copied once into shared memory by the sender and once out by the receiver's consumer (the
-receiver yields views of the shared buffer, valid until its iterator advances).
+CPU: two files in /dev/shm (`tandem-sync-<sender pid>-...`) that every participant maps
+(`torch.from_file(shared=True)`). CUDA: two device buffers whose CUDA IPC handles travel in the
+plan. Either way a tensor is copied once into shared memory by the sender and once out by the
+receiver's consumer (the receiver yields views of the shared buffer, valid until its iterator
+advances). The buffers outlive a sync (fresh pages would cost a page fault and zeroing per 4 KiB
+every sync): the sender keeps them until `close()` or its exit, receivers keep their mappings
+for the next sync, and a new sender removes files left by senders that died.
 
 Control goes through the sender's TCPStore: `ready/k` holds bucket k's pickled chunk list (an
 empty value ends the stream); each receiver sets `consumed/k/rank` when its consumer has moved
@@ -15,9 +17,11 @@ and its iterator finishes only once the sender has seen all of them and set `com
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import pickle
 import tempfile
+import weakref
 from typing import Iterator
 
 import torch
@@ -25,8 +29,8 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from tandem.weight_sync.base import CheckpointEngine, NamedTensors, SyncPlan, WeightSyncError
 from tandem.weight_sync.bucketing import Unpacker, bucket_size, fill_bucket, plan_buckets
-from tandem.weight_sync.control import (await_commit, commit, connect_store, serve_store,
-                                        wait_keys)
+from tandem.weight_sync.control import (await_commit, commit, connect_store, put, serve_store,
+                                        take, wait_keys)
 
 N_BUFFERS = 2
 
@@ -52,17 +56,11 @@ class ShmCheckpointEngine(CheckpointEngine):
         """Create the shared buffers and the control store; both go into the plan."""
         plan = super().build_topology(n_receivers, version, receiver_versions)
         self._store, details = serve_store("127.0.0.1", self.timeout_s)
+        if not self._buffers:
+            self._create_buffers()
         if self.device == "cuda":
-            self._buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device="cuda")
-                             for _ in range(N_BUFFERS)]
             details["cuda_handles"] = [reduce_tensor(buffer) for buffer in self._buffers]
         else:
-            for _ in range(N_BUFFERS):
-                handle, path = tempfile.mkstemp(prefix="tandem-sync-", dir=self.shm_dir)
-                os.ftruncate(handle, self.bucket_bytes)
-                os.close(handle)
-                self._paths.append(path)
-                self._buffers.append(_map(path, self.bucket_bytes))
             details["paths"] = list(self._paths)
         return SyncPlan(plan.engine, version, n_receivers, plan.bucket_bytes, plan.timeout_s, details)
 
@@ -79,12 +77,25 @@ class ShmCheckpointEngine(CheckpointEngine):
             except (RuntimeError, OSError) as error:
                 raise WeightSyncError("init_process_group", "sender",
                                       f"cannot map the shared buffers ({error})") from error
-        self._store.set(f"joined/{rank}", b"1")
+        put(self._store, f"joined/{rank}", b"1", "init_process_group")
         if rank == 0:
             wait_keys(self._store, {f"joined/{r}": self._peer_of(r)
                                     for r in range(1, plan.n_receivers + 1)},
                       plan.timeout_s, "init_process_group")
-            self._unlink()
+
+    def _create_buffers(self) -> None:
+        if self.device == "cuda":
+            self._buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device="cuda")
+                             for _ in range(N_BUFFERS)]
+            return
+        _remove_orphans(self.shm_dir)
+        for _ in range(N_BUFFERS):
+            handle, path = tempfile.mkstemp(prefix=f"tandem-sync-{os.getpid()}-", dir=self.shm_dir)
+            os.ftruncate(handle, self.bucket_bytes)
+            os.close(handle)
+            self._paths.append(path)
+            self._buffers.append(_map(path, self.bucket_bytes))
+        weakref.finalize(self, _unlink, list(self._paths))  # at close(), collection or exit
 
     async def send_weights(self, named_tensors: NamedTensors) -> None:
         """Fill buffer k % 2 once every receiver is done with bucket k-2; announce it."""
@@ -103,10 +114,10 @@ class ShmCheckpointEngine(CheckpointEngine):
             chunks = fill_bucket(self._buffers[index % N_BUFFERS], bucket)
             if self.device == "cuda":
                 torch.cuda.current_stream().synchronize()
-            self._store.set(f"ready/{index}", pickle.dumps(chunks))
+            put(self._store, f"ready/{index}", pickle.dumps(chunks), "send")
             self.bytes_sent += bucket_size(chunks)
             count = index + 1
-        self._store.set(f"ready/{count}", b"")
+        put(self._store, f"ready/{count}", b"", "send")
         commit(self._store, self.plan.n_receivers, self.plan.timeout_s)
 
     def receive_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -117,30 +128,33 @@ class ShmCheckpointEngine(CheckpointEngine):
         index = 0
         while True:
             wait_keys(self._store, {f"ready/{index}": "sender"}, self.plan.timeout_s, "receive")
-            header = self._store.get(f"ready/{index}")
+            header = take(self._store, f"ready/{index}", "receive")
             if not header:
                 break
             yield from unpacker.unpack(self._buffers[index % N_BUFFERS], pickle.loads(header))
             if self.device == "cuda":  # the consumer's copies out of this buffer are done
                 torch.cuda.current_stream().synchronize()
-            self._store.set(f"consumed/{index}/{self.rank}", b"1")
+            put(self._store, f"consumed/{index}/{self.rank}", b"1", "receive")
             index += 1
         if unpacker.check_complete():
             raise WeightSyncError("receive", "sender",
                                   f"stream ended inside tensors {unpacker.check_complete()}")
         await_commit(self._store, self.rank, self.plan.timeout_s)
 
-    def _unlink(self) -> None:
-        for path in self._paths:
-            if os.path.exists(path):
-                os.unlink(path)
-        self._paths = []
-
     def finalize(self) -> None:
-        """Unmap the buffers (and unlink them if the receivers never came); drop the store."""
-        self._unlink()
-        self._buffers, self._store = [], None
+        """Drop the store of this sync; the sender's buffers stay for the next one."""
+        if self.rank:
+            self._buffers = []
+        self._store = None
         super().finalize()
+
+    def close(self) -> None:
+        """Sender: unlink and drop the shared buffers."""
+        _unlink(self._paths)
+        self._buffers, self._paths = [], []
+
+
+_MAPPED: dict[str, torch.Tensor] = {}  # receiver side: path -> mapping, kept for the next sync
 
 
 def _map(path: str, size: int) -> torch.Tensor:
@@ -150,4 +164,23 @@ def _map(path: str, size: int) -> torch.Tensor:
 def _attach(details: dict, size: int) -> list[torch.Tensor]:
     if "cuda_handles" in details:
         return [rebuild(*args) for rebuild, args in details["cuda_handles"]]
-    return [_map(path, size) for path in details["paths"]]
+    for path in [p for p in _MAPPED if p not in details["paths"]]:  # a former sender's buffers
+        del _MAPPED[path]
+    for path in details["paths"]:
+        if path not in _MAPPED or _MAPPED[path].numel() != size:
+            _MAPPED[path] = _map(path, size)
+    return [_MAPPED[path] for path in details["paths"]]
+
+
+def _unlink(paths: list[str]) -> None:
+    for path in paths:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def _remove_orphans(directory: str) -> None:
+    """Unlink buffers whose sender process no longer exists (killed before it could)."""
+    for path in glob.glob(os.path.join(directory, "tandem-sync-*-*")):
+        pid = os.path.basename(path).split("-")[2]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            os.unlink(path)

@@ -1,0 +1,208 @@
+"""Weight-sync transports vs a plain memcpy of the same bytes, in one run.
+
+For each total size, fp32 tensors of `--tensor-megabytes` each go from this process to one
+receiver: `naive` in-process (the rollout copies each tensor into its parameters), `shm` and
+`gloo` to a receiver in another process (which copies into its own parameters), and `delta`
+(over shm) with 1% and 10% of the elements changed since the receiver's version. Each is timed
+from send start to the sender's commit (every byte in the receiver's parameters), best of
+`--repeats`; setup (build_topology + init_process_group) is reported apart.
+
+    .venv/bin/python bench/sync.py                       # 100 MB, 500 MB, 2 GB
+    .venv/bin/python bench/sync.py --sizes 100 --repeats 2
+Last line: RATIO <shm GiB/s / memcpy GiB/s> shm cross-process, 500 MB
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import time
+
+import torch
+
+from tandem.weight_sync.registry import get_checkpoint_engine_class
+
+GIB = 1 << 30
+
+
+def make_state(total_megabytes: int, tensor_megabytes: int) -> dict[str, torch.Tensor]:
+    """fp32 tensors adding up to total_megabytes (10**6 bytes), each at most tensor_megabytes."""
+    remaining, state, index = total_megabytes * 10**6 // 4, {}, 0
+    per_tensor = tensor_megabytes * 10**6 // 4
+    while remaining:
+        count = min(per_tensor, remaining)
+        state[f"layers.{index}.weight"] = torch.randn(count)
+        remaining -= count
+        index += 1
+    return state
+
+
+def receiver_main(conn) -> None:
+    """The rollout side: holds parameters, joins each sync it is sent, copies what arrives."""
+    params: dict[str, torch.Tensor] = {}
+    while (message := conn.recv()) is not None:
+        kind, payload = message
+        if kind == "allocate":
+            params = {name: torch.zeros(numel) for name, numel in payload.items()}
+            conn.send("ok")
+            continue
+        engine_name, kwargs, plan, version = payload
+        if engine_name == "delta":
+            kwargs = dict(kwargs, current_weights=params.__getitem__, current_version=version)
+        engine = get_checkpoint_engine_class(engine_name)(**kwargs)
+        try:
+            engine.init_process_group(plan, 1)
+            for name, tensor in engine.receive_weights():
+                params[name].copy_(tensor)
+        finally:
+            engine.finalize()
+        conn.send("ok")
+
+
+class Receiver:
+    """A spawned receiver process driven over a pipe."""
+
+    def __init__(self) -> None:
+        context = mp.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=receiver_main, args=(child,), daemon=True)
+        self.process.start()
+
+    def call(self, kind: str, payload) -> None:
+        self.conn.send((kind, payload))
+
+    def wait(self) -> None:
+        if self.conn.recv() != "ok":
+            raise RuntimeError("receiver failed")
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.process.join(30)
+
+
+def time_memcpy(state: dict[str, torch.Tensor], destination: dict[str, torch.Tensor],
+                repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for name, tensor in state.items():
+            destination[name].copy_(tensor)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+class CopyingRollout:
+    """What `naive` hands the stream to: copies each tensor into its parameters."""
+
+    def __init__(self, destination: dict[str, torch.Tensor]) -> None:
+        self.destination = destination
+
+    async def update_weights(self, named_tensors, version: int) -> None:
+        for name, tensor in named_tensors:
+            self.destination[name].copy_(tensor)
+
+
+def time_naive(state, destination, repeats: int, bucket_megabytes: int) -> float:
+    engine = get_checkpoint_engine_class("naive")(bucket_megabytes)
+    rollout, best = CopyingRollout(destination), float("inf")
+    for version in range(repeats):
+        started = time.perf_counter()
+        asyncio.run(engine.sync(state.items(), rollout, version))
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def time_remote(engine_name: str, kwargs: dict, state, receiver: Receiver, repeats: int,
+                change_fraction: float | None = None) -> dict:
+    """Best send time to the receiver process (plus setup and bytes of that sync). For delta,
+    a full sync comes first, then each timed one changes `change_fraction` of the elements."""
+    engine = get_checkpoint_engine_class(engine_name)(**kwargs)
+    generator = torch.Generator().manual_seed(0)
+    best = {"send_s": float("inf")}
+    version = 0
+    for attempt in range(repeats + (1 if change_fraction else 0)):
+        if change_fraction and attempt:
+            for tensor in state.values():
+                where = torch.randint(tensor.numel(), (int(tensor.numel() * change_fraction),),
+                                      generator=generator)
+                tensor[where] += 1.0
+        started = time.perf_counter()
+        plan = engine.build_topology(1, version + 1, [version])
+        receiver.call("sync", (engine_name, kwargs, plan, version))
+        engine.init_process_group(plan, 0)
+        setup = time.perf_counter() - started
+        started = time.perf_counter()
+        asyncio.run(engine.send_weights(state.items()))
+        elapsed = time.perf_counter() - started
+        sent = engine.bytes_sent
+        engine.finalize()
+        receiver.wait()
+        version += 1
+        if change_fraction and attempt == 0:
+            continue  # the full sync that gives the receiver the base version
+        if elapsed < best["send_s"]:
+            best = {"send_s": elapsed, "setup_s": setup, "bytes_sent": sent}
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="100,500,2000", help="total MB per run, comma-separated")
+    parser.add_argument("--tensor-megabytes", type=int, default=25)
+    parser.add_argument("--bucket-megabytes", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engines", default="naive,shm,gloo,delta")
+    args = parser.parse_args()
+    engines = args.engines.split(",")
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, bucket {args.bucket_megabytes} MiB, "
+          f"tensors of {args.tensor_megabytes} MB, best of {args.repeats}")
+    receiver = Receiver()
+    shm_ratio_500 = None
+    kwargs = {"bucket_megabytes": args.bucket_megabytes, "timeout_s": 600.0}
+    for size in (int(s) for s in args.sizes.split(",")):
+        state = make_state(size, args.tensor_megabytes)
+        nbytes = sum(t.numel() * 4 for t in state.values())
+        destination = {name: torch.zeros_like(t) for name, t in state.items()}
+        receiver.call("allocate", {name: t.numel() for name, t in state.items()})
+        receiver.wait()
+        memcpy = time_memcpy(state, destination, args.repeats)
+        memcpy_rate = nbytes / memcpy / GIB
+        print(f"{size} MB: memcpy {memcpy_rate:.2f} GiB/s ({memcpy * 1e3:.0f} ms)")
+
+        def report(label: str, seconds: float, extra: str = "") -> float:
+            rate = nbytes / seconds / GIB
+            print(f"  {label:<10} {rate:7.2f} GiB/s  {rate / memcpy_rate:5.2f}x memcpy  "
+                  f"{seconds * 1e3:7.0f} ms{extra}")
+            return rate
+
+        shm_time = None
+        for engine in engines:
+            if engine == "naive":
+                report("naive", time_naive(state, destination, args.repeats, args.bucket_megabytes))
+            elif engine in ("shm", "gloo"):
+                result = time_remote(engine, kwargs, state, receiver, args.repeats)
+                rate = report(engine, result["send_s"], f"  (setup {result['setup_s'] * 1e3:.0f} ms)")
+                if engine == "shm":
+                    shm_time = result["send_s"]
+                    if size == 500:
+                        shm_ratio_500 = rate / memcpy_rate
+            elif engine == "delta":
+                for fraction in (0.01, 0.10):
+                    result = time_remote("delta", dict(kwargs, transport="shm"), state, receiver,
+                                         args.repeats, fraction)
+                    versus = f", {result['send_s'] / shm_time:.2f}x the shm time" if shm_time else ""
+                    report(f"delta {fraction:.0%}", result["send_s"],
+                           f"  (bytes {result['bytes_sent'] / nbytes:.1%} of full{versus})")
+        del state, destination
+    receiver.close()
+    print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if shm_ratio_500 is not None:
+        print(f"RATIO {shm_ratio_500:.2f} shm cross-process, 500 MB")
+
+
+if __name__ == "__main__":
+    main()
