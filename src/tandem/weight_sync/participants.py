@@ -115,6 +115,7 @@ async def receive_into(backend: Any, plan: SyncPlan, rank: int, who: str,
         finally:
             with _timed(timings, "finalize"):
                 engine.finalize()
+                engine.close()  # a receiver's engine serves this one sync
 
     staged = await run_in_fresh_thread(receive, f"weight-sync-receive-{rank}")
     with _timed(timings, "load"):
