@@ -1,4 +1,4 @@
-"""Issue 13's fault tests: a process killed in the middle of a cross-process sync (gloo).
+"""Issue 13's fault tests: a process killed in the middle of a cross-process sync (gloo, shm).
 
 A receiver killed mid-transfer: the sync fails within the deadline naming the phase and that
 receiver; the other server keeps its old version and keeps serving; the next sync succeeds
@@ -47,10 +47,10 @@ def _restore_stream(worker) -> None:
     del worker.actor.export_weights
 
 
-@pytest.fixture
-def fleet(ray_cluster):
+@pytest.fixture(params=["gloo", "shm"])
+def fleet(ray_cluster, request):
     path = build_tiny_model(SPEC)
-    config = training_config("gloo", timeout_s=TIMEOUT_S)
+    config = training_config(request.param, timeout_s=TIMEOUT_S)
     config.model.path = str(path)
     workers = start_actor(config)
     options = ServerOptions(model_path=str(path), device_bundle={"CPU": 0.01},
@@ -95,7 +95,7 @@ async def test_a_receiver_killed_mid_transfer(fleet):
     with pytest.raises(WeightSyncError) as failure:
         await sync
     elapsed = time.monotonic() - start
-    print(f"receiver killed: failed after {elapsed:.1f} s: {failure.value}")
+    print(f"{config.backend}: receiver killed: failed after {elapsed:.1f} s: {failure.value}")
     assert elapsed < 4 * TIMEOUT_S + 10  # the stream itself takes ~5 s at 0.1 s per tensor
     assert failure.value.phase in ("send", "receive", "finalize")
     assert failure.value.peer == "receiver 2 (replica-1)"
@@ -122,7 +122,7 @@ async def test_a_sender_killed_mid_transfer(fleet):
     with pytest.raises(WeightSyncError) as failure:
         await sync
     elapsed = time.monotonic() - start
-    print(f"sender killed: failed after {elapsed:.1f} s: {failure.value}")
+    print(f"{config.backend}: sender killed: failed after {elapsed:.1f} s: {failure.value}")
     # receivers give up TIMEOUT_S after the last bucket; rank 1, stuck in an FSDP gather of a
     # dead group, is given up 2 x TIMEOUT_S after them
     assert elapsed < 4 * TIMEOUT_S + 10
