@@ -111,6 +111,16 @@ def test_sender_killed_mid_transfer_fails_every_receiver(workers, engine):
         assert result["error"] and result["phase"] == "receive", result
         assert result["peer"] == "sender" and result["elapsed_s"] < 5.0 + 10.0
     _fresh(workers, 0)
+    if engine == "shm":  # a killed sender cannot unlink its buffers; the next sender does
+        from tandem.weight_sync.shm import ShmCheckpointEngine
+
+        left = plan.details["paths"]
+        assert all(map(os.path.exists, left))
+        successor = ShmCheckpointEngine(1, 5.0)
+        successor.build_topology(1, 1)
+        successor.finalize()
+        successor.close()
+        assert not any(map(os.path.exists, left))
 
 
 def test_a_receiver_that_never_joins_names_itself_within_the_deadline(workers):

@@ -22,6 +22,13 @@ Contract between the transports (this package) and the sync manager that drives 
   the phase and, where known, the peer. The sync process group is created per sync from its own
   TCPStore (never the default/training group) and destroyed in `finalize`.
 - `naive` keeps its in-process `sync(named_tensors, rollout, version)` path.
+
+Additions to /work/wt/SYNC_INTERFACE.md as built: `WeightSyncError(phase, peer, message)`
+pickles intact; `close()` (release what outlives a sync: shm buffers, delta's kept copy);
+the commit handshake above (a receiver loads only after its iterator ends normally);
+senders expose `bytes_sent` (payload bytes of the last sync); engine kwargs: gloo/nccl
+`master_addr`, shm `device` ("cpu" | "cuda"), `shm_dir`; delta `transport`, `dtype`,
+`max_sparse_ratio`, receivers `current_weights`, `current_version` (others go to the transport).
 """
 
 from __future__ import annotations

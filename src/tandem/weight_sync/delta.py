@@ -149,3 +149,8 @@ class DeltaCheckpointEngine(CheckpointEngine):
         """Finalize the inner transport."""
         self.inner.finalize()
         super().finalize()
+
+    def close(self) -> None:
+        """Close the inner transport (shm's buffers) and drop the kept copy."""
+        self.inner.close()
+        self._base, self._base_version = {}, None
