@@ -20,7 +20,8 @@ def ray_cluster():
     started = not ray.is_initialized()
     if started:
         # worker_niceness 0: Ray's default (15) starves actors whenever the machine is busy.
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+        # address="local": never join a cluster some other process on the machine started
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  _system_config={"worker_niceness": 0})
     yield ray
     if started:
