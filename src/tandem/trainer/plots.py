@@ -35,7 +35,8 @@ def plot_run(output_dir: str | Path) -> list[Path]:
             axis.plot(steps, values, marker="o" if key.startswith("val") else None, label=label)
     axis.set_xlabel("step")
     axis.set_ylim(-0.05, 1.05)
-    axis.legend()
+    if axis.get_legend_handles_labels()[0]:  # a run without these metrics gets an empty panel
+        axis.legend()
     axis.set_title("reward and accuracy per step")
     written.append(_save(figure, output_dir / "reward.png"))
 
@@ -48,7 +49,8 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     axis.set_yscale("symlog", linthresh=1e-6)
     axis.set_xlabel("step")
     axis.set_ylabel("logprob difference (nats)")
-    axis.legend()
+    if axis.get_legend_handles_labels()[0]:  # a run without these metrics gets an empty panel
+        axis.legend()
     axis.set_title("rollout vs actor log-probability gap")
     written.append(_save(figure, output_dir / "logprob_gap.png"))
 
