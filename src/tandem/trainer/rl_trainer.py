@@ -97,7 +97,9 @@ class RLTrainer:
         return self.manager.client()
 
     async def stop(self) -> None:
-        """Stop servers and workers; leave Ray to its owner."""
+        """Stop the agent loops, servers and workers; leave Ray to its owner."""
+        if self.runner is not None:
+            await self.runner.close()
         if self.manager is not None:
             await self.manager.shutdown()
         for worker in self.workers:
