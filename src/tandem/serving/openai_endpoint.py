@@ -61,7 +61,7 @@ def error_response(status: int, message: str, code: str | None = None,
 def _logprobs(completion: Completion, token_text: Any) -> dict[str, Any]:
     content = []
     for token, log_prob in zip(completion.token_ids, completion.log_probs):
-        text = token_text(token)
+        text = token_text([token])
         content.append({"token": text, "logprob": log_prob, "bytes": list(text.encode()),
                         "top_logprobs": []})
     return {"content": content, "refusal": None}
