@@ -33,7 +33,7 @@ def example_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))
 
 
-def rows(count: int) -> list[DatasetRow]:
+def rows(count: int, do_sample: bool | None = None) -> list[DatasetRow]:
     rng = random.Random(0)
     result = []
     for index in range(count):
@@ -41,7 +41,7 @@ def rows(count: int) -> list[DatasetRow]:
         result.append(DatasetRow(messages=record["prompt"], index=index, uid=f"row{index}",
                                  data_source=record["data_source"],
                                  ground_truth=record["ground_truth"],
-                                 extra_info=record["extra_info"]))
+                                 extra_info=record["extra_info"], do_sample=do_sample))
     return result
 
 
@@ -170,3 +170,44 @@ def test_an_unimportable_agent_is_a_clear_error():
     with pytest.raises(ValueError, match="rollout.openai_agent.agent='nowhere.module:run' cannot "
                        "be imported"):
         load_agent("nowhere.module:run")
+
+
+@pytest.mark.slow  # about 40 s on a loaded 2-core machine
+async def test_sampled_by_the_native_engine_the_example_matches_the_builtin_loop(
+        example_on_path, tmp_path):
+    """The real path: rollout server + balancer + native engine, greedy decoding of a model
+    rewired to call a tool every turn (see test_agent_native.py). At temperature 1 it also
+    emits malformed calls, which the built-in loop answers with a tool error while the
+    endpoint returns them as plain text (see docs/agent_loops.md)."""
+    pytest.importorskip("tandem.rollout.native")
+    from test_agent_native import rewire
+
+    from tandem.models.tiny import TinyModelSpec
+    from tandem.serving.manager import ServerManager
+    from tandem.serving.replica import ServerOptions
+    from tandem.serving.server import RolloutServer
+
+    source = build_tiny_model(TinyModelSpec(tie_word_embeddings=False))
+    rewire(source, tmp_path, AutoTokenizer.from_pretrained(source))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    builtin_config, agent_config = configs(150)
+    for config in (builtin_config, agent_config):
+        config.kv_cache_memory_bytes = 32 << 20
+    manager = await ServerManager.create(builtin_config, ServerOptions(model_path=str(tmp_path)),
+                                         "hybrid", hosts=[RolloutServer("host-0")])
+    runner = AgentLoopRunner.from_tokenizer(manager.client(), tokenizer, agent_config)
+    try:
+        builtin = await AgentLoopRunner.from_tokenizer(manager.client(), tokenizer,
+                                                       builtin_config).run(rows(2, False))
+        recorded = await runner.run(rows(2, False))
+    finally:
+        await runner.close()
+        await manager.shutdown()
+    assert len(recorded) == len(builtin) == 4
+    for ours, theirs in zip(recorded, builtin):
+        assert ours.input_ids.tolist() == theirs.input_ids.tolist()
+        assert ours.response_mask.tolist() == theirs.response_mask.tolist()
+        assert ours.rollout_log_probs.tolist() == theirs.rollout_log_probs.tolist()
+        assert ours.stop_reason == theirs.stop_reason
+    # the rewired model calls a tool (unknown to the calculator registry) every turn
+    assert all(t.metadata["tool_calls"] == 3 and t.stop_reason == "length" for t in builtin)
