@@ -23,11 +23,12 @@ TOOLS = ToolRegistry([CalculatorTool()])
 CALCULATOR = [tool_schema(CalculatorTool())]
 
 
-async def run(client: openai.AsyncOpenAI, row) -> None:
+async def run(client: openai.AsyncOpenAI, row, max_assistant_turns: int = MAX_ASSISTANT_TURNS
+              ) -> None:
     """Solve one arithmetic row: chat, call the calculator when asked, until a plain answer."""
     messages = [dict(message) for message in row.messages]
     model = (await client.models.list()).data[0].id
-    for turn in range(MAX_ASSISTANT_TURNS):
+    for turn in range(max_assistant_turns):
         try:
             response = await client.chat.completions.create(model=model, messages=messages,
                                                              tools=CALCULATOR)
@@ -37,9 +38,14 @@ async def run(client: openai.AsyncOpenAI, row) -> None:
             raise
         choice = response.choices[0]
         messages.append(choice.message.model_dump(exclude_none=True))
-        if choice.finish_reason != "tool_calls" or turn == MAX_ASSISTANT_TURNS - 1:
+        if choice.finish_reason != "tool_calls" or turn == max_assistant_turns - 1:
             return None
         for call in choice.message.tool_calls:
             result = await TOOLS.call(call.function.name, json.loads(call.function.arguments), {})
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result.text})
     return None
+
+
+async def run_demo(client: openai.AsyncOpenAI, row) -> None:
+    """The agent with the demo's limit (src/tandem/demo/demo.yaml: two model turns)."""
+    return await run(client, row, max_assistant_turns=2)

@@ -211,3 +211,15 @@ async def test_sampled_by_the_native_engine_the_example_matches_the_builtin_loop
         assert ours.stop_reason == theirs.stop_reason
     # the rewired model calls a tool (unknown to the calculator registry) every turn
     assert all(t.metadata["tool_calls"] == 3 and t.stop_reason == "length" for t in builtin)
+
+
+@pytest.mark.slow  # the whole demo: minutes
+def test_the_demo_trained_through_the_openai_agent_gains_30_points(example_on_path, tmp_path):
+    from tandem.demo.run import run_demo
+
+    before, after = run_demo([
+        "rollout.multi_turn.enable=false", "rollout.multi_turn.tools=[]",
+        "rollout.openai_agent.enable=true",
+        "rollout.openai_agent.agent=examples.openai_calculator_agent:run_demo",
+        f"trainer.output_dir={tmp_path}", "trainer.progress=false"])
+    assert after - before >= 0.30, (before, after)

@@ -275,3 +275,30 @@ async def test_session_budget_is_an_error_and_cuts_the_tool_turn(tokenizer):
         [trajectory] = endpoint.recorder.close("s")
         assert len(trajectory.responses) == 40 and trajectory.stop_reason == "length"
         assert first_prompt == len(trajectory.prompts) and len(endpoint.engine.calls) == 1
+
+
+async def test_ad_hoc_sessions_are_capped_but_registered_ones_stay(tokenizer):
+    from tandem.agent.recorder import SessionSettings
+
+    async with Endpoint(tokenizer) as endpoint:
+        endpoint.recorder.max_sessions = 2
+        endpoint.recorder.open("loop-0", SessionSettings(uid="u"))
+        for name in ("a", "b", "c"):
+            await endpoint.client(name).chat.completions.create(model="tiny", messages=QUESTION)
+        assert list(endpoint.recorder.sessions) == ["loop-0", "b", "c"]
+
+
+async def test_a_malformed_tool_call_in_history_and_a_failing_engine_get_openai_errors(tokenizer):
+    async with Endpoint(tokenizer) as endpoint:
+        client = endpoint.client("s")
+        with pytest.raises(openai.BadRequestError, match="needs a function with a string name"):
+            await client.chat.completions.create(model="tiny", messages=[
+                *QUESTION, {"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}])
+
+        async def broken(*args):
+            raise RuntimeError("engine is down")
+
+        endpoint.engine.generate = broken
+        with pytest.raises(openai.InternalServerError) as raised:
+            await client.chat.completions.create(model="tiny", messages=QUESTION)
+        assert "RuntimeError: engine is down" in raised.value.message

@@ -71,10 +71,17 @@ def normalize(message: dict[str, Any]) -> dict[str, Any]:
                               "content": message_text(message.get("content")).strip()
                               if role == "assistant" else message_text(message.get("content"))}
     if role == "assistant" and message.get("tool_calls"):
-        result["tool_calls"] = [{"type": "function", "function": {
-            "name": call["function"]["name"], "arguments": _arguments(call["function"].get(
-                "arguments"))}} for call in message["tool_calls"]]
+        result["tool_calls"] = [_tool_call(call) for call in message["tool_calls"]]
     return result
+
+
+def _tool_call(call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RequestError(400, "every tool_calls[] entry needs a function with a string name, "
+                           f"got {call!r}", param="messages")
+    return {"type": "function", "function": {"name": function["name"],
+                                             "arguments": _arguments(function.get("arguments"))}}
 
 
 @dataclass
@@ -122,9 +129,10 @@ class SessionSettings:
 class SessionRecorder:
     """The branches of one session; calls are serialized so they append in order."""
 
-    def __init__(self, key: str, settings: SessionSettings) -> None:
+    def __init__(self, key: str, settings: SessionSettings, registered: bool) -> None:
         self.key = key
         self.settings = settings
+        self.registered = registered  # opened by the openai_agent loop: never evicted
         self.branches: list[Branch] = []
         self.forks = 0
         self.lock = asyncio.Lock()
@@ -195,7 +203,7 @@ class ChatRecorder:
         """Register a session before its agent runs (its trajectories are collected by close)."""
         if key in self.sessions:
             raise ValueError(f"session {key!r} is already open; session ids must be unique")
-        self.sessions[key] = SessionRecorder(key, settings)
+        self.sessions[key] = SessionRecorder(key, settings, registered=True)
         return self.sessions[key]
 
     def close(self, key: str) -> list[Trajectory]:
@@ -204,10 +212,12 @@ class ChatRecorder:
 
     def _session(self, key: str) -> SessionRecorder:
         session = self.sessions.get(key)
-        if session is None:  # an ad-hoc caller (tandem serve): keep at most max_sessions
-            while len(self.sessions) >= self.max_sessions:
-                self.sessions.pop(next(iter(self.sessions)))
-            session = self.sessions[key] = SessionRecorder(key, SessionSettings(uid=key))
+        if session is None:  # an ad-hoc caller (tandem serve): keep the newest max_sessions
+            adhoc = [k for k, s in self.sessions.items() if not s.registered]
+            for old in adhoc[:max(0, len(adhoc) + 1 - self.max_sessions)]:
+                del self.sessions[old]
+            session = SessionRecorder(key, SessionSettings(uid=key), registered=False)
+            self.sessions[key] = session
         return session
 
     def _new_branch(self, session: SessionRecorder, messages: list[dict[str, Any]],

@@ -104,6 +104,11 @@ def create_app(recorder: ChatRecorder, model_name: str, api_key: str = "") -> Fa
     async def bad_request(request: Request, error: RequestError) -> JSONResponse:
         return error_response(error.status, error.message, error.code, error.param)
 
+    @app.exception_handler(Exception)
+    async def failed(request: Request, error: Exception) -> JSONResponse:
+        return error_response(500, f"the rollout backend failed: {type(error).__name__}: {error}",
+                              code="server_error")
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
