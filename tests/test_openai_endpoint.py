@@ -302,3 +302,30 @@ async def test_a_malformed_tool_call_in_history_and_a_failing_engine_get_openai_
         with pytest.raises(openai.InternalServerError) as raised:
             await client.chat.completions.create(model="tiny", messages=QUESTION)
         assert "RuntimeError: engine is down" in raised.value.message
+
+
+class CharacterEngine(ScriptedEngine):
+    """Samples the same texts one character per token: a tokenization the tokenizer itself
+    would never produce, so any re-tokenization of the reply would show."""
+
+    async def generate(self, request_id, prompt_ids, sampling_params):
+        output = await super().generate(request_id, prompt_ids, sampling_params)
+        text = self.tokenizer.decode(output.token_ids[:-1])
+        output.token_ids = [token for char in text
+                            for token in self.tokenizer.encode(char, add_special_tokens=False)]
+        output.token_ids.append(self.tokenizer.eos_token_id)
+        output.log_probs = [-0.5] * len(output.token_ids)
+        return output
+
+
+async def test_the_next_prompt_carries_the_sampled_tokens_not_a_re_tokenization(tokenizer):
+    async with Endpoint(tokenizer) as endpoint:
+        endpoint.recorder.client = engine = CharacterEngine(tokenizer)
+        await conversation(endpoint.client("s"), QUESTION, turns=2)
+        (_, first, _), (_, second, _) = engine.calls[:2]
+        replay = await CharacterEngine(tokenizer).generate("r", first, engine.calls[0][2])
+        reply_text = tokenizer.decode(replay.token_ids[:-1])
+        assert tokenizer.encode(reply_text, add_special_tokens=False) != replay.token_ids[:-1]
+        assert second[:len(first) + len(replay.token_ids)] == first + replay.token_ids
+        [trajectory] = endpoint.recorder.close("s")
+        assert trajectory.responses.tolist()[:len(replay.token_ids)] == replay.token_ids
