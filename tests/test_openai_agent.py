@@ -224,3 +224,26 @@ def test_the_demo_trained_through_the_openai_agent_gains_30_points(example_on_pa
         "rollout.openai_agent.agent=examples.openai_calculator_agent:run_demo",
         f"trainer.output_dir={tmp_path}", "trainer.progress=false"])
     assert after - before >= 0.30, (before, after)
+
+
+async def test_forked_sessions_show_in_the_trainer_metrics(tokenizer):
+    from tandem.agent.chat_format import ChatFormat
+    from tandem.agent.openai_agent import OpenAIAgentLoop
+    from tandem.agent.session import Session
+    from tandem.trainer.rl_trainer import _trajectory_metrics
+
+    async def retry_once(client, row):  # asking the same question twice forks the session
+        for _ in range(2):
+            await client.chat.completions.create(model="tandem", messages=row.messages)
+
+    _, config = configs(100)
+    loop = OpenAIAgentLoop(ScriptedEngine(tokenizer), ChatFormat(tokenizer), config, retry_once)
+    try:
+        forked = await loop.run(Session(rows(1)[0], 0, "row0-0"))
+        loop.agent = answer_float
+        plain = await loop.run(Session(rows(1)[0], 1, "row0-1"))
+    finally:
+        await loop.close()
+    assert [t.metadata["forks"] for t in forked + plain] == [1, 1, 0]
+    assert loop.recorder.forks == 1
+    assert _trajectory_metrics(forked + plain, "reward")["reward/forked"] == pytest.approx(2 / 3)
