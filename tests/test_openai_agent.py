@@ -247,3 +247,33 @@ async def test_forked_sessions_show_in_the_trainer_metrics(tokenizer):
     assert [t.metadata["forks"] for t in forked + plain] == [1, 1, 0]
     assert loop.recorder.forks == 1
     assert _trajectory_metrics(forked + plain, "reward")["reward/forked"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.slow  # Ray workers + a training step: about a minute
+def test_one_sync_training_step_through_the_openai_agent(tmp_path, ray_cluster, example_on_path):
+    import asyncio
+
+    from test_trainer_sync import tiny_config
+
+    from tandem.trainer.metrics import read_metrics
+    from tandem.trainer.rl_trainer import RLTrainer
+    from tandem.trainer.sync import fit_sync
+
+    config = tiny_config(tmp_path, "rollout.multi_turn.enable=false", "rollout.multi_turn.tools=[]",
+                         "rollout.openai_agent.enable=true", f"rollout.openai_agent.agent={EXAMPLE}")
+
+    async def run():
+        trainer = RLTrainer(config)
+        await trainer.start()
+        try:
+            await fit_sync(trainer)
+            url = trainer.runner.loop._server.base_url
+        finally:
+            await trainer.stop()
+        assert trainer.runner.loop._server is None  # stop() closed the endpoint
+        return url
+
+    assert asyncio.run(run()).startswith("http://127.0.0.1:")
+    [step] = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "time/generate" in r]
+    assert step["weight_version"] == 1 and "reward/mean" in step and "actor/grad_norm" in step
+    assert step["reward/forked"] == 0.0
