@@ -42,7 +42,7 @@ class ChatRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=64)
     stop: str | list[str] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)  # the engine returns sampled only
+    top_logprobs: int | None = None  # only 0: the engine returns the sampled token's logprob
     seed: int | None = None
     user: str | None = None
     stream: bool = False
@@ -122,6 +122,10 @@ def create_app(recorder: ChatRecorder, model_name: str, api_key: str = "") -> Fa
         if body.tool_choice not in (None, "auto"):
             raise RequestError(400, f"tool_choice={body.tool_choice!r} is not supported; use "
                                "'auto' (the model decides)", param="tool_choice")
+        if body.top_logprobs:
+            raise RequestError(400, f"top_logprobs={body.top_logprobs} is not supported: the "
+                               "engine returns the sampled token's logprob only; use "
+                               "logprobs=true without top_logprobs", param="top_logprobs")
         session = request.headers.get(SESSION_HEADER) or body.user or uuid.uuid4().hex
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         max_tokens = body.max_completion_tokens or body.max_tokens
