@@ -213,7 +213,7 @@ async def test_sampled_by_the_native_engine_the_example_matches_the_builtin_loop
     assert all(t.metadata["tool_calls"] == 3 and t.stop_reason == "length" for t in builtin)
 
 
-@pytest.mark.slow  # the whole demo: minutes (warm-up cached after its first run)
+@pytest.mark.slow  # the whole demo: its warm-up alone took over 40 min at load 15 (cached after)
 @pytest.mark.timeout(3600)
 def test_the_demo_trained_through_the_openai_agent_gains_30_points(example_on_path, tmp_path):
     from tandem.demo.run import run_demo
