@@ -12,6 +12,12 @@ round is a back-to-back pair, and the ratio reported is the median over rounds o
 stack/direct ratio (load drift on a shared machine hits both halves of a pair alike, while the
 best rounds of each side may come from different load). The last line is
 `RATIO <median paired stack/direct tokens/s>`.
+
+The HTTP row: the same prompts as chat messages (random text, rendered by the chat template)
+sent through the OpenAI-compatible endpoint with the official `openai` client (HTTP -> FastAPI
+-> session recorder -> client -> balancer -> Ray server -> engine), vs the engine called directly
+on the rendered ids with the same sampling dict and seed, so both sample the same tokens (eos is
+not ignored here). Printed as `HTTP_RATIO <median paired endpoint/direct tokens/s>`.
 """
 
 from __future__ import annotations
@@ -58,6 +64,62 @@ async def timed(generate, requests: list[tuple[list[int], int]], tag: str) -> fl
     return elapsed
 
 
+def chat_workload(tokenizer, requests: list[tuple[list[int], int]]) -> list[tuple[list[dict], int]]:
+    """The token workload as one user message of random text per request (same budgets)."""
+    return [([{"role": "user", "content": tokenizer.decode(prompt, skip_special_tokens=True)}],
+             budget) for prompt, budget in requests]
+
+
+async def http_rows(path: Path, manager, direct, rounds: int) -> list[float]:
+    """Paired rounds of endpoint vs direct tokens/s on the chat workload; the paired ratios."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from tandem.agent.chat_format import ChatFormat
+    from tandem.agent.recorder import ChatRecorder
+    from tandem.agent.sampling import sampling_params
+    from tandem.serving.openai_endpoint import EndpointServer, create_app
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    chat_format = ChatFormat(tokenizer)
+    config = RolloutConfig(prompt_length=2048, response_length=512)
+    chats = chat_workload(tokenizer, workload(tokenizer.vocab_size, 8, 8, 256))
+    rendered = [chat_format.prompt_ids(messages) for messages, _ in chats]
+    recorder = ChatRecorder(manager.client(), chat_format, config)
+    server = EndpointServer(create_app(recorder, "tiny"))
+    client = openai.AsyncOpenAI(base_url=await server.start(), api_key="none", max_retries=0)
+
+    async def endpoint(tag: str) -> int:
+        replies = await asyncio.gather(*(client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=budget, seed=i, user=f"{tag}-{i}")
+            for i, (messages, budget) in enumerate(chats)))
+        return sum(reply.usage.completion_tokens for reply in replies)
+
+    async def engine(tag: str) -> int:
+        outputs = await asyncio.gather(*(direct.generate(
+            f"{tag}-{i}", prompt, {**sampling_params(config, False, None, budget), "seed": i})
+            for i, (prompt, (_, budget)) in enumerate(zip(rendered, chats))))
+        return sum(len(output.token_ids) for output in outputs)
+
+    await endpoint("warmup")
+    paired = []
+    for round_index in range(rounds):
+        order = ["direct", "http"] if round_index % 2 == 0 else ["http", "direct"]
+        speed = {}
+        for name in order:
+            await (direct.clear_kv_cache() if name == "direct" else manager.clear_kv_cache())
+            start = time.perf_counter()
+            tokens = await (engine if name == "direct" else endpoint)(f"{name}{round_index}")
+            speed[name] = tokens / (time.perf_counter() - start)
+        paired.append(speed["http"] / speed["direct"])
+        print(f"  http round {round_index}: direct {speed['direct']:8.1f} tok/s, "
+              f"endpoint {speed['http']:8.1f} tok/s ({tokens} tokens)")
+        recorder.sessions.clear()
+    await client.close()
+    await server.stop()
+    return paired
+
+
 async def run(args: argparse.Namespace) -> None:
     import ray
 
@@ -102,6 +164,7 @@ async def run(args: argparse.Namespace) -> None:
         paired.append(seconds["direct"] / seconds["stack"])
         print(f"  round {round_index}: direct {tokens / seconds['direct']:8.1f} tok/s, "
               f"stack {tokens / seconds['stack']:8.1f} tok/s")
+    http = await http_rows(path, manager, direct, args.rounds) if args.http else []
     status = await manager.status()
     assert sum(status.in_flight().values()) == 0
     await manager.shutdown()
@@ -111,6 +174,10 @@ async def run(args: argparse.Namespace) -> None:
     print(f"  direct {speed['direct']:9.1f} tok/s")
     print(f"  stack  {speed['stack']:9.1f} tok/s   (best rounds: {speed['stack'] / speed['direct']:.3f})")
     print(f"  paired stack/direct per round: {' '.join(f'{r:.3f}' for r in paired)}")
+    if http:
+        print(f"HTTP_RATIO {statistics.median(http):.3f} endpoint/direct tokens/s (median of paired "
+              f"rounds: {' '.join(f'{r:.3f}' for r in http)}), {args.model} model, openai client "
+              "-> HTTP endpoint -> recorder -> client -> balancer -> Ray server -> native engine")
     print(f"RATIO {statistics.median(paired):.3f} stack/direct tokens/s (median of paired rounds), "
           f"{args.model} model, client -> balancer -> Ray server -> native engine")
 
@@ -119,6 +186,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--http", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure the OpenAI-compatible endpoint (the HTTP row)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads of both engines (0: torch's default, all cores). With 1, "
                              "the stack's extra processes (driver, balancer) get a core of their own")

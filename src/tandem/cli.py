@@ -1,5 +1,6 @@
 """Command line: `tandem train CONFIG [a.b=c ...]`, `tandem eval CONFIG [...]`, `tandem demo [...]`,
-`tandem make-data DIR` (the arithmetic word problems as JSONL).
+`tandem make-data DIR` (the arithmetic word problems as JSONL), `tandem serve CONFIG [...]` (the
+OpenAI-compatible endpoint over the config's model).
 
 Before torch or Ray is imported, the config, the datasets (every row's reward inputs) and the
 resume checkpoint are checked, so a mistake shows in well under a second as one message;
@@ -95,6 +96,36 @@ def _eval(config_path: str, overrides: list[str]) -> None:
     print(json.dumps(asyncio.run(run()), indent=1))
 
 
+def _serve(config_path: str, overrides: list[str]) -> None:
+    config = checked_config(config_path, overrides, "serve")
+    from tandem.quiet import quiet_libraries
+
+    quiet_libraries()
+    from tandem.agent.chat_format import ChatFormat
+    from tandem.agent.recorder import ChatRecorder
+    from tandem.serving.openai_endpoint import EndpointServer, create_app
+    from tandem.trainer.rl_trainer import RLTrainer
+
+    settings = config.rollout.openai_agent
+
+    async def run() -> None:
+        trainer = RLTrainer(config, evaluation_only=True)
+        await trainer.start()
+        try:
+            if config.trainer.resume:
+                await trainer.load_latest_checkpoint()
+            await trainer.sync_weights()
+            recorder = ChatRecorder(trainer.client(), ChatFormat(trainer.tokenizer), config.rollout)
+            server = EndpointServer(create_app(recorder, settings.served_model_name,
+                                               settings.api_key), settings.host, settings.port)
+            print(f"serving {settings.served_model_name!r} at {await server.start()}", flush=True)
+            await server.wait()
+        finally:
+            await trainer.stop()
+
+    asyncio.run(run())
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -103,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "RL training from a YAML config"),
-                       ("eval", "validation metrics of a config's model (or its latest checkpoint)")):
+                       ("eval", "validation metrics of a config's model (or its latest checkpoint)"),
+                       ("serve", "an OpenAI-compatible endpoint over the config's model")):
         command = commands.add_parser(name, help=text, parents=[debug])
         command.add_argument("config", help="YAML config file")
         command.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
@@ -129,6 +161,8 @@ def _run(args: argparse.Namespace) -> None:
         _train(args.config, args.overrides)
     elif args.command == "eval":
         _eval(args.config, args.overrides)
+    elif args.command == "serve":
+        _serve(args.config, args.overrides)
     elif args.command == "make-data":
         from tandem.demo.tasks import make_datasets
 

@@ -17,7 +17,7 @@ import inspect
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 from tandem.agent.chat_format import ChatFormat
 from tandem.agent.dataset import DatasetRow
@@ -27,6 +27,9 @@ from tandem.agent.tool_loop import ToolAgentLoop
 from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import RolloutConfig
 from tandem.tools.registry import ToolRegistry, build_tool_registry
+
+if TYPE_CHECKING:
+    from tandem.agent.openai_agent import OpenAIAgentLoop
 
 RewardOutput = tuple[float, dict[str, Any]]
 # reward_fn(trajectory, row) -> (score, extra), or an awaitable of it; called as a session ends.
@@ -45,7 +48,8 @@ class SessionFailure:
 
 
 class AgentLoopRunner:
-    """Runs the configured loop (tool-calling when rollout.multi_turn.enable) over rows."""
+    """Runs the configured loop over rows: openai_agent when rollout.openai_agent.enable,
+    tool-calling when rollout.multi_turn.enable, else single-turn."""
 
     def __init__(self, client: TokenClient, chat_format: ChatFormat, config: RolloutConfig,
                  tools: ToolRegistry | None = None, reward_fn: RewardFn | None = None) -> None:
@@ -55,8 +59,12 @@ class AgentLoopRunner:
             raise ValueError(f"rollout.agent_concurrency={config.agent_concurrency}: must be >= 1")
         self.config = config
         self.reward_fn = reward_fn
-        self.loop: SingleTurnLoop | ToolAgentLoop
-        if config.multi_turn.enable:
+        self.loop: SingleTurnLoop | ToolAgentLoop | OpenAIAgentLoop
+        if config.openai_agent.enable:
+            from tandem.agent.openai_agent import OpenAIAgentLoop  # imports fastapi and openai
+
+            self.loop = OpenAIAgentLoop(client, chat_format, config)
+        elif config.multi_turn.enable:
             tools = tools if tools is not None else build_tool_registry(config.multi_turn.tools)
             missing = [name for name in config.multi_turn.tools if name not in tools]
             if missing:
@@ -102,9 +110,14 @@ class AgentLoopRunner:
         failures, self.failures = self.failures, []
         return failures
 
+    async def close(self) -> None:
+        """Release what the loop holds (the openai_agent loop's endpoint)."""
+        if hasattr(self.loop, "close"):
+            await self.loop.close()
+
     async def _run_session(self, session: Session,
                            on_trajectory: Callable[[Trajectory], None] | None = None
-                           ) -> Trajectory | SessionFailure:
+                           ) -> list[Trajectory] | SessionFailure:
         try:
             return await self._run_session_or_raise(session, on_trajectory)
         except Exception as error:  # one session's fault stays in that session
@@ -116,19 +129,22 @@ class AgentLoopRunner:
 
     async def _run_session_or_raise(self, session: Session,
                                     on_trajectory: Callable[[Trajectory], None] | None
-                                    ) -> Trajectory:
+                                    ) -> list[Trajectory]:
         async with self._semaphore():
-            trajectory = await self.loop.run(session)
-            if self.reward_fn is not None:
-                result = self.reward_fn(trajectory, session.row)
-                if inspect.isawaitable(result):
-                    result = await result
-                score, extra = result
-                trajectory.reward = float(score)
-                trajectory.reward_extra = dict(extra)
-            if on_trajectory is not None:
-                on_trajectory(trajectory)
-            return trajectory
+            result = await self.loop.run(session)
+            # the openai_agent loop returns every branch of its session
+            trajectories = result if isinstance(result, list) else [result]
+            for trajectory in trajectories:
+                if self.reward_fn is not None and trajectory.reward is None:
+                    scored = self.reward_fn(trajectory, session.row)
+                    if inspect.isawaitable(scored):
+                        scored = await scored
+                    score, extra = scored
+                    trajectory.reward = float(score)
+                    trajectory.reward_extra = dict(extra)
+                if on_trajectory is not None:
+                    on_trajectory(trajectory)
+            return trajectories
 
     async def run_prompt(self, row: DatasetRow, validate: bool = False, seed: int | None = None,
                          on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
@@ -146,8 +162,11 @@ class AgentLoopRunner:
         sessions = [Session(row, session_id, f"{row.uid}-{session_id}", validate,
                             None if seed is None else seed + session_id * 1000)
                     for session_id in range(self.sessions_per_prompt(row, validate))]
-        return await _all_or_nothing([self._run_session(session, on_trajectory)
-                                      for session in sessions])
+        results = await _all_or_nothing([self._run_session(session, on_trajectory)
+                                         for session in sessions])
+        # the openai_agent loop returns every branch of its session: flatten them
+        return [item for result in results
+                for item in (result if isinstance(result, list) else [result])]
 
     async def run(self, rows: Sequence[DatasetRow], validate: bool = False,
                   seeds: Sequence[int] | None = None,

@@ -16,7 +16,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from tandem.config.kv_budget import kv_budget_problem
 from tandem.config.ranges import out_of_range
-from tandem.config.schema import RolloutCorrectionConfig, TandemConfig
+from tandem.config.schema import RolloutConfig, RolloutCorrectionConfig, TandemConfig
 from tandem.types import TEMPERATURE_FLOOR
 
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
@@ -176,6 +176,7 @@ def validate(config: TandemConfig) -> None:
     if turns.enable and not turns.tools:
         _fail("rollout.multi_turn.tools", "is empty but rollout.multi_turn.enable=true; list the "
               f"tools the model may call ({', '.join(builtin_tool_names())}) or disable multi_turn")
+    _check_openai_agent(rollout)
 
     _choice("model.dtype", config.model.dtype, DTYPES)
     if config.model.device not in ("cpu", "cuda") and not config.model.device.startswith("cuda:"):
@@ -287,6 +288,22 @@ def _check_rollout_correction(correction: RolloutCorrectionConfig) -> None:
                         correction.rejection_threshold)
     except ValueError as error:
         raise ConfigError(f"{prefix}.rejection: {error}") from None
+
+
+def _check_openai_agent(rollout: RolloutConfig) -> None:
+    agent = rollout.openai_agent
+    if not 0 <= agent.port <= 65535:
+        _fail("rollout.openai_agent.port", f"is {agent.port}; use 0 (a free port) or 1..65535")
+    if not agent.served_model_name:
+        _fail("rollout.openai_agent.served_model_name", "is empty; callers name it as `model`")
+    if not agent.enable:
+        return
+    if ":" not in agent.agent:
+        _fail("rollout.openai_agent.agent", f"is {agent.agent!r}; give the import path of the "
+              "agent as 'package.module:function' (async def run(client, row))")
+    if rollout.multi_turn.enable:
+        _fail("rollout.openai_agent.enable", "and rollout.multi_turn.enable are both true; the "
+              "openai agent runs its own tools, so set rollout.multi_turn.enable=false")
 
 
 def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int) -> None:

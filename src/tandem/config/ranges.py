@@ -41,6 +41,7 @@ RANGES: dict[str, str] = {
     "rollout.disaggregation.decode_replicas": "[1, inf)",
     "rollout.checkpoint_engine.update_weights_bucket_megabytes": "[1, inf)",
     "rollout.checkpoint_engine.timeout_s": "(0, inf)",
+    "rollout.openai_agent.port": "[0, 65535]",  # 0: a free port
     "rollout.multi_turn.max_assistant_turns": "[1, inf)",
     "rollout.multi_turn.max_user_turns": "[1, inf)",
     "rollout.multi_turn.max_tool_response_length": "[1, inf)",

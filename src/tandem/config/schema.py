@@ -53,6 +53,18 @@ class CheckpointEngineConfig:
 
 
 @dataclass
+class OpenAIAgentConfig:
+    """The openai_agent loop: a user agent talking to tandem's OpenAI-compatible endpoint."""
+
+    enable: bool = False
+    agent: str = ""  # import path "package.module:function" of async def run(client, row)
+    host: str = "127.0.0.1"  # the endpoint binds to localhost unless set otherwise
+    port: int = 0  # 0: a free port
+    api_key: str = ""  # bearer token the endpoint requires; empty: none
+    served_model_name: str = "tandem"  # the `model` callers must name
+
+
+@dataclass
 class MultiTurnConfig:
     """Limits of the tool-calling agent loop."""
 
@@ -95,6 +107,7 @@ class RolloutConfig:
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    openai_agent: OpenAIAgentConfig = field(default_factory=OpenAIAgentConfig)
     agent_concurrency: int = 64  # agent-loop sessions in flight at once
     # Devices of a standalone rollout pool (separate_async); 0 means "share the actor's".
     nnodes: int = 0

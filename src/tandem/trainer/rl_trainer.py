@@ -113,7 +113,9 @@ class RLTrainer:
         return ResumableClient(self.manager.client())
 
     async def stop(self) -> None:
-        """Stop servers and workers; leave Ray to its owner."""
+        """Stop the agent loops, servers and workers; leave Ray to its owner."""
+        if self.runner is not None:
+            await self.runner.close()
         if self.manager is not None:
             await self.manager.shutdown()
         for worker in self.workers:
@@ -359,6 +361,9 @@ def _trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str
     tools = [t.metadata["tool_calls"] > 0 for t in real if "tool_calls" in t.metadata]
     if tools:
         metrics[f"{prefix}/tool_use"] = sum(tools) / len(tools)
+    forked = [t.metadata["forks"] > 0 for t in real if "forks" in t.metadata]
+    if forked:  # openai_agent: trajectories of sessions whose history did not extend (re-rendered)
+        metrics[f"{prefix}/forked"] = sum(forked) / len(forked)
     metrics[f"{prefix}/response_length"] = sum(len(t.responses) for t in real) / count
     metrics[f"{prefix}/num_turns"] = sum(t.num_turns for t in real) / count
     return metrics

@@ -1,0 +1,108 @@
+"""The `openai_agent` loop: a user's agent, written against the official `openai` client, runs
+each session; tandem's endpoint records what it samples as token-exact Trajectories.
+
+The agent is `async def run(client: openai.AsyncOpenAI, row: DatasetRow) -> reward_info`,
+named by import path (rollout.openai_agent.agent = "package.module:function"). reward_info is
+None (the configured reward function scores the trajectories), a float score, or a dict with a
+float "score" and any extra fields. The endpoint starts on first use, on the running event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from typing import Any, Awaitable, Callable
+
+import openai
+
+from tandem.agent.chat_format import ChatFormat
+from tandem.agent.dataset import DatasetRow
+from tandem.agent.recorder import ChatRecorder, SessionSettings
+from tandem.agent.session import Session, TokenClient
+from tandem.batch.trajectory import Trajectory
+from tandem.config.schema import RolloutConfig
+from tandem.serving.openai_endpoint import SESSION_HEADER, EndpointServer, create_app
+
+AgentFn = Callable[[openai.AsyncOpenAI, DatasetRow], Awaitable[Any]]
+
+
+def load_agent(path: str) -> AgentFn:
+    """The callable at "package.module:function"."""
+    module_name, _, name = path.partition(":")
+    try:
+        agent = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"rollout.openai_agent.agent={path!r} cannot be imported ({error}); give "
+                         "'package.module:function' of an importable module") from None
+    if not callable(agent):
+        raise ValueError(f"rollout.openai_agent.agent={path!r} is not callable")
+    return agent
+
+
+def _reward(info: Any) -> tuple[float, dict[str, Any]] | None:
+    if info is None:
+        return None
+    if isinstance(info, (int, float)) and not isinstance(info, bool):
+        return float(info), {}
+    if isinstance(info, dict) and isinstance(info.get("score"), (int, float)):
+        return float(info["score"]), {k: v for k, v in info.items() if k != "score"}
+    raise ValueError(f"the openai agent returned {info!r}; return None (the reward function "
+                     "scores), a float score, or a dict with a float 'score'")
+
+
+class OpenAIAgentLoop:
+    """Runs one agent call per session against the endpoint and returns its recorded branches."""
+
+    def __init__(self, client: TokenClient, chat_format: ChatFormat, config: RolloutConfig,
+                 agent: AgentFn | None = None) -> None:
+        self.config = config
+        self.agent = agent or load_agent(config.openai_agent.agent)
+        self.recorder = ChatRecorder(client, chat_format, config)
+        self._server: EndpointServer | None = None
+        self._starting: asyncio.Lock | None = None
+
+    async def base_url(self) -> str:
+        """The endpoint's URL, starting it on the running event loop the first time."""
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self._server is None:
+                settings = self.config.openai_agent
+                app = create_app(self.recorder, settings.served_model_name, settings.api_key)
+                server = EndpointServer(app, settings.host, settings.port)
+                await server.start()
+                self._server = server
+        return self._server.base_url
+
+    async def close(self) -> None:
+        """Stop the endpoint (a later run starts it again)."""
+        if self._server is not None:
+            await self._server.stop()
+            self._server = None
+            self._starting = None
+
+    async def run(self, session: Session) -> list[Trajectory]:
+        """One agent run for the session; every branch it recorded, reward set if it gave one."""
+        row = session.row
+        key = session.request_id
+        self.recorder.open(key, SessionSettings(
+            uid=row.uid, session_id=session.session_id, seed=session.seed,
+            validate=session.validate, do_sample=row.do_sample, data_source=row.data_source,
+            ground_truth=row.ground_truth, extra_info=row.extra_info))
+        client = openai.AsyncOpenAI(base_url=await self.base_url(), max_retries=0,
+                                    api_key=self.config.openai_agent.api_key or "none",
+                                    default_headers={SESSION_HEADER: key})
+        try:
+            info = await self.agent(client, row)
+        finally:
+            await client.close()
+            trajectories = self.recorder.close(key)
+        if not trajectories:
+            raise ValueError(f"the openai agent made no successful chat call for session {key!r}; "
+                             "it must call client.chat.completions.create at least once")
+        reward = _reward(info)
+        for trajectory in trajectories:
+            trajectory.metadata["reward_info"] = info
+            if reward is not None:
+                trajectory.reward, trajectory.reward_extra = reward[0], dict(reward[1])
+        return trajectories

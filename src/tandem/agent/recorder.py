@@ -1,0 +1,330 @@
+"""Token-exact recording of OpenAI-style chat sessions (the endpoint's side of `openai_agent`).
+
+A session is a sequence of chat-completion calls sharing one session id. Each call either
+*extends* a branch (its messages are that branch's conversation, the assistant reply we returned,
+then only new tool/user messages): the new prompt is the branch's prompt + every token so far +
+the template's delta for the new messages, exactly as the built-in tool loop appends it, so
+sampled tokens are never decoded and encoded again. Any other call *forks*: a new branch renders
+the messages from scratch, and `forks` counts it. Every branch becomes one Trajectory (sampled
+tokens mask 1 + logprobs, everything else mask 0 + 0.0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from tandem.agent.chat_format import ChatFormat
+from tandem.agent.response import ResponseBuilder
+from tandem.agent.sampling import remaining_budget, sampling_params
+from tandem.agent.session import TokenClient
+from tandem.agent.tool_parser import parse_tool_calls
+from tandem.batch.trajectory import Trajectory
+from tandem.config.schema import RolloutConfig
+from tandem.types import TokenOutput
+
+
+class RequestError(Exception):
+    """A bad request, answered as an OpenAI error object with this HTTP status."""
+
+    def __init__(self, status: int, message: str, code: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+def message_text(content: Any) -> str:
+    """OpenAI content (a string, None, or a list of {"type": "text", "text": ...} parts) -> text."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         for part in content):
+        return "".join(str(part.get("text", "")) for part in content)
+    raise RequestError(400, "message content must be a string or a list of text parts; images "
+                       "and audio are not supported", param="messages")
+
+
+def _arguments(raw: Any) -> dict[str, Any]:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        value = json.loads(raw or "{}")
+    except (TypeError, json.JSONDecodeError):
+        value = None
+    if not isinstance(value, dict):
+        raise RequestError(400, f"tool_calls[].function.arguments must be a JSON object string, "
+                           f"got {raw!r}", param="messages")
+    return value
+
+
+def normalize(message: dict[str, Any]) -> dict[str, Any]:
+    """The chat-template form of one OpenAI message: role, text content, parsed tool calls."""
+    role = message.get("role")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise RequestError(400, f"message role {role!r} is not one of system, developer, user, "
+                           "assistant, tool", param="messages")
+    result: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                              "content": message_text(message.get("content")).strip()
+                              if role == "assistant" else message_text(message.get("content"))}
+    if role == "assistant" and message.get("tool_calls"):
+        result["tool_calls"] = [_tool_call(call) for call in message["tool_calls"]]
+    return result
+
+
+def _tool_call(call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RequestError(400, "every tool_calls[] entry needs a function with a string name, "
+                           f"got {call!r}", param="messages")
+    return {"type": "function", "function": {"name": function["name"],
+                                             "arguments": _arguments(function.get("arguments"))}}
+
+
+@dataclass
+class Branch:
+    """One token-exact conversation of a session: the rendered prompt and everything after it."""
+
+    messages: list[dict[str, Any]]  # normalized, ending with the last assistant reply
+    tools: list[dict] | None
+    builder: ResponseBuilder
+    ended_with_stop_token: bool = False
+    stop_reason: str = "completed"
+    assistant_turns: int = 0
+    user_turns: int = 0
+    tool_calls: int = 0
+    response_text: str = ""
+
+
+@dataclass
+class Completion:
+    """One sampled choice of a call: the reply, the engine's tokens and the call's prompt size."""
+
+    text: str
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str
+    token_ids: list[int]
+    log_probs: list[float]
+    prompt_tokens: int
+
+
+@dataclass
+class SessionSettings:
+    """What the openai_agent loop registers for a session; ad-hoc sessions use the defaults."""
+
+    uid: str = ""
+    session_id: int = 0
+    seed: int | None = None  # turn t of the session samples with seed + t unless the call sets one
+    validate: bool = False
+    do_sample: bool | None = None
+    data_source: str = ""
+    ground_truth: Any = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+
+class SessionRecorder:
+    """The branches of one session; calls are serialized so they append in order."""
+
+    def __init__(self, key: str, settings: SessionSettings, registered: bool) -> None:
+        self.key = key
+        self.settings = settings
+        self.registered = registered  # opened by the openai_agent loop: never evicted
+        self.branches: list[Branch] = []
+        self.forks = 0
+        self.lock = asyncio.Lock()
+
+    def find_branch(self, messages: list[dict[str, Any]], tools: list[dict] | None
+                    ) -> Branch | None:
+        """The latest branch this call extends, or None (the call forks)."""
+        for branch in reversed(self.branches):
+            known = branch.messages
+            new = messages[len(known):]
+            if (branch.tools == tools and messages[:len(known)] == known and new
+                    and all(m["role"] in ("tool", "user") for m in new)):
+                return branch
+        return None
+
+    def trajectories(self) -> list[Trajectory]:
+        """One Trajectory per branch that sampled at least once, in creation order."""
+        settings = self.settings
+        result = []
+        for branch in self.branches:
+            if branch.builder.min_version is None:
+                continue
+            metadata = {"response_text": branch.response_text, "messages": branch.messages,
+                        "extra_info": settings.extra_info,
+                        "assistant_turns": branch.assistant_turns,
+                        "user_turns": branch.user_turns, "tool_calls": branch.tool_calls,
+                        "tool_errors": 0, "validate": settings.validate, "forks": self.forks}
+            result.append(branch.builder.to_trajectory(
+                settings.uid or self.key, settings.session_id,
+                num_turns=1 + branch.assistant_turns + branch.user_turns,
+                stop_reason=branch.stop_reason, data_source=settings.data_source,
+                ground_truth=settings.ground_truth, metadata=metadata))
+        return result
+
+
+def cut_at_stop_strings(output: TokenOutput, stops: Sequence[str], chat_format: ChatFormat
+                        ) -> tuple[TokenOutput, bool]:
+    """Keep the shortest prefix of the sampled tokens whose text contains a stop string (the
+    tokens after it are dropped, never re-tokenized); True when one was found."""
+    text = chat_format.decode(output.token_ids)
+    if not any(stop in text for stop in stops):
+        return output, False
+    low, high = 1, len(output.token_ids)
+    while low < high:  # the smallest k whose decoded prefix holds a stop string
+        middle = (low + high) // 2
+        if any(stop in chat_format.decode(output.token_ids[:middle]) for stop in stops):
+            high = middle
+        else:
+            low = middle + 1
+    log_probs = None if output.log_probs is None else output.log_probs[:low]
+    return TokenOutput(output.token_ids[:low], log_probs, "completed",
+                       dict(output.extra_fields)), True
+
+
+class ChatRecorder:
+    """Serves chat calls through a TokenClient and records every session's branches."""
+
+    def __init__(self, client: TokenClient, chat_format: ChatFormat, config: RolloutConfig,
+                 max_sessions: int = 10_000) -> None:
+        self.client = client
+        self.chat_format = chat_format
+        self.config = config
+        self.max_sessions = max_sessions
+        self.sessions: dict[str, SessionRecorder] = {}
+        self.forks = 0  # forked calls over all sessions (a metric)
+
+    def open(self, key: str, settings: SessionSettings) -> SessionRecorder:
+        """Register a session before its agent runs (its trajectories are collected by close)."""
+        if key in self.sessions:
+            raise ValueError(f"session {key!r} is already open; session ids must be unique")
+        self.sessions[key] = SessionRecorder(key, settings, registered=True)
+        return self.sessions[key]
+
+    def close(self, key: str) -> list[Trajectory]:
+        """Forget a session and return its trajectories."""
+        return self.sessions.pop(key).trajectories()
+
+    def _session(self, key: str) -> SessionRecorder:
+        session = self.sessions.get(key)
+        if session is None:  # an ad-hoc caller (tandem serve): keep the newest max_sessions
+            adhoc = [k for k, s in self.sessions.items() if not s.registered]
+            for old in adhoc[:max(0, len(adhoc) + 1 - self.max_sessions)]:
+                del self.sessions[old]
+            session = SessionRecorder(key, SessionSettings(uid=key), registered=False)
+            self.sessions[key] = session
+        return session
+
+    def _new_branch(self, session: SessionRecorder, messages: list[dict[str, Any]],
+                    tools: list[dict] | None) -> tuple[Branch, list[int]]:
+        prompt = self.chat_format.prompt_ids(messages, tools)
+        if len(prompt) > self.config.prompt_length:
+            raise RequestError(400, f"the messages render to {len(prompt)} tokens, more than the "
+                               f"prompt limit rollout.prompt_length={self.config.prompt_length}",
+                               code="context_length_exceeded", param="messages")
+        if session.branches:
+            session.forks += 1
+            self.forks += 1
+        branch = Branch(messages=list(messages), tools=tools,
+                        builder=ResponseBuilder(prompt, self.config.calculate_log_probs))
+        session.branches.append(branch)
+        return branch, prompt
+
+    def _extend(self, branch: Branch, messages: list[dict[str, Any]]) -> list[int]:
+        builder = branch.builder
+        if branch.stop_reason == "length":
+            raise RequestError(400, "this session has used its whole token budget "
+                               f"(rollout.response_length={self.config.response_length})",
+                               code="context_length_exceeded", param="messages")
+        new = messages[len(branch.messages):]
+        delta = self.chat_format.tool_turn_ids(new, after_stop_token=branch.ended_with_stop_token)
+        room = self.config.response_length - len(builder)
+        builder.add_context_tokens(delta[:room])
+        branch.messages = list(messages)
+        branch.user_turns += 1
+        if len(delta) >= room:
+            branch.stop_reason = "length"
+            raise RequestError(400, f"the new messages do not fit in the session's token budget "
+                               f"(rollout.response_length={self.config.response_length})",
+                               code="context_length_exceeded", param="messages")
+        return builder.prompt_ids + builder.token_ids
+
+    def _params(self, settings: SessionSettings, turn: int, choice: int, budget: int,
+                request: dict[str, Any]) -> dict[str, Any]:
+        params = sampling_params(self.config, settings.validate, settings.do_sample, budget)
+        for name in ("temperature", "top_p"):
+            if request.get(name) is not None:
+                params[name] = float(request[name])
+        seed = request.get("seed")
+        if seed is None and settings.seed is not None:
+            seed = settings.seed + turn
+        if seed is not None:
+            params["seed"] = (int(seed) + choice * 100_003) % (1 << 31)
+        return params
+
+    async def complete(self, key: str, messages: list[dict[str, Any]], tools: list[dict] | None,
+                       request: dict[str, Any]) -> list[Completion]:
+        """Run one chat call of session `key`: n choices, each recorded on its branch.
+
+        request: n, max_tokens, temperature, top_p, seed and stop (a list of strings).
+        """
+        session = self._session(key)
+        normalized = [normalize(message) for message in messages]
+        if not normalized:
+            raise RequestError(400, "messages must not be empty", param="messages")
+        async with session.lock:
+            branch = session.find_branch(normalized, tools)
+            if branch is None:
+                branch, prompt = self._new_branch(session, normalized, tools)
+            else:
+                prompt = self._extend(branch, normalized)
+            builder = branch.builder
+            budget = remaining_budget(self.config, len(builder.prompt_ids), len(builder))
+            if budget <= 0:
+                branch.stop_reason = "length"
+                raise RequestError(400, "this session has used its whole token budget "
+                                   f"(rollout.response_length={self.config.response_length})",
+                                   code="context_length_exceeded", param="messages")
+            if request.get("max_tokens") is not None:
+                budget = min(budget, int(request["max_tokens"]))
+            n = int(request.get("n") or 1)
+            branches = [branch] + [copy.deepcopy(branch) for _ in range(n - 1)]
+            session.branches.extend(branches[1:])
+            outputs = await asyncio.gather(*(self.client.generate(
+                key, list(prompt), self._params(session.settings, branch.assistant_turns, i,
+                                                budget, request)) for i in range(n)))
+            return [self._record(b, output, budget, request.get("stop") or [], len(prompt))
+                    for b, output in zip(branches, outputs)]
+
+    def _record(self, branch: Branch, output: TokenOutput, budget: int, stops: list[str],
+                prompt_tokens: int) -> Completion:
+        output, stopped = cut_at_stop_strings(output, stops, self.chat_format)
+        branch.builder.add_model_output(output, budget)
+        branch.assistant_turns += 1
+        text = self.chat_format.strip_stop_text(self.chat_format.decode(output.token_ids))
+        if stopped:
+            text = text[:min(text.index(s) for s in stops if s in text)]
+        branch.response_text = text
+        branch.ended_with_stop_token = (bool(output.token_ids)
+                                        and output.token_ids[-1] in self.chat_format.stop_token_ids)
+        content, calls = parse_tool_calls(text)
+        if any(call.error is not None for call in calls):
+            content, calls = text, []  # a malformed call reaches the caller as plain text
+        tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                       "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+                      for call in calls]
+        reply = normalize({"role": "assistant", "content": content, "tool_calls": tool_calls})
+        branch.messages = [*branch.messages, reply]
+        branch.tool_calls += len(calls)
+        branch.stop_reason = output.stop_reason
+        finish = ("length" if output.stop_reason != "completed"
+                  else "tool_calls" if calls else "stop")
+        log_probs = list(output.log_probs) if output.log_probs is not None else (
+            [0.0] * len(output.token_ids))
+        return Completion(text, content or (None if calls else ""), tool_calls, finish,
+                          list(output.token_ids), log_probs, prompt_tokens)
