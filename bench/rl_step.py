@@ -173,17 +173,37 @@ def run_trl(args: argparse.Namespace, data: Path, model: str, out: Path) -> dict
 
 # ---- memory of the log-prob head -----------------------------------------------------------------
 
-def logits_memory_child(chunked: bool) -> None:
-    """One actor forward + backward of a 16 x (40 + 48)-token batch; prints the peak RSS growth."""
+def logits_memory_child(mode: str) -> None:
+    """`step-full|step-chunked`: one actor forward + backward of a 16 x (40 + 48)-token batch;
+    `head-full|head-chunked`: the LM head alone on those 768 response tokens' hidden states.
+    Prints the peak RSS growth over the resident size before it."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from tandem.batch.jagged import trajectories_to_batch
     from tandem.batch.trajectory import Trajectory
     from tandem.models.smollm2 import smollm2_path
-    from tandem.training.forward import actor_forward
+    from tandem.training.forward import actor_forward, token_entropy, token_log_probs
+    from tandem.training.lm_head import DEFAULT_CHUNK_BYTES, chunk_tokens, chunked_log_probs
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
+    chunked = mode.endswith("chunked")
+    if mode.startswith("head"):
+        head = model.get_output_embeddings()
+        hidden = torch.randn(768, head.in_features, requires_grad=True)
+        labels = torch.randint(0, head.out_features, (768,))
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _status_kib("VmRSS")
+        started = time.perf_counter()
+        if chunked:
+            log_probs, entropy = chunked_log_probs(hidden, head, labels, 1.0, "grad", chunk_tokens(head.out_features))
+        else:
+            logits = head(hidden)
+            log_probs, entropy = token_log_probs(logits, labels), token_entropy(logits)
+        (log_probs.sum() + entropy.sum()).backward()
+        print(json.dumps({"peak_growth_mib": (_status_kib("VmHWM") - before) / 1024,
+                          "seconds": time.perf_counter() - started}))
+        return
     generator = torch.Generator().manual_seed(0)
     batch = trajectories_to_batch([
         Trajectory(prompts=torch.randint(10, 40000, (40,), generator=generator),
@@ -194,7 +214,7 @@ def logits_memory_child(chunked: bool) -> None:
     before = _status_kib("VmRSS")
     started = time.perf_counter()
     out = actor_forward(model, batch, True, 1.0, calculate_entropy=True,
-                        logits_chunk_bytes=(64 << 20) if chunked else None)
+                        logits_chunk_bytes=DEFAULT_CHUNK_BYTES if chunked else None)
     (out.log_probs.sum() + out.entropy.sum()).backward()
     print(json.dumps({"peak_growth_mib": (_status_kib("VmHWM") - before) / 1024,
                       "seconds": time.perf_counter() - started}))
@@ -206,15 +226,19 @@ def _status_kib(field: str) -> int:
 
 
 def logits_memory() -> None:
+    """Each measurement in a fresh process. A fixed mmap threshold makes glibc return every freed
+    large block at once (its default threshold grows after the first free, after which freed
+    blocks stay resident), so the peak RSS follows the live tensors."""
     results = {}
-    for name, flag in (("full", "0"), ("chunked", "1")):
-        output = subprocess.run([sys.executable, __file__, "--logits-memory-child", flag], check=True,
-                                capture_output=True, text=True).stdout
-        results[name] = json.loads(output.strip().splitlines()[-1])
-        print(f"{name:8s} logits: peak RSS growth {results[name]['peak_growth_mib']:8.1f} MiB, "
-              f"forward+backward {results[name]['seconds']:.1f} s")
-    print(f"RATIO {results['chunked']['peak_growth_mib'] / results['full']['peak_growth_mib']:.2f} "
-          "chunked/full peak memory, smollm2 actor forward+backward, 768 response tokens")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT / "src")}
+    for mode in ("head-full", "head-chunked", "step-full", "step-chunked"):
+        output = subprocess.run([sys.executable, __file__, "--logits-memory-child", mode], check=True,
+                                capture_output=True, text=True, env=env).stdout
+        results[mode] = json.loads(output.strip().splitlines()[-1])
+        print(f"{mode:13s}: peak RSS growth {results[mode]['peak_growth_mib']:8.1f} MiB, "
+              f"forward+backward {results[mode]['seconds']:.1f} s", flush=True)
+    print(f"RATIO {results['head-chunked']['peak_growth_mib'] / results['head-full']['peak_growth_mib']:.2f} "
+          "chunked/full peak memory of the smollm2 LM head, 768 response tokens")
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -239,7 +263,7 @@ def main() -> None:
     if args.trl_run:
         return trl_run(args)
     if args.logits_memory_child is not None:
-        return logits_memory_child(args.logits_memory_child == "1")
+        return logits_memory_child(args.logits_memory_child)
     if args.logits_memory:
         return logits_memory()
 
