@@ -104,7 +104,7 @@ def test_sync_loop_on_policy_skips_the_old_log_prob_pass(tmp_path, ray_cluster):
     from tandem.trainer.sync import fit_sync
     from test_trainer_sync import tiny_config
 
-    config = tiny_config(tmp_path, "actor.ppo_mini_batch_size=2", "trainer.total_steps=2")
+    config = tiny_config(tmp_path, "actor.ppo_mini_batch_size=2", "trainer.total_steps=2", "trainer.save_freq=2")
     assert ppo.old_log_probs_from_update(config)
     called = []
 
@@ -131,3 +131,9 @@ def test_sync_loop_on_policy_skips_the_old_log_prob_pass(tmp_path, ray_cluster):
     assert steps[1]["rollout_gap/abs_diff_max"] < 1e-4 and steps[0]["actor/grad_norm"] > 0
     assert steps[0]["actor/policy/clip_fraction_upper"] == 0.0
     assert "actor/entropy" in steps[0]
+    # the last checkpoint's actor directory is a loadable HF model with its tokenizer
+    from transformers import AutoTokenizer
+
+    final = tmp_path / "run" / "checkpoints" / "step_2" / "actor"
+    assert AutoTokenizer.from_pretrained(final).eos_token_id is not None
+    AutoModelForCausalLM.from_pretrained(final)

@@ -122,8 +122,16 @@ class HybridWorker(RolloutServer):
     # ---- checkpoints and inspection ------------------------------------------------------
 
     def save_checkpoint(self, directory: str, extra: dict[str, Any] | None = None) -> None:
-        """Actor (and critic) weights, optimizer, schedule and RNG."""
+        """Actor (and critic) weights, optimizer, schedule and RNG; the actor directory also gets
+        the tokenizer, so it loads as an HF model + tokenizer (from_pretrained) on its own."""
         self.actor.save_checkpoint(f"{directory}/actor", extra)
+        if self.rank == 0:
+            from transformers import AutoTokenizer
+
+            from tandem.models.tiny import resolve_model_path
+
+            AutoTokenizer.from_pretrained(resolve_model_path(self.config.model.path)).save_pretrained(
+                f"{directory}/actor")
         if self.critic is not None:
             self.critic.save_checkpoint(f"{directory}/critic")
 
