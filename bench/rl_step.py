@@ -4,6 +4,7 @@ vs TRL's GRPOTrainer on the same GRPO job, in one run.
     .venv/bin/python bench/rl_step.py                      # tandem, then TRL if .venv-trl exists
     .venv/bin/python bench/rl_step.py --steps 5 --no-trl   # tandem alone: per-phase times
     .venv/bin/python bench/rl_step.py --logits-memory      # peak memory: full vs chunked logits
+    .venv-trl/bin/python bench/rl_step.py --hf-check       # plain HF speed in a venv (PYTHONPATH=src)
 
 Job (issue 17): the `easy` sums task, 4 prompts x 4 completions per step, 96-token prompts,
 48-token completions, temperature 1, no KL, one optimizer step per batch (strictly on-policy),
@@ -241,6 +242,27 @@ def logits_memory() -> None:
           "chunked/full peak memory of the smollm2 LM head, 768 response tokens")
 
 
+def hf_check() -> None:
+    """Plain HF work in whichever venv runs this script (compare .venv with .venv-trl, and the
+    box's state): one forward + backward of 16 x 88 tokens, one greedy generate of 16 x 48."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.models.smollm2 import smollm2_path
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
+    ids = torch.randint(10, 40000, (16, 88), generator=torch.Generator().manual_seed(0))
+    started = time.perf_counter()
+    model(input_ids=ids).logits.logsumexp(-1).sum().backward()
+    backward = time.perf_counter() - started
+    model.eval()
+    started = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids[:, :40], max_new_tokens=48, min_new_tokens=48, do_sample=False, pad_token_id=2)
+    print(f"{sys.prefix}: {torch.get_num_threads()} threads, forward+backward {backward:.1f} s, "
+          f"generate 16 x 48 {time.perf_counter() - started:.1f} s, load average {os.getloadavg()}")
+
+
 # ---- main ----------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -255,6 +277,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-trl", action="store_true", help="tandem alone, even if .venv-trl exists")
     parser.add_argument("--logits-memory", action="store_true", help="peak memory: full vs chunked logits")
+    parser.add_argument("--hf-check", action="store_true", help="time plain HF work in this venv")
     parser.add_argument("--logits-memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--trl-run", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -266,6 +289,8 @@ def main() -> None:
         return logits_memory_child(args.logits_memory_child)
     if args.logits_memory:
         return logits_memory()
+    if args.hf_check:
+        return hf_check()
 
     from tandem.demo.tasks import make_datasets
     from tandem.models.smollm2 import smollm2_path
