@@ -8,11 +8,15 @@ present it does not, hence `use_cache=False` (tests/test_training_forward.py hol
 
 Padded: the dense layout (prompts left-padded, responses right-padded) with an attention mask;
 every response then starts at column P, so one column range serves the whole batch.
+
+Actor log-probs come from the decoder's hidden states through the LM head in chunks
+(lm_head.py) when the head is a plain linear map; otherwise from the model's full logits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from tensordict import TensorDict
@@ -78,7 +82,8 @@ def response_hidden_states(model: torch.nn.Module, batch: TensorDict, use_remove
     return _at_response_positions(run, batch, use_remove_padding, _model_device(model))
 
 
-def _at_response_positions(run, batch: TensorDict, use_remove_padding: bool, device: torch.device) -> torch.Tensor:
+def _at_response_positions(run: Callable[..., torch.Tensor], batch: TensorDict, use_remove_padding: bool,
+                           device: torch.device) -> torch.Tensor:
     """run(positions, input_ids=, position_ids=, attention_mask=) -> [rows, len(positions), ...];
     returns its rows at the response-predicting positions, flat in batch order."""
     if use_remove_padding:
