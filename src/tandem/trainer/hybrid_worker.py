@@ -97,6 +97,16 @@ class HybridWorker(RolloutServer):
             self.config.actor.ppo_epochs, temperature=self._temperature(),
             calculate_entropy=bool(self.config.actor.entropy_coeff))
 
+    async def update_actor_on_policy(self, batch: TensorDict) -> dict[str, Any]:
+        """One step on this shard whose old_log_probs come from the update's own forward:
+        {"metrics": ..., "log_probs": [sum R_i], "entropy": [sum R_i]} (see ppo.old_log_probs_from_update)."""
+        from tandem.trainer.ppo import actor_loss_fn
+
+        metrics, old = await asyncio.to_thread(
+            self.actor.update_on_policy, batch, actor_loss_fn(self.config), temperature=self._temperature(),
+            calculate_entropy=bool(self.config.actor.entropy_coeff))
+        return {"metrics": metrics, "log_probs": old.log_probs, "entropy": old.entropy}
+
     async def update_critic(self, batch: TensorDict, mini_batch_size: int) -> dict[str, float]:
         """Value-function epochs over this shard."""
         from tandem.trainer.ppo import critic_loss_fn
@@ -145,8 +155,16 @@ class HybridWorker(RolloutServer):
     # ---- checkpoints and inspection ------------------------------------------------------
 
     def save_checkpoint(self, directory: str, extra: dict[str, Any] | None = None) -> None:
-        """Actor (and critic) weights, optimizer, schedule and RNG."""
+        """Actor (and critic) weights, optimizer, schedule and RNG; the actor directory also gets
+        the tokenizer, so it loads as an HF model + tokenizer (from_pretrained) on its own."""
         self.actor.save_checkpoint(f"{directory}/actor", extra)
+        if self.rank == 0:
+            from transformers import AutoTokenizer
+
+            from tandem.models.tiny import resolve_model_path
+
+            AutoTokenizer.from_pretrained(resolve_model_path(self.config.model.path)).save_pretrained(
+                f"{directory}/actor")
         if self.critic is not None:
             self.critic.save_checkpoint(f"{directory}/critic")
 

@@ -63,15 +63,35 @@ def compute_advantages(batch: TensorDict, config: TandemConfig, kl_coef: float =
     return metrics
 
 
+def old_log_probs_from_update(config: TandemConfig) -> bool:
+    """True when each batch is consumed strictly on-policy (one epoch, one mini-batch, one device)
+    and nothing needs old_log_probs before the update (no KL in reward, no rollout correction,
+    no bypass): the update's own forward then gives them (TrainingEngine.update_on_policy)."""
+    correction = config.algorithm.rollout_correction
+    return (config.actor.ppo_epochs == 1 and config.data.train_batch_size <= config.actor.ppo_mini_batch_size
+            and config.trainer.n_devices == 1 and not config.algorithm.use_kl_in_reward
+            and correction.importance_sampling == "none" and correction.rejection == "none"
+            and not correction.bypass_mode)
+
+
+def rollout_gap_metrics(batch: TensorDict, config: TandemConfig) -> dict[str, float]:
+    """Rollout-engine vs actor log-prob gap (rollout_gap/*), when the rollout returned log-probs."""
+    if not config.rollout.calculate_log_probs:
+        return {}
+    return algorithms.logprob_gap_metrics(dense(batch, "rollout_log_probs"), dense(batch, "old_log_probs"),
+                                          dense(batch, "response_mask"))
+
+
 def apply_rollout_correction(batch: TensorDict, config: TandemConfig) -> dict[str, float]:
     """Compare rollout and actor log-probs; set importance_weights and the corrected loss_mask.
-    Without rollout log-probs (rollout.calculate_log_probs=false) there is nothing to compare."""
-    if not config.rollout.calculate_log_probs:
+    Without rollout log-probs (rollout.calculate_log_probs=false) there is nothing to compare;
+    when old_log_probs come from the update, its gap metrics come after it (rollout_gap_metrics)."""
+    if not config.rollout.calculate_log_probs or old_log_probs_from_update(config):
         return {}
     correction_config = config.algorithm.rollout_correction
     mask = dense(batch, "response_mask")
     rollout, old = dense(batch, "rollout_log_probs"), dense(batch, "old_log_probs")
-    metrics = algorithms.logprob_gap_metrics(rollout, old, mask)
+    metrics = rollout_gap_metrics(batch, config)
     correction = algorithms.rollout_correction(old, rollout, mask, correction_config)
     set_dense(batch, "loss_mask", correction.loss_mask.float() * dense(batch, "loss_mask"))
     if correction.weights is not None:

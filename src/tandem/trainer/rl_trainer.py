@@ -204,7 +204,10 @@ class RLTrainer:
         batch[key] = make_field(torch.cat(flats).float(), field_lengths(batch["responses"]))
 
     async def compute_old_log_probs(self, batch: TensorDict) -> None:
-        """old_log_probs: the actor re-forward, or the rollout's own in bypass mode."""
+        """old_log_probs: the actor re-forward, the rollout's own in bypass mode, or nothing yet
+        when the update's own forward will give them (strictly on-policy: see update)."""
+        if ppo.old_log_probs_from_update(self.config):
+            return
         if self.config.algorithm.rollout_correction.bypass_mode:
             old = algorithms.bypass_old_log_probs(field_values(batch["rollout_log_probs"]).float(),
                                                   field_values(batch["response_mask"]))
@@ -239,7 +242,14 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         if self.config.critic.enable:
             metrics.update((await self._per_worker("update_critic", batch, size))[0])
-        metrics.update((await self._per_worker("update_actor", batch, size))[0])
+        if not ppo.old_log_probs_from_update(self.config):
+            metrics.update((await self._per_worker("update_actor", batch, size))[0])
+            return metrics
+        outputs = await self._per_worker("update_actor_on_policy", batch)
+        self._store(batch, "old_log_probs", [o["log_probs"] for o in outputs])
+        self._store(batch, "entropy", [o["entropy"] for o in outputs])
+        metrics.update(outputs[0]["metrics"])
+        metrics.update(ppo.rollout_gap_metrics(batch, self.config))
         return metrics
 
     async def train_on(self, trajectories: list[Trajectory], timer: PhaseTimer) -> tuple[TensorDict, dict[str, float]]:

@@ -90,10 +90,12 @@ class TrainingEngine:
 
     # ---- forward passes -------------------------------------------------------------------
 
-    def _forward(self, batch: TensorDict, temperature: float, calculate_entropy: bool) -> ForwardOutput:
+    def _forward(self, batch: TensorDict, temperature: float, calculate_entropy: bool,
+                 entropy_grad: bool = True) -> ForwardOutput:
         if self.role == "critic":
             return critic_forward(self.model, batch, self.use_remove_padding)
-        return actor_forward(self.model, batch, self.use_remove_padding, temperature, calculate_entropy)
+        return actor_forward(self.model, batch, self.use_remove_padding, temperature, calculate_entropy,
+                             entropy_grad)
 
     def _micro_batches(self, batch: TensorDict, max_token_len: int | None) -> list[torch.Tensor]:
         groups = split_by_token_budget(field_lengths(batch["input_ids"]), max_token_len or self.max_token_len)
@@ -125,9 +127,14 @@ class TrainingEngine:
     # ---- training -------------------------------------------------------------------------
 
     def accumulate_gradients(self, batch: TensorDict, loss_fn: LossFn, temperature: float = 1.0,
-                             calculate_entropy: bool = False,
-                             max_token_len: int | None = None) -> dict[str, float]:
-        """Zero the gradients, then forward + backward every micro-batch of this mini-batch."""
+                             calculate_entropy: bool = False, max_token_len: int | None = None,
+                             on_policy: list[tuple[torch.Tensor, ForwardOutput]] | None = None
+                             ) -> dict[str, float]:
+        """Zero the gradients, then forward + backward every micro-batch of this mini-batch.
+
+        With `on_policy` (a list to fill), each micro-batch's old_log_probs are its own forward's
+        log-probs, detached (ratio exactly 1); (index group, detached outputs) pairs are appended.
+        """
         if self.optimizer is None:
             raise ValueError(f"the {self.role} engine is frozen (no optimizer); it cannot train")
         self.model.train()
@@ -141,8 +148,14 @@ class TrainingEngine:
         weighted: dict[str, float] = defaultdict(float)  # metric x its micro-batch's loss tokens
         for group in self._micro_batches(batch, max_token_len):
             micro_batch = select_samples(batch, group)
-            outputs = self._forward(micro_batch, temperature, calculate_entropy)
+            # on-policy: the entropy is returned with the old log-probs; without gradient unless asked
+            outputs = self._forward(micro_batch, temperature, calculate_entropy or on_policy is not None,
+                                    entropy_grad=calculate_entropy)
             outputs.mini_batch = info
+            if on_policy is not None:
+                detached = _detached(outputs)
+                micro_batch["old_log_probs"] = detached.field("log_probs")
+                on_policy.append((group, detached))
             loss, metrics = loss_fn(micro_batch, outputs)
             # FSDP averages gradients over ranks; the loss is already a share of the global total
             (loss * self.dp_size).backward()
@@ -178,9 +191,10 @@ class TrainingEngine:
                 f"{self.role}/step_skipped": float(not finite)}
 
     def train_mini_batch(self, batch: TensorDict, loss_fn: LossFn, temperature: float = 1.0,
-                         calculate_entropy: bool = False) -> dict[str, float]:
+                         calculate_entropy: bool = False,
+                         on_policy: list[tuple[torch.Tensor, ForwardOutput]] | None = None) -> dict[str, float]:
         """One optimizer step on this mini-batch; returns its metrics (loss, grad norm, lr, tokens/s)."""
-        metrics = self.accumulate_gradients(batch, loss_fn, temperature, calculate_entropy)
+        metrics = self.accumulate_gradients(batch, loss_fn, temperature, calculate_entropy, on_policy=on_policy)
         if metrics[f"{self.role}/global_tokens"] == 0:
             # Only padding samples: no gradient, so no optimizer or schedule step either (AdamW
             # momentum and weight decay would still move the weights).
@@ -225,6 +239,21 @@ class TrainingEngine:
             return {f"{self.role}/global_tokens": 0.0, f"{self.role}/step_skipped": 1.0}
         return {key: sum(values) / len(values) for key, values in collected.items()}
 
+    def update_on_policy(self, batch: TensorDict, loss_fn: LossFn, temperature: float = 1.0,
+                         calculate_entropy: bool = False) -> tuple[dict[str, float], ForwardOutput]:
+        """One optimizer step on this rank's whole batch (one epoch, one mini-batch) whose
+        old_log_probs come from the step's own forward instead of a separate compute_log_prob.
+
+        Returns the metrics and those old log-probs with the entropy, detached, in batch order.
+        """
+        if "old_log_probs" in batch.keys():
+            raise ValueError("update_on_policy computes old_log_probs itself; this batch already "
+                             "has them: call update() instead")
+        groups: list[tuple[torch.Tensor, ForwardOutput]] = []
+        metrics = self.train_mini_batch(batch, loss_fn, temperature, calculate_entropy, on_policy=groups)
+        merged = _merge_outputs([g for g, _ in groups], [o for _, o in groups], field_lengths(batch["responses"]))
+        return metrics, merged
+
     # ---- weights and checkpoints ----------------------------------------------------------
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -249,6 +278,13 @@ class TrainingEngine:
         state = checkpoint.load_checkpoint(directory, self.model, self.optimizer, self.scheduler)
         self.global_step = state["step"]
         return state["extra"]
+
+
+def _detached(outputs: ForwardOutput) -> ForwardOutput:
+    """The log-probs and entropy of a forward, cut from the graph."""
+    return ForwardOutput(response_lengths=outputs.response_lengths,
+                         log_probs=outputs.log_probs.detach(),
+                         entropy=outputs.entropy.detach() if outputs.entropy is not None else None)
 
 
 def _merge_outputs(groups: list[torch.Tensor], outputs: list[ForwardOutput],

@@ -8,11 +8,15 @@ present it does not, hence `use_cache=False` (tests/test_training_forward.py hol
 
 Padded: the dense layout (prompts left-padded, responses right-padded) with an attention mask;
 every response then starts at column P, so one column range serves the whole batch.
+
+Actor log-probs come from the decoder's hidden states through the LM head in chunks
+(lm_head.py) when the head is a plain linear map; otherwise from the model's full logits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from tensordict import TensorDict
@@ -20,6 +24,7 @@ from tensordict import TensorDict
 from tandem.algorithms.entropy import entropy_from_logits
 from tandem.batch.jagged import field_lengths, field_values, make_field, padded_field
 from tandem.batch.layouts import to_dense, to_packed
+from tandem.training.lm_head import DEFAULT_CHUNK_BYTES, chunk_tokens, chunked_log_probs, plain_linear_head
 
 
 @dataclass
@@ -60,23 +65,41 @@ def response_head_outputs(model: torch.nn.Module, batch: TensorDict, use_remove_
     `model(input_ids, position_ids, attention_mask, use_cache, logits_to_keep)` is the HF causal
     LM call (ValueModel mirrors it). Returns [sum R_i, ...] in batch order.
     """
-    device = _model_device(model)
+    def run(positions: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        return getattr(model(**inputs, use_cache=False, logits_to_keep=positions), output_key)
+
+    return _at_response_positions(run, batch, use_remove_padding, _model_device(model))
+
+
+def response_hidden_states(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool) -> torch.Tensor:
+    """The decoder's last hidden states at the positions predicting response tokens: [sum R_i, H]
+    (what the LM head turns into those tokens' logits)."""
+    decoder = model.get_decoder()
+
+    def run(positions: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        return decoder(**inputs, use_cache=False).last_hidden_state[:, positions]
+
+    return _at_response_positions(run, batch, use_remove_padding, _model_device(model))
+
+
+def _at_response_positions(run: Callable[..., torch.Tensor], batch: TensorDict, use_remove_padding: bool,
+                           device: torch.device) -> torch.Tensor:
+    """run(positions, input_ids=, position_ids=, attention_mask=) -> [rows, len(positions), ...];
+    returns its rows at the response-predicting positions, flat in batch order."""
     if use_remove_padding:
         packed = to_packed(batch, response_fields=())
         starts = packed.cu_seqlens[:-1].long()
         if not bool(packed.position_ids[0, starts].eq(0).all()):
             raise ValueError("packed forward: position_ids must restart at 0 for every sequence; "
                              "otherwise neighbouring sequences would attend to each other")
-        out = model(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),
-                    attention_mask=None, use_cache=False,
-                    logits_to_keep=packed.response_positions().to(device))
-        return getattr(out, output_key)[0]
+        return run(packed.response_positions().to(device), input_ids=packed.input_ids.to(device),
+                   position_ids=packed.position_ids.to(device), attention_mask=None)[0]
     dense = to_dense(batch, pad_token_id=0, response_fields=())
     width, response_width = dense.prompt_width, dense.responses.shape[1]
-    out = model(input_ids=dense.input_ids.to(device), position_ids=dense.position_ids.to(device),
-                attention_mask=dense.attention_mask.to(device), use_cache=False,
-                logits_to_keep=torch.arange(width - 1, width + response_width - 1, device=device))
-    return getattr(out, output_key)[dense.response_attention().to(device)]
+    out = run(torch.arange(width - 1, width + response_width - 1, device=device),
+              input_ids=dense.input_ids.to(device), position_ids=dense.position_ids.to(device),
+              attention_mask=dense.attention_mask.to(device))
+    return out[dense.response_attention().to(device)]
 
 
 def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -91,15 +114,30 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 
 def actor_forward(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool,
-                  temperature: float = 1.0, calculate_entropy: bool = False) -> ForwardOutput:
-    """Log-probabilities (and entropy) of every response token under `model`."""
+                  temperature: float = 1.0, calculate_entropy: bool = False, entropy_grad: bool = True,
+                  logits_chunk_bytes: int | None = DEFAULT_CHUNK_BYTES) -> ForwardOutput:
+    """Log-probabilities (and entropy) of every response token under `model`.
+
+    With a plain linear LM head they come from the hidden states in chunks of at most
+    `logits_chunk_bytes` of logits (lm_head.py); `None`, or another head, takes the full logits.
+    `entropy_grad=False` computes the entropy without gradient (for metrics only).
+    """
+    labels = field_values(batch["responses"]).to(_model_device(model))
+    lengths = field_lengths(batch["responses"])
+    head = plain_linear_head(model) if logits_chunk_bytes is not None else None
+    if head is not None:
+        hidden = response_hidden_states(model, batch, use_remove_padding)
+        mode = ("grad" if entropy_grad else "detached") if calculate_entropy else "none"
+        log_probs, entropy = chunked_log_probs(hidden, head, labels, temperature, mode,
+                                               chunk_tokens(head.out_features, logits_chunk_bytes))
+        return ForwardOutput(response_lengths=lengths, log_probs=log_probs, entropy=entropy)
     logits = response_head_outputs(model, batch, use_remove_padding, "logits")
-    labels = field_values(batch["responses"]).to(logits.device)
-    return ForwardOutput(
-        response_lengths=field_lengths(batch["responses"]),
-        log_probs=token_log_probs(logits, labels, temperature),
-        entropy=token_entropy(logits, temperature) if calculate_entropy else None,
-    )
+    entropy = None
+    if calculate_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            entropy = token_entropy(logits, temperature)
+    return ForwardOutput(response_lengths=lengths, log_probs=token_log_probs(logits, labels, temperature),
+                         entropy=entropy)
 
 
 def critic_forward(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool) -> ForwardOutput:
