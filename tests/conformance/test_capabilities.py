@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.rollout.base import CAPABILITIES, CAPABILITY_LEVELS, BaseRollout
+from tandem.rollout.base import (CAPABILITIES, CAPABILITY_FALLBACKS, CAPABILITY_LEVELS,
+                                 BaseRollout)
 from tandem.rollout.registry import _ROLLOUT_BACKENDS, rollout_backend_names
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "backends.md"
@@ -43,6 +44,12 @@ def test_capability_table_is_complete_and_documented(name):
     assert set(cls.capabilities) == set(CAPABILITIES), name
     assert all(level in CAPABILITY_LEVELS for level in cls.capabilities.values())
     assert doc_table()[name] == dict(cls.capabilities)
+
+
+def test_every_capability_has_a_documented_fallback():
+    assert set(CAPABILITY_FALLBACKS) == set(CAPABILITIES)
+    text = DOC.read_text()
+    assert all(f"`{name}`" in text for name in CAPABILITIES)
 
 
 def test_supports_resolves_gpu_only_capabilities():
