@@ -17,7 +17,8 @@ def hf_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
 
 
-def hf_logprobs(model, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> list[float]:
+def hf_logprobs(model, prompt: list[int], tokens: list[int],
+                temperature: float = 1.0) -> list[float]:
     """log softmax(logits / temperature) at the sampled tokens."""
     logits = hf_logits(model, prompt, tokens) / temperature
     picked = logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])

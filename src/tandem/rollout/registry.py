@@ -36,7 +36,8 @@ def unavailable_reason(name: str) -> str | None:
     if name in _REQUIREMENTS:
         package, remedy = _REQUIREMENTS[name]
         if importlib.util.find_spec(package) is None:
-            return f"rollout backend {name!r} needs the {package!r} package, not installed: {remedy}"
+            return (f"rollout backend {name!r} needs the {package!r} package, not installed: "
+                    f"{remedy}")
     return None
 
 

@@ -56,7 +56,8 @@ class SGLangRollout(BaseRollout):
 
     def __init__(self, engine: Any, context_len: int, shapes: dict[str, tuple],
                  tp_size: int) -> None:
-        self.engine, self.context_len, self.shapes, self.tp_size = engine, context_len, shapes, tp_size
+        self.engine, self.context_len, self.shapes = engine, context_len, shapes
+        self.tp_size = tp_size
         self.version = 0
         self.running: set[str] = set()
         self.asleep: set[str] = set()
@@ -180,9 +181,9 @@ class SGLangRollout(BaseRollout):
 
         for bucket in weight_buckets(named_tensors, self.shapes, SGLANG_BUCKET_BYTES):
             serialized = MultiprocessingSerializer.serialize(bucket)
-            await self.engine.tokenizer_manager.update_weights_from_tensor(
-                UpdateWeightsFromTensorReqInput(serialized_named_tensors=[serialized] * self.tp_size,
-                                                flush_cache=False), None)
+            request = UpdateWeightsFromTensorReqInput(
+                serialized_named_tensors=[serialized] * self.tp_size, flush_cache=False)
+            await self.engine.tokenizer_manager.update_weights_from_tensor(request, None)
         await self.engine.tokenizer_manager.flush_cache()
         self.version = int(version)
 

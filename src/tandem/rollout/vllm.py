@@ -190,7 +190,8 @@ class VLLMRollout(BaseRollout):
             with safe_open(file, "pt") as handle:
                 shapes.update((key, tuple(handle.get_slice(key).get_shape()))
                               for key in handle.keys())
-        if getattr(hf_config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in shapes:
+        tied = getattr(hf_config, "tie_word_embeddings", False)
+        if tied and "model.embed_tokens.weight" in shapes:
             shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
         return cls(engine, device, engine.model_config.max_model_len, hf_config.vocab_size, shapes)
 
