@@ -41,11 +41,16 @@ def test_update_weights_equals_a_fresh_engine_and_invalidates_the_prefix_cache(
     assert back.token_ids == before.token_ids and back.global_steps == 8
 
 
-def test_update_weights_rejects_an_unknown_name(rollout, loop):
+def test_update_weights_rejects_an_unknown_name_and_keeps_the_version(rollout, loop):
     import torch
 
+    before = loop.run_until_complete(rollout.generate("u0", LONG_PROMPT, GREEDY))
+    version = rollout.weight_version
     with pytest.raises(ValueError, match="no_such.weight"):
-        loop.run_until_complete(rollout.update_weights([("no_such.weight", torch.zeros(2))], 9))
+        loop.run_until_complete(rollout.update_weights([("no_such.weight", torch.zeros(2))], 99))
+    assert rollout.weight_version == version
+    after = loop.run_until_complete(rollout.generate("u1", LONG_PROMPT, GREEDY))
+    assert after.token_ids == before.token_ids and after.global_steps == version
 
 
 def test_clear_kv_cache_drops_cached_prefixes(rollout, loop, device):

@@ -179,7 +179,8 @@ class SGLangRollout(BaseRollout):
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
 
-        for bucket in weight_buckets(named_tensors, self.shapes, SGLANG_BUCKET_BYTES):
+        # checked in full before the engine is touched: a bad tensor leaves the old version
+        for bucket in list(weight_buckets(named_tensors, self.shapes, SGLANG_BUCKET_BYTES)):
             serialized = MultiprocessingSerializer.serialize(bucket)
             request = UpdateWeightsFromTensorReqInput(
                 serialized_named_tensors=[serialized] * self.tp_size, flush_cache=False)

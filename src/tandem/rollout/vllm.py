@@ -313,11 +313,13 @@ class VLLMRollout(BaseRollout):
     # ---- weights --------------------------------------------------------------------------
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              version: int) -> None:
+        # checked in full before the engine is touched: a bad tensor leaves the old version
+        buckets = list(weight_buckets(named_tensors, self.shapes, VLLM_BUCKET_BYTES))
         # running requests stay queued; nothing computed with the old weights is reused
         await self.engine.pause_generation(mode="keep", clear_cache=False)
         try:
             await self.engine.collective_rpc(_begin_reload)
-            for bucket in weight_buckets(named_tensors, self.shapes, VLLM_BUCKET_BYTES):
+            for bucket in buckets:
                 # inside the pickled function: vLLM's msgpack args would turn tensors into lists
                 await self.engine.collective_rpc(functools.partial(
                     _load_bucket, names=[n for n, _ in bucket], tensors=[t for _, t in bucket]))
