@@ -15,7 +15,12 @@ from test_trainer_sync import engine_and_actor_greedy, tiny_config
 
 from conformance.conftest import SPEC
 
-pytestmark = pytest.mark.vllm
+from tandem.rollout.registry import unavailable_reason
+
+# opt-in by marker; skipped with the registry's reason where vllm is absent (e.g. `-m "not slow"`)
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(unavailable_reason("vllm") is not None,
+                                 reason=str(unavailable_reason("vllm")))]
 
 
 def test_sync_loop_with_the_vllm_backend(tmp_path, ray_cluster):
