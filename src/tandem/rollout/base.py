@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, ClassVar, Iterable, Mapping
 
 import torch
 
@@ -17,6 +17,26 @@ from tandem.config.schema import RolloutConfig
 from tandem.types import TokenOutput
 
 MEMORY_TAGS = ("weights", "kv_cache")
+
+# What a backend can do, each declared in its `capabilities` (docs/backends.md):
+#   "yes"         the engine does it itself
+#   "workaround"  tandem does it around an engine gap (docs/backends.md says how)
+#   "gpu"         "yes" on CUDA; "no" on CPU
+#   "no"          not available; the method keeps the documented fallback (see CAPABILITY_FALLBACKS)
+CAPABILITIES = ("logprobs_raw", "logprobs_processed", "abort_partial", "per_request_seed",
+                "sleep_weights", "sleep_kv_cache", "clear_kv_cache", "update_weights")
+CAPABILITY_LEVELS = ("yes", "workaround", "gpu", "no")
+# The behaviour a backend without the capability guarantees instead (checked by tests/conformance).
+CAPABILITY_FALLBACKS = {
+    "logprobs_raw": "create() raises ValueError naming rollout.logprobs_mode",
+    "logprobs_processed": "create() raises ValueError naming rollout.logprobs_mode",
+    "abort_partial": "abort() returns no tokens",
+    "per_request_seed": "generate() raises ValueError naming the seed field",
+    "sleep_weights": "sleep(['weights']) keeps the weights in memory; generation keeps working",
+    "sleep_kv_cache": "sleep(['kv_cache']) keeps the KV cache in memory; generation keeps working",
+    "clear_kv_cache": "clear_kv_cache() raises NotImplementedError",
+    "update_weights": "update_weights() raises NotImplementedError",
+}
 
 
 def check_tags(tags: Iterable[str]) -> list[str]:
@@ -30,6 +50,15 @@ def check_tags(tags: Iterable[str]) -> list[str]:
 
 class BaseRollout(ABC):
     """A token-in/token-out engine plus the memory and weight controls training needs."""
+
+    # capability name -> level (CAPABILITIES, CAPABILITY_LEVELS); every name must be declared
+    capabilities: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    def supports(cls, capability: str, device: str = "cpu") -> bool:
+        """Whether the backend does `capability` itself or by a workaround on `device`."""
+        level = cls.capabilities[capability]
+        return level in ("yes", "workaround") or (level == "gpu" and device.startswith("cuda"))
 
     @classmethod
     @abstractmethod

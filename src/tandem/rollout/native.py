@@ -8,13 +8,15 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from tandem.config.schema import RolloutConfig
-from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags
+from tandem.rollout.base import CAPABILITIES, MEMORY_TAGS, BaseRollout, check_tags
 from tandem.rollout.engine import AsyncEngine
 from tandem.types import TokenOutput
 
 
 class NativeRollout(BaseRollout):
     """Continuous batching, paged KV cache, prefix cache, per-token logprobs; CPU or CUDA."""
+
+    capabilities = {name: "yes" for name in CAPABILITIES}
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine

