@@ -40,6 +40,7 @@ RANGES: dict[str, str] = {
     "rollout.disaggregation.decode_tensor_parallel_size": "[1, inf)",
     "rollout.disaggregation.decode_replicas": "[1, inf)",
     "rollout.checkpoint_engine.update_weights_bucket_megabytes": "[1, inf)",
+    "rollout.checkpoint_engine.timeout_s": "(0, inf)",  # the deadline of every wait of a weight sync
     "rollout.multi_turn.max_assistant_turns": "[1, inf)",
     "rollout.multi_turn.max_user_turns": "[1, inf)",
     "rollout.multi_turn.max_tool_response_length": "[1, inf)",

@@ -44,8 +44,11 @@ class DisaggregationConfig:
 class CheckpointEngineConfig:
     """The weight-sync transport from the training actor into the rollout engine."""
 
-    backend: str = "naive"  # a name in tandem.weight_sync.registry (today: naive)
+    # a name in tandem.weight_sync.registry; the hybrid layout always uses naive, a rollout
+    # in its own process (standalone, colocated) never can
+    backend: str = "naive"
     update_weights_bucket_megabytes: int = 512
+    timeout_s: float = 300.0  # deadline of every wait of a sync (rendezvous, bucket, phase)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 

@@ -65,7 +65,22 @@ class BaseRollout(ABC):
     @abstractmethod
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              version: int) -> None:
-        """Load HF-named tensors in place, invalidate the prefix cache, stamp `version` on tokens."""
+        """Load HF-named tensors, invalidate the prefix cache, stamp `version` on tokens; all or
+        nothing: a stream that raises or holds a bad tensor leaves the previous version."""
+
+    def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Any:
+        """Receive and check a whole stream without touching the engine (may run in another
+        thread); commit_weights() installs it. Default: copies of the tensors."""
+        return [(name, tensor.detach().clone()) for name, tensor in named_tensors]
+
+    async def commit_weights(self, staged: Any, version: int) -> None:
+        """Install what stage_weights() returned and stamp `version` on later tokens."""
+        await self.update_weights(staged, version)
+
+    def current_weight(self, name: str) -> torch.Tensor:
+        """The dense weight `name` now served (a delta sync applies its changes to it)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot report its weights; use a "
+                                  "checkpoint engine that sends full tensors")
 
     @property
     @abstractmethod

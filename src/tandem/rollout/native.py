@@ -50,6 +50,18 @@ class NativeRollout(BaseRollout):
                              version: int) -> None:
         await self.engine.update_weights(named_tensors, version)
 
+    def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                      ) -> dict[str, torch.Tensor]:
+        """Checked host copies of the stream (AsyncEngine.stage_weights); may run off the
+        event loop (commit_weights re-checks that the weights were not put to sleep meanwhile)."""
+        return self.engine.stage_weights(named_tensors)
+
+    async def commit_weights(self, staged: dict[str, torch.Tensor], version: int) -> None:
+        await self.engine.commit_weights(staged, version)
+
+    def current_weight(self, name: str) -> torch.Tensor:
+        return self.engine.current_weight(name)
+
     @property
     def weight_version(self) -> int:
         return self.engine.version

@@ -143,6 +143,18 @@ class ServerManager:
         """server_id -> that replica's main-server counters."""
         return {sid: stats[0] for sid, stats in (await self._all("stats")).items()}
 
+    async def weight_versions(self) -> dict[str, int | None]:
+        """server_id -> the weight version its main server serves (None: it did not answer)."""
+        results = await asyncio.gather(*(r.weight_versions() for r in self.replicas.values()),
+                                       return_exceptions=True)
+        return {sid: None if isinstance(result, BaseException) else result[0]
+                for sid, result in zip(self.replicas, results)}
+
+    async def servers_behind(self, version: int) -> list[str]:
+        """The servers not serving `version` (or not answering): a sync still owes them."""
+        return sorted(sid for sid, served in (await self.weight_versions()).items()
+                      if served != version)
+
     # -- trainer control, fanned out to every replica -------------------------------------
 
     async def _all(self, method: str, *args: Any) -> dict[str, Any]:

@@ -212,6 +212,10 @@ class RolloutReplica:
         """Load one bucket of (name, tensor) pairs (a list, or an ObjectRef to one) everywhere."""
         await self._fan_out("update_weights", named_tensors, version)
 
+    async def weight_versions(self) -> list[int]:
+        """The weight version each server stamps on tokens now."""
+        return await self._fan_out("weight_version")
+
     async def stats(self) -> list[dict[str, Any]]:
         """Each server's counters."""
         return await self._fan_out("stats")

@@ -28,6 +28,8 @@ import torch
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags
 from tandem.types import TokenOutput
+from tandem.weight_sync.base import SyncPlan
+from tandem.weight_sync.participants import receive_into
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class RolloutServer:
         self._idle = asyncio.Event()  # set iff no generate() call is inside the backend
         self._idle.set()
         self._generating = 0
+        self._sync: dict[str, Any] | None = None  # the sync being received: version, progress
         self._counts = {"requests": 0, "completed": 0, "aborted": 0, "failed": 0, "cancelled": 0,
                         "tokens": 0}
 
@@ -116,6 +119,7 @@ class RolloutServer:
         backend_stats = getattr(self.backend, "stats", None)
         return {**self._counts, "generating": self._generating, "paused": self._paused,
                 "asleep": sorted(self._asleep), "weight_version": self.backend.weight_version,
+                "sync": dict(self._sync) if self._sync is not None else None,
                 "backend": backend_stats() if callable(backend_stats) else {}}
 
     async def generate(self, request_id: str, prompt_ids: list[int],
@@ -241,6 +245,24 @@ class RolloutServer:
         """Load (name, tensor) pairs (one bucket or all) and stamp `version` on later tokens."""
         self._require_quiet("update_weights()")
         await self.backend.update_weights(named_tensors, version)
+
+    async def receive_weights(self, plan: SyncPlan, rank: int,
+                              engine_kwargs: dict[str, Any] | None = None) -> dict[str, float]:
+        """Join a cross-process weight sync as receiver `rank` of `plan` (the sync manager calls
+        it after abort_all_requests() and release_kv_cache()). The whole stream is staged and
+        checked before it is swapped in, so a failure (WeightSyncError naming the phase) leaves
+        the engine serving its previous version. Returns seconds per phase and the version."""
+        self._require_quiet("receive_weights()")
+        if self._sync is not None:
+            raise RuntimeError(f"server {self.server_id!r} is already receiving version "
+                               f"{self._sync['version']}")
+        self._sync = {"version": plan.version}
+        try:
+            timings = await receive_into(self.backend, plan, rank, f"server {self.server_id!r}",
+                                         engine_kwargs, self._sync)
+        finally:
+            self._sync = None
+        return {**timings, "version": self.backend.weight_version}
 
     async def weight_version(self) -> int:
         """The version stamped on tokens generated now."""

@@ -3,7 +3,9 @@
 The worker *is* a rollout server (the balancer routes generate calls to it) and also holds the
 actor (and the reference / critic when the config needs them). Weight sync is therefore
 in-process: the `naive` checkpoint engine hands the actor's (name, tensor) stream to the
-rollout engine. With trainer.n_devices > 1 the workers form a torch.distributed group and the
+rollout engine (whatever rollout.checkpoint_engine.backend says). For rollout servers in their
+own processes the worker is the sending side of a sync (build_sync_plan, send_weights) driven
+by tandem.weight_sync.manager. With trainer.n_devices > 1 the workers form a torch.distributed group and the
 actor is sharded with FSDP2; each worker still hosts a full rollout engine (rollout DP).
 """
 
@@ -20,7 +22,9 @@ from tandem.config.schema import TandemConfig
 from tandem.quiet import quiet_libraries
 from tandem.serving.server import RolloutServer
 from tandem.training.engine import TrainingEngine
-from tandem.weight_sync.registry import get_checkpoint_engine_class
+from tandem.weight_sync.base import CheckpointEngine, SyncPlan
+from tandem.weight_sync.participants import (checkpoint_engine_name, make_checkpoint_engine,
+                                             run_in_fresh_thread, send_from)
 
 
 def needs_reference(config: TandemConfig) -> bool:
@@ -49,8 +53,11 @@ class HybridWorker(RolloutServer):
         self.reference = TrainingEngine.from_config(config, "reference") if needs_reference(config) else None
         self.critic = TrainingEngine.from_config(config, "critic", critic_total_steps) if config.critic.enable else None
         ckpt = config.rollout.checkpoint_engine
-        self.checkpoint_engine = get_checkpoint_engine_class(ckpt.backend)(
-            ckpt.update_weights_bucket_megabytes, **dict(ckpt.engine_kwargs))
+        naive = checkpoint_engine_name(ckpt, hybrid=True)
+        self.checkpoint_engine = make_checkpoint_engine(
+            naive, ckpt.update_weights_bucket_megabytes, ckpt.timeout_s,
+            **(dict(ckpt.engine_kwargs) if ckpt.backend == naive else {}))
+        self._sync_engine: CheckpointEngine | None = None  # rank 0's sender of a separate sync
 
     # ---- log-probabilities and values (the batch is this worker's shard) ------------------
 
@@ -108,6 +115,32 @@ class HybridWorker(RolloutServer):
         await self.checkpoint_engine.sync(self.actor.export_weights(), self, version)
         await self.wake_up(["kv_cache"])
         return {"sync/seconds": time.perf_counter() - start}
+
+    async def build_sync_plan(self, n_receivers: int, version: int,
+                              receiver_versions: list[int] | None = None) -> SyncPlan:
+        """Rank 0: make this sync's sender (the configured non-naive engine) and its plan, which
+        the sync manager hands to every receiving server (build_topology)."""
+        if self.rank != 0:
+            raise RuntimeError(f"build_sync_plan on rank {self.rank}: only rank 0 sends")
+        if self._sync_engine is None:  # kept across syncs: delta remembers what it sent
+            ckpt = self.config.rollout.checkpoint_engine
+            self._sync_engine = make_checkpoint_engine(
+                checkpoint_engine_name(ckpt, hybrid=False), ckpt.update_weights_bucket_megabytes,
+                ckpt.timeout_s, **dict(ckpt.engine_kwargs))
+            self._sync_engine.prepare()
+        return self._sync_engine.build_topology(n_receivers, version, receiver_versions)
+
+    async def send_weights(self, plan: SyncPlan) -> dict[str, float]:
+        """Every training rank, concurrently with the receivers: the full tensors of the
+        (FSDP2-sharded) actor are gathered one at a time; rank 0 sends them through the engine
+        of build_sync_plan, the other ranks only take part in the gathers. Returns seconds per
+        phase."""
+        engine = self._sync_engine if self.rank == 0 else None
+        if self.rank == 0 and engine is None:
+            raise RuntimeError("send_weights on rank 0 before build_sync_plan")
+        stream = self.actor.export_weights()
+        return await run_in_fresh_thread(lambda: send_from(engine, plan, stream),
+                                         f"weight-sync-send-{self.rank}")
 
     # ---- checkpoints and inspection ------------------------------------------------------
 

@@ -391,8 +391,50 @@ class AsyncEngine:
                 "kv_cache": self.runner.kv_cache_bytes()}
 
     # ---- weights --------------------------------------------------------------------------
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int) -> None:
+    def _accepted_shapes(self) -> dict[str, torch.Size]:
+        """HF name -> shape of every weight update_weights accepts (dense and packed)."""
+        if self.weights_state != "loaded":
+            raise RuntimeError(self._weights_missing_message())
+        shapes = {name: p.shape for name, p in self.runner.named_parameters().items()}
+        shapes.update((name, linear.weight_shape)
+                      for name, linear in self.runner.packed_linears.items())
+        return shapes
+
+    def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                      ) -> dict[str, torch.Tensor]:
+        """Copy the stream into fresh host tensors of the engine's dtype, checking every name,
+        shape, dtype and value (NaN/inf rejected); the engine itself is not touched, so a
+        stream that raises or a bad tensor leaves it on its complete previous version. Reads
+        only the weight shapes, so it may run in another thread."""
+        shapes = self._accepted_shapes()
+        tied = getattr(self.runner.config, "tie_word_embeddings", False)
+        staged: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                key = name
+                if key not in shapes and tied and name == "lm_head.weight":
+                    key = "model.embed_tokens.weight"
+                shape = shapes.get(key)
+                if shape is None:
+                    raise ValueError(f"update_weights: unknown weight {name!r} (expected HF "
+                                     f"names such as {next(iter(shapes))!r})")
+                if tuple(tensor.shape) != tuple(shape):
+                    raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)},"
+                                     f" the model expects {tuple(shape)}")
+                if not tensor.is_floating_point():
+                    raise TypeError(f"update_weights: {name!r} has dtype {tensor.dtype}; "
+                                    "weights must be floating point")
+                # on the host even for CUDA engines: a staged full copy never doubles device memory
+                copy = torch.empty(shape, dtype=self.runner.dtype).copy_(tensor)
+                if not bool(torch.isfinite(copy).all()):
+                    raise ValueError(f"update_weights: {name!r} holds NaN or inf values (in "
+                                     f"{self.runner.dtype}); the engine keeps version "
+                                     f"{self.version}")
+                staged[key] = copy
+        return staged
+
+    async def commit_weights(self, staged: Mapping[str, torch.Tensor], version: int) -> None:
+        """Swap staged tensors (stage_weights) in under the step lock and stamp `version`."""
         self._ensure_loop()
         async with self._lock:
             if self.weights_state != "loaded":
@@ -400,30 +442,22 @@ class AsyncEngine:
             # nothing computed with the old weights may be reused: running requests recompute
             self.scheduler.preempt_all()
             self.blocks.clear_prefix_cache()
-            shapes = {name: p.shape for name, p in self.runner.named_parameters().items()}
-            shapes.update((name, linear.weight_shape)
-                          for name, linear in self.runner.packed_linears.items())
-            tied = getattr(self.runner.config, "tie_word_embeddings", False)
-            with torch.no_grad():
-                for name, tensor in named_tensors:
-                    key = name
-                    if key not in shapes and tied and name == "lm_head.weight":
-                        key = "model.embed_tokens.weight"
-                    shape = shapes.get(key)
-                    if shape is None:
-                        raise ValueError(f"update_weights: unknown weight {name!r} (expected HF "
-                                         f"names such as {next(iter(shapes))!r})")
-                    if tuple(tensor.shape) != tuple(shape):
-                        raise ValueError(f"update_weights: {name!r} has shape "
-                                         f"{tuple(tensor.shape)}, the model expects "
-                                         f"{tuple(shape)}")
-                    if not tensor.is_floating_point():
-                        raise TypeError(f"update_weights: {name!r} has dtype {tensor.dtype}; "
-                                        "weights must be floating point")
-                    self.runner.load_weight(key, tensor)
-                    self.unfilled_weights.discard(key)
+            for key, tensor in staged.items():
+                self.runner.swap_weight(key, tensor)
+            self.unfilled_weights.difference_update(staged)
             self.version = int(version)
             self._work.set()
+
+    def current_weight(self, name: str) -> torch.Tensor:
+        """A host copy of the HF-named weight now served (packed linears unpacked)."""
+        if name not in self._accepted_shapes() and name == "lm_head.weight":
+            name = "model.embed_tokens.weight"  # tied: exported under the embedding's name
+        return self.runner.dense_weight(name).to("cpu", copy=True)
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                             version: int) -> None:
+        """All or nothing: stage and check the whole stream, then swap it in."""
+        await self.commit_weights(self.stage_weights(named_tensors), version)
 
     def stats(self) -> dict[str, int]:
         return {**self.counters, "prompt_tokens_cached": self.scheduler.prompt_tokens_cached,

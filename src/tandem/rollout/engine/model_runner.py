@@ -372,13 +372,26 @@ class ModelRunner:
         """The HF parameters still held dense (all of them unless the linears are packed)."""
         return dict(self.model.named_parameters())
 
-    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """Write one HF-named weight (already checked) into the model."""
+    def swap_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Install one staged (checked, engine-dtype, host) weight: packed linears re-pack it,
+        dense CPU parameters take the tensor itself (no copy), device parameters copy it in."""
         linear = self.packed_linears.get(name)
         if linear is not None:
-            linear.load(tensor.to(device=self.device, dtype=self.dtype))
+            linear.load(tensor)
+            return
+        parameter = self.model.get_parameter(name)
+        if parameter.device == tensor.device:
+            parameter.data = tensor
         else:
-            self.model.get_parameter(name).copy_(tensor)
+            with torch.no_grad():
+                parameter.copy_(tensor)
+
+    def dense_weight(self, name: str) -> torch.Tensor:
+        """The HF-named weight as a dense tensor (a packed linear is unpacked)."""
+        linear = self.packed_linears.get(name)
+        if linear is not None:
+            return linear.packed.to_dense()
+        return self.model.get_parameter(name).detach()
 
     def packed_bytes(self) -> int:
         linears = list(self.packed_linears.values()) + ([self.lm_head] if self.tied_lm_head else [])

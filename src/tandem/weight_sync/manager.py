@@ -1,0 +1,179 @@
+"""The sync manager: one weight sync from the training workers into rollout servers that run in
+their own processes (STANDALONE and COLOCATED replicas), in the seed's order (§10.3):
+
+    abort unfinished requests -> release the KV cache (weights stay) -> build topology
+    -> actor send || every server receive + load -> finalize -> resume KV cache -> resume generation
+
+The resumable client keeps the tokens of aborted requests and asks again once generation
+resumes. Every wait has the deadline rollout.checkpoint_engine.timeout_s; a server that is dead
+or stuck before the transfer is left out of it (reported in `SyncReport.left_out`), a failure
+during it raises WeightSyncError naming the phase and the peer. Either way every server that
+took part resumes generating, each on its last complete version (loads are all or nothing).
+The HYBRID layout does not come here: its workers sync in-process with `naive`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Sequence
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from tandem.config.schema import CheckpointEngineConfig
+from tandem.serving.manager import ServerManager
+from tandem.serving.remote import call, resolve, submit
+from tandem.serving.replica import ReplicaLayout, RolloutReplica
+from tandem.weight_sync.base import WeightSyncError
+from tandem.weight_sync.participants import checkpoint_engine_name
+
+
+@dataclass
+class SyncReport:
+    """What one sync did: seconds per phase (metric names), the version each server serves
+    now (None: it did not answer), and the servers left out with the reason."""
+
+    version: int
+    timings: dict[str, float]
+    served: dict[str, int | None]
+    left_out: dict[str, str] = field(default_factory=dict)
+
+    def behind(self) -> list[str]:
+        """Servers not serving this sync's version."""
+        return sorted(sid for sid, version in self.served.items() if version != self.version)
+
+
+class WeightSyncManager:
+    """Drives syncs from `trainers` (training workers, rank 0 first: Ray handles or local
+    objects with build_sync_plan / send_weights) into every replica of `servers`."""
+
+    def __init__(self, trainers: Sequence[Any], servers: ServerManager,
+                 config: CheckpointEngineConfig) -> None:
+        if servers.layout is ReplicaLayout.HYBRID:
+            raise ValueError("the hybrid layout syncs inside each worker with 'naive' "
+                             "(HybridWorker.sync_weights); the sync manager is for standalone and "
+                             "colocated replicas")
+        if not trainers:
+            raise ValueError("no training workers to send weights from")
+        checkpoint_engine_name(config, hybrid=False)  # a ConfigError for 'naive'
+        self.trainers = list(trainers)
+        self.servers = servers
+        self.timeout_s = config.timeout_s
+        self.engine_kwargs = dict(config.engine_kwargs)  # receivers build the same engine
+
+    async def sync(self, version: int) -> SyncReport:
+        """One sync of the actor's weights as `version`; raises WeightSyncError on failure
+        (after resuming generation everywhere it paused it)."""
+        timings: dict[str, float] = {}
+        left_out: dict[str, str] = {}
+        start = time.perf_counter()
+        paused = await self._each(list(self.servers.replicas.values()), "abort_all_requests",
+                                  timings, "abort", left_out)
+        try:
+            replicas = await self._each(paused, "release_kv_cache", timings, "release_kv_cache",
+                                        left_out)
+            if not replicas:
+                raise WeightSyncError("prepare", None, "no rollout server is left to receive "
+                                      f"version {version}: {left_out}")
+            await self._transfer(replicas, version, timings)
+        finally:
+            # generation resumes whatever happened above, on each server's last complete version
+            await self._each(paused, "resume_kv_cache", timings, "resume_kv_cache", left_out)
+            await self._each(paused, "resume_generation", timings, "resume_generation", left_out)
+        timings["sync/total_s"] = time.perf_counter() - start
+        return SyncReport(version, timings, await self.servers.weight_versions(), left_out)
+
+    async def _each(self, replicas: list[RolloutReplica], method: str, timings: dict[str, float],
+                    phase: str, left_out: dict[str, str]) -> list[RolloutReplica]:
+        """Call replica.method() on all replicas at once, each within the deadline; returns the
+        ones that answered, the others go to left_out with the error."""
+        begin = time.perf_counter()
+        results = await asyncio.gather(*(asyncio.wait_for(getattr(r, method)(), self.timeout_s)
+                                         for r in replicas), return_exceptions=True)
+        timings[f"sync/{phase}_s"] = time.perf_counter() - begin
+        answered = []
+        for replica, result in zip(replicas, results):
+            if isinstance(result, BaseException):
+                left_out[replica.server_id] = f"{phase}: {type(result).__name__}: {result}"
+            else:
+                answered.append(replica)
+        return answered
+
+    async def _transfer(self, replicas: list[RolloutReplica], version: int,
+                        timings: dict[str, float]) -> None:
+        """build topology, then send || receive + load (each participant finalizes itself)."""
+        receivers = [(f"receiver {rank} ({replica.server_id})", server) for rank, (replica, server)
+                     in enumerate(((r, s) for r in replicas for s in r.servers), start=1)]
+        begin = time.perf_counter()
+        versions = [await self._within(call(server, "weight_version", timeout_s=self.timeout_s),
+                                       "build_topology", name) for name, server in receivers]
+        plan = await self._within(call(self.trainers[0], "build_sync_plan", len(receivers),
+                                       version, versions, timeout_s=self.timeout_s),
+                                  "build_topology", "sender rank 0")
+        timings["sync/build_topology_s"] = time.perf_counter() - begin
+        begin = time.perf_counter()
+        peers = [(f"sender rank {rank}", submit(trainer, "send_weights", plan))
+                 for rank, trainer in enumerate(self.trainers)]
+        peers += [(name, submit(server, "receive_weights", plan, rank, self.engine_kwargs))
+                  for rank, (name, server) in enumerate(receivers, start=1)]
+        tasks = {asyncio.ensure_future(resolve(pending, None, name)): name
+                 for name, pending in peers}
+        await self._wait_all(tasks)
+        timings["sync/transfer_s"] = time.perf_counter() - begin
+        failures = []
+        for task, name in tasks.items():
+            error = asyncio.CancelledError() if task.cancelled() else task.exception()
+            if error is None:
+                for key, seconds in task.result().items():
+                    if key != "version":  # the slowest participant sets each phase's time
+                        metric = f"sync/{key}_s"
+                        timings[metric] = max(timings.get(metric, 0.0), seconds)
+            else:
+                failures.append((name, error))
+        if failures:
+            labels = {name.split(" (")[0]: name for name, _ in receivers}
+            raise _transfer_error(failures, labels, self.timeout_s)
+
+    async def _wait_all(self, tasks: dict[asyncio.Task, str]) -> None:
+        """Wait for every participant. Each bounds its own waits by timeout_s and reports its
+        own error; the manager gives up on the rest (cancelling them) only when none has
+        finished for 2 x timeout_s, so a participant that never answers cannot hang the sync."""
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=2 * self.timeout_s,
+                                               return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                for task in pending:
+                    task.cancel()
+                await asyncio.wait(pending)
+                return
+
+    async def _within(self, awaitable: Awaitable, phase: str, peer: str) -> Any:
+        """Await a call that has its own deadline; any failure becomes a WeightSyncError."""
+        try:
+            return await awaitable
+        except Exception as error:
+            raise WeightSyncError(phase, peer, f"{type(error).__name__}: {error}") from error
+
+
+def _transfer_error(failures: list[tuple[str, BaseException]], labels: dict[str, str],
+                    timeout_s: float) -> WeightSyncError:
+    """One error for a failed transfer: the phase of the first WeightSyncError a participant
+    raised (else of the first failure), the peer that died (else the one that error names),
+    and every participant's error listed."""
+    failures = [(name, error.cause if isinstance(error, RayTaskError) else
+                 TimeoutError(f"no answer within {2 * timeout_s} s")
+                 if isinstance(error, asyncio.CancelledError) else error)
+                for name, error in failures]
+    named = [(name, error) for name, error in failures if isinstance(error, WeightSyncError)]
+    dead = [name for name, error in failures if isinstance(error, RayActorError)]
+    name, first = (named or failures)[0]
+    if isinstance(first, WeightSyncError):
+        phase, peer = first.phase, labels.get(first.peer, first.peer) or name
+    else:  # the participant died or gave no answer in time
+        phase, peer = ("send" if name.startswith("sender") else "receive"), name
+    peer = dead[0] if dead else peer  # a dead process is the peer at fault, whoever noticed
+    listing = "; ".join(f"{who}: {type(error).__name__}: {error}" for who, error in failures)
+    return WeightSyncError(phase, peer, f"{len(failures)} participant(s) failed (deadline "
+                                        f"{timeout_s} s per wait): {listing}")

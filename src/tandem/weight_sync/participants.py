@@ -1,0 +1,155 @@
+"""What each process does in one cross-process sync: the sender (training ranks) and the
+receivers (rollout servers). The sync manager (manager.py) drives them in the seed's order.
+
+Every blocking part of a sync (rendezvous, transfer, the FSDP gathers) runs in a fresh thread
+that exits when the sync ends: the caller's event loop keeps answering (a server still reports
+its version, a stuck transfer can be cancelled), and the torch work of the sync never leaves a
+second OpenMP team behind in a rollout process (docs/engine.md, "One OpenMP team per process").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+
+from tandem.config.load import ConfigError
+from tandem.config.schema import CheckpointEngineConfig
+from tandem.weight_sync.base import CheckpointEngine, SyncPlan, WeightSyncError
+from tandem.weight_sync.registry import checkpoint_engine_names, get_checkpoint_engine_class
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def checkpoint_engine_name(config: CheckpointEngineConfig, hybrid: bool) -> str:
+    """The transport a layout uses: HYBRID always `naive` (warning when the config named another,
+    seed §10.2); a rollout in its own process never `naive` (a ConfigError naming the fix)."""
+    if hybrid:
+        if config.backend != "naive":
+            logger.warning("rollout.checkpoint_engine.backend=%r is ignored: the hybrid layout "
+                           "hands weights over inside the process and always uses 'naive'",
+                           config.backend)
+        return "naive"
+    if config.backend == "naive":
+        others = ", ".join(name for name in checkpoint_engine_names() if name != "naive")
+        raise ConfigError("rollout.checkpoint_engine.backend: 'naive' only hands tensors over "
+                          "inside one process, but this rollout runs in its own process (the "
+                          f"standalone or colocated layout); set it to one of: {others}")
+    return config.backend
+
+
+def make_checkpoint_engine(name: str, bucket_megabytes: int, timeout_s: float,
+                           **engine_kwargs: Any) -> CheckpointEngine:
+    """The registered engine `name` with the config's bucket size and deadline."""
+    return get_checkpoint_engine_class(name)(bucket_megabytes, timeout_s, **engine_kwargs)
+
+
+async def run_in_fresh_thread(function: Callable[[], T], name: str) -> T:
+    """Run `function` in a new thread that exits when it returns; await its result here.
+
+    Cancelling the awaiting task does not stop the thread: its own deadlines end it."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # the awaiting task was cancelled
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def target() -> None:
+        try:
+            result, error = function(), None
+        except BaseException as raised:  # handed to the awaiting task, not swallowed
+            result, error = None, raised
+        loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return await future
+
+
+async def receive_into(backend: Any, plan: SyncPlan, rank: int, who: str,
+                       engine_kwargs: dict[str, Any] | None = None,
+                       progress: dict[str, Any] | None = None) -> dict[str, float]:
+    """Join `plan` as receiver `rank`: rendezvous, stage the whole stream (checked) in the
+    backend, finalize, then swap it in and stamp plan.version. Any failure leaves the backend on
+    its previous complete version and raises WeightSyncError. Returns seconds per phase;
+    progress["tensors_received"] counts the stream as it arrives."""
+    progress = {} if progress is None else progress
+    progress["tensors_received"] = 0
+
+    def counted(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in stream:
+            progress["tensors_received"] += 1
+            yield item
+
+    engine_class = get_checkpoint_engine_class(plan.engine)
+    kwargs = dict(engine_kwargs or {})
+    if "current_weights" in inspect.signature(engine_class).parameters:  # delta
+        kwargs.update(current_weights=backend.current_weight,
+                      current_version=backend.weight_version)
+    engine = engine_class(max(1, plan.bucket_bytes >> 20), plan.timeout_s, **kwargs)
+    timings: dict[str, float] = {}
+
+    def receive() -> Any:
+        try:
+            with _timed(timings, "init_process_group"):
+                engine.init_process_group(plan, rank)
+            with _timed(timings, "receive"):
+                return backend.stage_weights(counted(engine.receive_weights()))
+        except WeightSyncError:
+            raise
+        except Exception as error:  # a bad tensor, or a transport bug: name where it happened
+            raise WeightSyncError("load", None, f"{who} rejected the stream: "
+                                  f"{type(error).__name__}: {error}") from error
+        finally:
+            with _timed(timings, "finalize"):
+                engine.finalize()
+                engine.close()  # a receiver's engine serves this one sync
+
+    staged = await run_in_fresh_thread(receive, f"weight-sync-receive-{rank}")
+    with _timed(timings, "load"):
+        await backend.commit_weights(staged, plan.version)
+    return timings
+
+
+def send_from(engine: CheckpointEngine | None, plan: SyncPlan,
+              named_tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """Training side of one sync (blocking; run it in a fresh thread). Rank 0 (`engine` given)
+    joins as the sender; every other FSDP rank only iterates the stream, so each full-tensor
+    gather (a collective of the training group) happens on all ranks in step. The stream is
+    always drained, even after a failure, so no rank is left waiting in a gather."""
+    timings: dict[str, float] = {}
+    try:
+        if engine is not None:
+            with _timed(timings, "init_process_group"):
+                engine.init_process_group(plan, 0)
+            with _timed(timings, "send"):
+                asyncio.run(engine.send_weights(named_tensors))
+    finally:
+        for _ in named_tensors:
+            pass
+        if engine is not None:
+            with _timed(timings, "finalize"):
+                engine.finalize()
+    return timings
+
+
+@contextmanager
+def _timed(timings: dict[str, float], key: str) -> Iterator[None]:
+    """Record the seconds the block took as timings[key] (also when it raises)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = time.perf_counter() - start
