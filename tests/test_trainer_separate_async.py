@@ -4,6 +4,7 @@ per step, then a cross-process (shm) weight sync; the staleness bound; partial r
 
 import asyncio
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 from test_trainer_colocate_async import CountingClient
@@ -34,6 +35,17 @@ def test_one_override_derives_rollout_devices_engine_and_sync_step():
                                "trainer.separate_async.parameter_sync_step=3"])
     # sync mode derives nothing
     assert load_config(overrides=[]).rollout.checkpoint_engine.backend == "naive"
+
+
+@pytest.mark.parametrize("path", ["examples/arithmetic.yaml", "src/tandem/demo/demo.yaml"])
+@pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
+def test_example_configs_load_in_every_mode_with_one_override(path, mode):
+    root = Path(__file__).resolve().parents[1]
+    config = load_config(root / path, [f"trainer.trainer_mode={mode}"])
+    assert config.trainer.trainer_mode == mode
+    if mode == "separate_async":  # 8 prompts per step, mini-batches of 8: one update per sync
+        assert config.trainer.separate_async.parameter_sync_step == 1
+        assert config.rollout.nnodes * config.rollout.n_gpus_per_node == 1
 
 
 def test_merge_mini_batch_metrics_means_maxima_and_sums():
