@@ -59,9 +59,11 @@ def test_merge_mini_batch_metrics_means_maxima_and_sums():
                       "staleness/regenerated_total": 0.0}
 
 
-def test_separate_async_trains_while_standalone_rollout_generates(tmp_path, ray_cluster):
+@pytest.mark.parametrize("spillover", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_separate_async_trains_while_standalone_rollout_generates(tmp_path, ray_cluster, spillover):
     # train_batch_size=2, ppo_mini_batch_size=1: parameter_sync_step is derived as 2
     config = tiny_config(tmp_path, "trainer.trainer_mode=separate_async", "trainer.total_steps=3",
+                         f"trainer.separate_async.spillover={str(spillover).lower()}",
                          "trainer.async_rollout.max_staleness=1", "rollout.response_length=24",
                          "rollout.multi_turn.enable=false", "rollout.multi_turn.tools=[]",
                          # a gradient at every update even when a group's rewards tie
@@ -137,6 +139,10 @@ def test_separate_async_trains_while_standalone_rollout_generates(tmp_path, ray_
     for record in records:
         assert record["staleness/lag_max"] <= 1 and record["weight_version"] == record["step"]
         assert 0 <= record["idle/trainer_fraction"] <= 1 and 0 <= record["idle/rollout_fraction"] <= 1
+        # spillover: the buffer is empty at the first wait, so the training engine joins then
+        assert ("spill/joins_total" in record) == spillover
+        if spillover:
+            assert record["spill/joins_total"] >= 1 and record["spill/tokens"] >= 0
         for key in ("sync/total_s", "sync/transfer_s", "sync/abort_s", "idle/trainer_seconds",
                     "idle/rollout_seconds", "buffer/wait_seconds", "actor/grad_norm",
                     "rollout/cross_version_fraction"):

@@ -74,6 +74,7 @@ RANGES: dict[str, str] = {
     "trainer.seed": "[0, inf)",
     "trainer.n_devices": "[1, inf)",
     "trainer.separate_async.parameter_sync_step": "[1, inf)",
+    "trainer.separate_async.spill_below_groups": "[0, inf)",  # 0: actor.ppo_mini_batch_size
     "trainer.async_rollout.max_staleness": "[0, inf)",
     "trainer.async_rollout.buffer_groups": "[0, inf)",  # 0: 2 x data.train_batch_size
 }

@@ -7,7 +7,9 @@ within max_staleness -> train on it (trainer.train_on: one optimizer step per ep
 the actor's weights into every standalone server through the non-naive checkpoint engine
 (WeightSyncManager: abort -> release KV -> transfer -> resume). The resumable client finishes
 the requests a sync aborted with the new weights (no token generated twice). The servers stop
-only for the sync and when back-pressure holds the producer (the buffer is full).
+only for the sync and when back-pressure holds the producer (the buffer is full). With
+trainer.separate_async.spillover the training workers' engines generate too while the trainer
+waits for its first mini-batch of a step (trainer/spillover.py).
 
 Resume: as colocate_async, a resumed run restarts generation from the checkpointed version with
 an empty buffer.
@@ -24,6 +26,7 @@ from tandem.trainer.metrics import PhaseTimer
 from tandem.trainer.producer import RolloutProducer
 from tandem.trainer.rl_trainer import RLTrainer, ValidationHook
 from tandem.trainer.rollout_buffer import RolloutBuffer, check_staleness
+from tandem.trainer.spillover import Spillover
 
 
 async def fit_separate_async(trainer: RLTrainer,
@@ -42,6 +45,10 @@ async def fit_separate_async(trainer: RLTrainer,
         validation = await trainer.validate_and_report(on_validation)
         if validation:
             trainer.metrics.log(0, validation)
+    spill = None
+    if config.separate_async.spillover:
+        spill = Spillover(trainer, config.separate_async.spill_below_groups or mini_batch)
+        await spill.start()
     buffer = RolloutBuffer(policy.buffer_groups or 2 * trainer.config.data.train_batch_size)
     producer = RolloutProducer(trainer, buffer, start_batch=trainer.step)
     producer.start()
@@ -53,10 +60,17 @@ async def fit_separate_async(trainer: RLTrainer,
             timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{trainer.algorithm_name} [{phase}]"))
             idle.reset()
             trajectories, batches, parts = [], [], []
-            for _ in range(sync_step):
+            spilled = spill.spilled_tokens if spill else 0
+            for index in range(sync_step):
                 with timer.phase("wait_rollout"):
+                    # spill only while the actor still holds the served version (no update yet)
+                    if spill is not None and index == 0 and spill.should_join(buffer.depth):
+                        await spill.join()
                     groups, stale, buffer_metrics = await buffer.take(
                         mini_batch, trainer.step, policy.max_staleness, policy.on_stale)
+                if spill is not None:
+                    with timer.phase("spill_leave"):
+                        await spill.leave()
                 if policy.on_stale == "regenerate":
                     for group in stale:
                         producer.resubmit(group)
@@ -72,6 +86,9 @@ async def fit_separate_async(trainer: RLTrainer,
             metrics = merge_mini_batch_metrics(parts)
             metrics.update(sync_metrics)
             metrics.update(idle_metrics(timer, idle.seconds, sync_metrics["sync/total_s"]))
+            if spill is not None:
+                metrics["spill/tokens"] = float(spill.spilled_tokens - spilled)
+                metrics["spill/joins_total"] = float(spill.joins)
             metrics["rollout/failed_sessions"] = len(trainer.runner.take_failures())
             # trajectories whose tokens span a sync: the partial rollouts the resumable client finished
             metrics["rollout/cross_version_fraction"] = sum(
@@ -81,6 +98,8 @@ async def fit_separate_async(trainer: RLTrainer,
                             lag=f"{metrics['staleness/lag_mean']:.2f}")
     finally:
         idle.stop()
+        if spill is not None:
+            await spill.leave()
         await producer.stop()
         await trainer.manager.abort_all_requests()
         await trainer.manager.resume_generation()
