@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -61,6 +61,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
             _check_sections(OmegaConf.to_container(layer, resolve=False), TandemConfig, "")
         merged = OmegaConf.merge(*layers)
         config: TandemConfig = OmegaConf.to_object(merged)
+        given = {key for layer in layers[1:]
+                 for key in _dotted_keys(OmegaConf.to_container(layer, resolve=False))}
     except ConfigKeyError as error:
         raise ConfigError(_unknown_key_message(error)) from None
     except OmegaConfBaseException as error:
@@ -68,8 +70,34 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         message = str(error.msg if hasattr(error, "msg") else error).splitlines()[0]
         raise ConfigError(f"{key}: {message}. "
                           "Fix the value's type or spelling in the YAML or override.") from None
+    derive_separate_async(config, given)
     validate(config)
     return config
+
+
+def derive_separate_async(config: TandemConfig, given: set[str]) -> None:
+    """trainer_mode=separate_async with its own options left unset (so one override switches
+    modes): rollout devices = 1 node x trainer.n_devices, checkpoint engine shm (CPU) or nccl
+    (cuda), parameter_sync_step = data.train_batch_size / actor.ppo_mini_batch_size."""
+    if config.trainer.trainer_mode != "separate_async":
+        return
+    rollout = config.rollout
+    if not {"rollout.nnodes", "rollout.n_gpus_per_node"} & given:
+        rollout.nnodes, rollout.n_gpus_per_node = 1, config.trainer.n_devices
+    if "rollout.checkpoint_engine.backend" not in given:
+        rollout.checkpoint_engine.backend = "nccl" if config.model.device.startswith("cuda") else "shm"
+    batch, mini = config.data.train_batch_size, config.actor.ppo_mini_batch_size
+    if "trainer.separate_async.parameter_sync_step" not in given and mini and batch % mini == 0:
+        config.trainer.separate_async.parameter_sync_step = batch // mini
+
+
+def _dotted_keys(tree: Any, prefix: str = "") -> Iterator[str]:
+    """a.b.c for every leaf of a nested mapping (the keys a YAML file or override sets)."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _dotted_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
 
 
 def to_yaml(config: TandemConfig) -> str:

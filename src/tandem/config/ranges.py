@@ -40,7 +40,7 @@ RANGES: dict[str, str] = {
     "rollout.disaggregation.decode_tensor_parallel_size": "[1, inf)",
     "rollout.disaggregation.decode_replicas": "[1, inf)",
     "rollout.checkpoint_engine.update_weights_bucket_megabytes": "[1, inf)",
-    "rollout.checkpoint_engine.timeout_s": "(0, inf)",
+    "rollout.checkpoint_engine.timeout_s": "(0, inf)",  # the deadline of every wait of a weight sync
     "rollout.openai_agent.port": "[0, 65535]",  # 0: a free port
     "rollout.multi_turn.max_assistant_turns": "[1, inf)",
     "rollout.multi_turn.max_user_turns": "[1, inf)",
@@ -75,6 +75,7 @@ RANGES: dict[str, str] = {
     "trainer.seed": "[0, inf)",
     "trainer.n_devices": "[1, inf)",
     "trainer.separate_async.parameter_sync_step": "[1, inf)",
+    "trainer.separate_async.spill_below_groups": "[0, inf)",  # 0: actor.ppo_mini_batch_size
     "trainer.async_rollout.max_staleness": "[0, inf)",
     "trainer.async_rollout.buffer_groups": "[0, inf)",  # 0: 2 x data.train_batch_size
 }

@@ -234,6 +234,9 @@ class SeparateAsyncConfig:
     """separate_async: how many mini-batch updates happen between two weight syncs."""
 
     parameter_sync_step: int = 1
+    # spillover: the training workers' engines generate too while the trainer waits for data
+    spillover: bool = False
+    spill_below_groups: int = 0  # join when fewer finished groups wait (0: actor.ppo_mini_batch_size)
 
 
 @dataclass

@@ -16,4 +16,8 @@ async def fit(trainer: RLTrainer, on_validation: ValidationHook | None = None) -
         from tandem.trainer.colocate_async import fit_colocate_async
 
         return await fit_colocate_async(trainer, on_validation)
-    raise ValueError(f"trainer.trainer_mode={mode!r} has no loop yet; use sync or colocate_async")
+    if mode == "separate_async":
+        from tandem.trainer.separate_async import fit_separate_async
+
+        return await fit_separate_async(trainer, on_validation)
+    raise ValueError(f"trainer.trainer_mode={mode!r}: choose sync, colocate_async or separate_async")

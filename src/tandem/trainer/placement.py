@@ -29,8 +29,16 @@ def ray_init_kwargs(config: TandemConfig) -> dict[str, Any]:
     if address is not None:
         return {"address": address, "log_to_driver": True}
     # worker_niceness 0: Ray's default (15) starves the workers on a busy machine.
-    return {"num_cpus": max(os.cpu_count() or 1, config.trainer.n_devices), "include_dashboard": False,
+    return {"num_cpus": max(os.cpu_count() or 1, config.trainer.n_devices + standalone_rollout_devices(config)),
+            "include_dashboard": False,
             "log_to_driver": True, "_system_config": {"worker_niceness": 0}}
+
+
+def standalone_rollout_devices(config: TandemConfig) -> int:
+    """Devices of the standalone rollout replicas (separate_async only; else 0)."""
+    if config.trainer.trainer_mode != "separate_async":
+        return 0
+    return config.rollout.nnodes * config.rollout.n_gpus_per_node
 
 
 def device_bundle(config: TandemConfig) -> dict[str, float]:

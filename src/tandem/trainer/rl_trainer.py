@@ -36,6 +36,7 @@ from tandem.trainer.hybrid_worker import HybridWorkerActor, needs_reference
 from tandem.trainer.metrics import MetricsLogger, PhaseTimer
 from tandem.training import checkpoint
 from tandem.training.fsdp import shard_batch
+from tandem.weight_sync.manager import WeightSyncManager
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +51,6 @@ class RLTrainer:
         """evaluation_only: read a run's directory without writing to it (tandem eval)."""
         from transformers import AutoTokenizer
 
-        if config.trainer.trainer_mode == "separate_async":
-            raise ValueError("trainer.trainer_mode='separate_async' is not built yet (it needs the "
-                             "cross-process checkpoint engines); use sync or colocate_async")
         self.config = config
         self.evaluation_only = evaluation_only
         self.model_path = resolve_model_path(config.model.path)
@@ -75,18 +73,22 @@ class RLTrainer:
         self.placement_group: PlacementGroup | None = None
         self.manager: ServerManager | None = None
         self.runner: AgentLoopRunner | None = None
+        self.weight_sync: WeightSyncManager | None = None  # separate_async: actor -> standalone servers
 
     # ---- start and stop ---------------------------------------------------------------
 
     async def start(self) -> None:
         """Join (trainer.ray_address / $RAY_ADDRESS) or start Ray, place one hybrid worker
-        (actor + rollout engine) per device bundle, rendezvous them, start the balancer."""
+        (actor + rollout engine) per device bundle, rendezvous them, start the balancer; in
+        separate_async the balancer's servers are standalone replicas on devices of their own."""
         config = self.config
         n = config.trainer.n_devices
+        separate = config.trainer.trainer_mode == "separate_async"
+        rollout_devices = placement.standalone_rollout_devices(config)
         if not ray.is_initialized():
             ray.init(**placement.ray_init_kwargs(config))
         self.placement_group = await placement.reserve_devices(config)
-        threads = max(1, (os.cpu_count() or 1) // n)
+        threads = max(1, (os.cpu_count() or 1) // (n + rollout_devices))
         init_method = await placement.rank0_rendezvous(self.placement_group) if n > 1 else None
         bundle = placement.device_bundle(config)
         self.workers = [HybridWorkerActor.options(**placement.in_bundle(self.placement_group, rank, bundle)).remote(
@@ -95,7 +97,13 @@ class RLTrainer:
         await asyncio.gather(*(worker.ping.remote() for worker in self.workers))
         options = ServerOptions(model_path=str(self.model_path), dtype=config.model.dtype,
                                 device=config.model.device)
-        self.manager = await ServerManager.create(config.rollout, options, "hybrid", hosts=self.workers)
+        if separate:  # on CPU a device is one core (a Ray bundle of 1 CPU)
+            self.manager = await ServerManager.create(config.rollout, options, "standalone")
+            self.weight_sync = WeightSyncManager(self.workers, self.manager,
+                                                 config.rollout.checkpoint_engine)
+        else:
+            self.manager = await ServerManager.create(config.rollout, options, "hybrid",
+                                                      hosts=self.workers)
         reward_fn = self._reward_fn if config.reward.placement == "agent_loop" else None
         self.runner = AgentLoopRunner.from_tokenizer(self.client(), self.tokenizer, config.rollout,
                                                      reward_fn=reward_fn)
@@ -172,7 +180,15 @@ class RLTrainer:
             await self.manager.sleep(["kv_cache", "weights"])
 
     async def sync_weights(self) -> dict[str, float]:
-        """Actor -> rollout in every worker: wake weights, load (version = self.step), wake KV."""
+        """Actor -> rollout in every worker: wake weights, load (version = self.step), wake KV.
+        separate_async: the sync manager's cross-process sync into the standalone servers."""
+        if self.weight_sync is not None:
+            report = await self.weight_sync.sync(self.step)
+            if report.behind():
+                logger.warning("servers not on version %d after the sync: %s (left out: %s)",
+                               self.step, report.behind(), report.left_out)
+            return {**report.timings, "time/sync_inner": report.timings["sync/total_s"],
+                    "sync/servers_behind": float(len(report.behind()))}
         results = await asyncio.gather(*(w.sync_weights.remote(self.step) for w in self.workers))
         return {"time/sync_inner": max(r["sync/seconds"] for r in results)}
 
@@ -273,18 +289,33 @@ class RLTrainer:
 
     # ---- metrics, validation, checkpoints -----------------------------------------------
 
-    def batch_metrics(self, trajectories: list[Trajectory], batch: TensorDict) -> dict[str, float]:
-        """Reward, accuracy, lengths and turns of the real (non-padding) samples."""
-        real = drop_padding_samples(batch)
-        mask = ppo.dense(real, "response_mask")
+    def batch_metrics(self, trajectories: list[Trajectory],
+                      batches: TensorDict | list[TensorDict]) -> dict[str, float]:
+        """Reward, accuracy, lengths and turns of the real (non-padding) samples of the step's
+        batch (or mini-batches: separate_async trains several per step)."""
+        batches = [batches] if isinstance(batches, TensorDict) else batches
         metrics = _trajectory_metrics(trajectories, "reward")
-        metrics["response/policy_tokens_mean"] = float(mask.sum(1).mean())
-        metrics.update(token_imbalance(batch, self.config.trainer.n_devices, self.mini_batch_trajectories()))
-        if "entropy" in real.keys():
-            metrics["actor/entropy"] = float(algorithms.masked_mean(ppo.dense(real, "entropy"), mask))
-        if "ref_log_prob" in real.keys():
-            kl = algorithms.kl_penalty(ppo.dense(real, "old_log_probs"), ppo.dense(real, "ref_log_prob"), "k1", mask)
-            metrics["actor/ref_kl"] = float(algorithms.masked_mean(kl, mask))
+        sums: dict[str, float] = {"samples": 0.0, "tokens": 0.0, "entropy": 0.0, "kl": 0.0}
+        for batch in batches:
+            real = drop_padding_samples(batch)
+            mask = ppo.dense(real, "response_mask")
+            sums["samples"] += mask.shape[0]
+            sums["tokens"] += float(mask.sum())
+            if "entropy" in real.keys():
+                sums["entropy"] += float((ppo.dense(real, "entropy") * mask).sum())
+            if "ref_log_prob" in real.keys():
+                kl = algorithms.kl_penalty(ppo.dense(real, "old_log_probs"),
+                                           ppo.dense(real, "ref_log_prob"), "k1", mask)
+                sums["kl"] += float((kl * mask).sum())
+            # the worst mini-batch of the step decides the imbalance metrics
+            for key, value in token_imbalance(batch, self.config.trainer.n_devices,
+                                              self.mini_batch_trajectories()).items():
+                metrics[key] = max(metrics.get(key, 0.0), value)
+        metrics["response/policy_tokens_mean"] = sums["tokens"] / max(sums["samples"], 1.0)
+        if "entropy" in batches[0].keys():
+            metrics["actor/entropy"] = sums["entropy"] / max(sums["tokens"], 1.0)
+        if "ref_log_prob" in batches[0].keys():
+            metrics["actor/ref_kl"] = sums["kl"] / max(sums["tokens"], 1.0)
         return metrics
 
     async def validate(self) -> dict[str, float]:
@@ -305,7 +336,7 @@ class RLTrainer:
             on_validation(self.step, metrics)
         return metrics
 
-    async def finish_step(self, trajectories: list[Trajectory], batch: TensorDict,
+    async def finish_step(self, trajectories: list[Trajectory], batch: TensorDict | list[TensorDict],
                           metrics: dict[str, float], timer: PhaseTimer,
                           on_validation: ValidationHook | None = None) -> dict[str, float]:
         """After the sync: batch and timing metrics, periodic validation and checkpoint, then

@@ -1,0 +1,150 @@
+"""trainer_mode=separate_async end to end on a tiny model: a standalone rollout server on a
+device of its own generates while the hybrid worker trains; parameter_sync_step mini-batches
+per step, then a cross-process (shm) weight sync; the staleness bound; partial rollouts."""
+
+import asyncio
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from test_trainer_colocate_async import CountingClient
+from test_trainer_sync import tiny_config
+
+from tandem.config.load import ConfigError, load_config
+from tandem.trainer.metrics import read_metrics
+from tandem.trainer.rl_trainer import RLTrainer
+from tandem.trainer.separate_async import fit_separate_async, merge_mini_batch_metrics
+
+
+def test_one_override_derives_rollout_devices_engine_and_sync_step():
+    config = load_config(overrides=["trainer.trainer_mode=separate_async", "trainer.n_devices=2",
+                                    "actor.fsdp_size=2", "data.train_batch_size=8",
+                                    "actor.ppo_mini_batch_size=2"])
+    assert (config.rollout.nnodes, config.rollout.n_gpus_per_node) == (1, 2)
+    assert config.rollout.checkpoint_engine.backend == "shm"
+    assert config.trainer.separate_async.parameter_sync_step == 4
+    # what the user sets is kept, and still validated
+    config = load_config(overrides=["trainer.trainer_mode=separate_async", "rollout.nnodes=2",
+                                    "rollout.n_gpus_per_node=3",
+                                    "rollout.checkpoint_engine.backend=gloo"])
+    assert (config.rollout.nnodes, config.rollout.n_gpus_per_node) == (2, 3)
+    assert config.rollout.checkpoint_engine.backend == "gloo"
+    with pytest.raises(ConfigError, match=r"data.train_batch_size.*parameter_sync_step \(3\)"):
+        load_config(overrides=["trainer.trainer_mode=separate_async", "data.train_batch_size=8",
+                               "actor.ppo_mini_batch_size=2",
+                               "trainer.separate_async.parameter_sync_step=3"])
+    # sync mode derives nothing
+    assert load_config(overrides=[]).rollout.checkpoint_engine.backend == "naive"
+
+
+@pytest.mark.parametrize("path", ["examples/arithmetic.yaml", "src/tandem/demo/demo.yaml"])
+@pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
+def test_example_configs_load_in_every_mode_with_one_override(path, mode):
+    root = Path(__file__).resolve().parents[1]
+    config = load_config(root / path, [f"trainer.trainer_mode={mode}"])
+    assert config.trainer.trainer_mode == mode
+    if mode == "separate_async":  # 8 prompts per step, mini-batches of 8: one update per sync
+        assert config.trainer.separate_async.parameter_sync_step == 1
+        assert config.rollout.nnodes * config.rollout.n_gpus_per_node == 1
+
+
+def test_merge_mini_batch_metrics_means_maxima_and_sums():
+    parts = [{"actor/pg_loss": 1.0, "staleness/lag_max": 0.0, "buffer/wait_seconds": 2.0,
+              "staleness/dropped_total": 1.0, "staleness/regenerated_total": 0.0},
+             {"actor/pg_loss": 3.0, "staleness/lag_max": 1.0, "buffer/wait_seconds": 0.5,
+              "staleness/dropped_total": 3.0, "staleness/regenerated_total": 0.0}]
+    merged = merge_mini_batch_metrics(parts)
+    assert merged == {"actor/pg_loss": 2.0, "staleness/lag_max": 1.0,
+                      "buffer/wait_seconds": 2.5, "staleness/dropped_total": 3.0,
+                      "staleness/regenerated_total": 0.0}
+
+
+@pytest.mark.parametrize("spillover", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_separate_async_trains_while_standalone_rollout_generates(tmp_path, ray_cluster, spillover):
+    # train_batch_size=2, ppo_mini_batch_size=1: parameter_sync_step is derived as 2
+    config = tiny_config(tmp_path, "trainer.trainer_mode=separate_async", "trainer.total_steps=3",
+                         f"trainer.separate_async.spillover={str(spillover).lower()}",
+                         "trainer.async_rollout.max_staleness=1", "rollout.response_length=24",
+                         "rollout.multi_turn.enable=false", "rollout.multi_turn.tools=[]",
+                         # a gradient at every update even when a group's rewards tie
+                         "actor.entropy_coeff=0.01")
+    assert config.trainer.separate_async.parameter_sync_step == 2
+    consumed, after_sync = [], []
+
+    async def run():
+        trainer = RLTrainer(config)
+        await trainer.start()
+        assert trainer.manager.layout.value == "standalone"
+        counter = CountingClient(trainer.runner.loop.client.client)
+        trainer.runner.loop.client.client = counter
+        rows = trainer.train_rows(0)
+        prompts = [trainer.runner.loop.chat_format.prompt_ids(row.messages) for row in rows]
+        original_train, original_sync = trainer.train_on, trainer.sync_weights
+
+        async def train_spy(trajectories, timer):
+            consumed.append((trainer.step, [(t.uid, t.session_id, t.min_global_steps,
+                                             int(t.response_mask.sum()), t.stop_reason)
+                                            for t in trajectories]))
+            return await original_train(trajectories, timer)
+
+        async def sync_spy():
+            metrics = await original_sync()
+            # the trainer waits here: the actor is exactly the version just synced
+            versions = await trainer.manager.weight_versions()
+            client = trainer.manager.client()
+            pairs = []
+            for index, prompt in enumerate(prompts):
+                output = await client.generate(f"check-{trainer.step}-{index}", prompt,
+                                               {"temperature": 0.0, "max_tokens": 8,
+                                                "logprobs": True})
+                actor = await trainer.workers[0].actor_greedy.remote(prompt, len(output.token_ids))
+                pairs.append((output.token_ids, actor, output.log_probs))
+            after_sync.append((trainer.step, versions, pairs))
+            return metrics
+
+        trainer.train_on, trainer.sync_weights = train_spy, sync_spy
+        try:
+            await fit_separate_async(trainer)
+            return trainer.step, counter, await trainer.manager.stats()
+        finally:
+            await trainer.stop()
+
+    step, counter, stats = asyncio.run(run())
+    assert step == 3
+    # 3 steps x parameter_sync_step 2 mini-batches of 1 whole group (n=2), at versions 0, 0, 1, 1, 2, 2
+    assert [version for version, _ in consumed] == [0, 0, 1, 1, 2, 2]
+    # initial sync + one per step; each time the server serves the actor's version and weights
+    assert [version for version, _, _ in after_sync] == [0, 1, 2, 3]
+    for version, served, pairs in after_sync:
+        assert served == {"replica-0": version}
+        for engine_tokens, actor_tokens, _ in pairs:
+            assert engine_tokens == actor_tokens
+    # the engine's weights changed at every sync: its greedy log-probs differ between syncs
+    logprobs = [[tuple(p[2]) for p in pairs] for _, _, pairs in after_sync]
+    assert all(a != b for a, b in zip(logprobs, logprobs[1:]))
+    keys = [(uid, session) for _, batch in consumed for uid, session, *_ in batch]
+    assert len(keys) == len(set(keys)) == 3 * 2 * 2  # none lost from a batch, none reused
+    for version, batch in consumed:
+        assert all(version - low <= 1 for _, _, low, _, _ in batch)
+        assert all(stop != "aborted" for *_, stop in batch)
+        by_uid = defaultdict(list)
+        for uid, session, *_ in batch:
+            by_uid[uid].append(session)
+        assert all(sorted(s) == [0, 1] for s in by_uid.values())
+        # no token generated twice, budgets respected across the aborts of the syncs
+        for uid, session, _, sampled, _ in batch:
+            assert counter.tokens[f"{uid}-{session}"] == sampled <= 24
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "time/update" in r]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert record["staleness/lag_max"] <= 1 and record["weight_version"] == record["step"]
+        assert 0 <= record["idle/trainer_fraction"] <= 1 and 0 <= record["idle/rollout_fraction"] <= 1
+        # spillover: the buffer is empty at the first wait, so the training engine joins then
+        assert ("spill/joins_total" in record) == spillover
+        if spillover:
+            assert record["spill/joins_total"] >= 1 and record["spill/tokens"] >= 0
+        for key in ("sync/total_s", "sync/transfer_s", "sync/abort_s", "idle/trainer_seconds",
+                    "idle/rollout_seconds", "buffer/wait_seconds", "actor/grad_norm",
+                    "rollout/cross_version_fraction"):
+            assert key in record, key
+    assert sum(s["tokens"] for s in stats.values()) >= sum(counter.tokens.values())
