@@ -28,14 +28,7 @@ async def fit_colocate_async(trainer: RLTrainer,
     """Train for trainer.total_steps; returns the last validation metrics (see fit_sync)."""
     config = trainer.config.trainer
     policy = config.async_rollout
-    if config.resume:
-        await trainer.load_latest_checkpoint()
-    await trainer.sync_weights()
-    validation: dict[str, float] = {}
-    if trainer.step == 0:
-        validation = await trainer.validate_and_report(on_validation)
-        if validation:
-            trainer.metrics.log(0, validation)
+    validation = await trainer.begin(on_validation)
     batch_size = trainer.config.data.train_batch_size
     buffer = RolloutBuffer(policy.buffer_groups or 2 * batch_size)
     producer = RolloutProducer(trainer, buffer, start_batch=trainer.step)
@@ -75,8 +68,4 @@ async def fit_colocate_async(trainer: RLTrainer,
         await producer.stop()
         await trainer.manager.abort_all_requests()
         await trainer.manager.resume_generation()
-    if trainer.step >= config.total_steps:
-        validation = await trainer.validate_and_report(on_validation)
-        if validation:
-            trainer.metrics.log(trainer.step, validation)
-    return validation
+    return await trainer.end(on_validation, validation)

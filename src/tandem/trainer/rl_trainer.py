@@ -336,6 +336,29 @@ class RLTrainer:
             on_validation(self.step, metrics)
         return metrics
 
+    async def begin(self, on_validation: ValidationHook | None = None) -> dict[str, float]:
+        """Every mode's start: resume (trainer.resume), sync the actor's weights into the rollout,
+        validate at step 0 (a resumed run validated its step before it stopped)."""
+        if self.config.trainer.resume:
+            await self.load_latest_checkpoint()
+        await self.sync_weights()
+        validation: dict[str, float] = {}
+        if self.step == 0:
+            validation = await self.validate_and_report(on_validation)
+            if validation:
+                self.metrics.log(0, validation)
+        return validation
+
+    async def end(self, on_validation: ValidationHook | None,
+                  validation: dict[str, float]) -> dict[str, float]:
+        """Every mode's end: the final validation once total_steps are done; returns the last
+        validation metrics (`validation` when the run stopped early)."""
+        if self.step >= self.config.trainer.total_steps:
+            validation = await self.validate_and_report(on_validation)
+            if validation:
+                self.metrics.log(self.step, validation)
+        return validation
+
     async def finish_step(self, trajectories: list[Trajectory], batch: TensorDict | list[TensorDict],
                           metrics: dict[str, float], timer: PhaseTimer,
                           on_validation: ValidationHook | None = None) -> dict[str, float]:

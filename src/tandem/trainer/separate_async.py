@@ -37,14 +37,7 @@ async def fit_separate_async(trainer: RLTrainer,
     policy = config.async_rollout
     sync_step = config.separate_async.parameter_sync_step
     mini_batch = trainer.config.actor.ppo_mini_batch_size
-    if config.resume:
-        await trainer.load_latest_checkpoint()
-    await trainer.sync_weights()
-    validation: dict[str, float] = {}
-    if trainer.step == 0:
-        validation = await trainer.validate_and_report(on_validation)
-        if validation:
-            trainer.metrics.log(0, validation)
+    validation = await trainer.begin(on_validation)
     spill = None
     if config.separate_async.spillover:
         spill = Spillover(trainer, config.separate_async.spill_below_groups or mini_batch)
@@ -103,11 +96,7 @@ async def fit_separate_async(trainer: RLTrainer,
         await producer.stop()
         await trainer.manager.abort_all_requests()
         await trainer.manager.resume_generation()
-    if trainer.step >= config.total_steps:
-        validation = await trainer.validate_and_report(on_validation)
-        if validation:
-            trainer.metrics.log(trainer.step, validation)
-    return validation
+    return await trainer.end(on_validation, validation)
 
 
 def merge_mini_batch_metrics(parts: list[dict[str, float]]) -> dict[str, float]:

@@ -17,14 +17,7 @@ async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = No
     """Train for trainer.total_steps; returns the last validation metrics. on_validation(step,
     metrics) is called after each validation (before training, every test_freq, at the end)."""
     config = trainer.config.trainer
-    if config.resume:
-        await trainer.load_latest_checkpoint()
-    await trainer.sync_weights()  # on init: the rollout starts from the actor's weights
-    validation: dict[str, float] = {}
-    if trainer.step == 0:  # a resumed run validated this step before it stopped
-        validation = await trainer.validate_and_report(on_validation)
-        if validation:
-            trainer.metrics.log(0, validation)
+    validation = await trainer.begin(on_validation)
     bar = tqdm(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
                initial=trainer.step, total=config.total_steps, disable=not config.progress)
     for _ in bar:
@@ -42,8 +35,4 @@ async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = No
         metrics = await trainer.finish_step(trajectories, batch, metrics, timer, on_validation)
         bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.2f}",
                         gap=f"{metrics.get('rollout_gap/abs_diff_mean', 0):.1e}")
-    if trainer.step >= config.total_steps:
-        validation = await trainer.validate_and_report(on_validation)
-        if validation:
-            trainer.metrics.log(trainer.step, validation)
-    return validation
+    return await trainer.end(on_validation, validation)
