@@ -100,25 +100,26 @@ def _mount(libc, source: str | None, target: str, fstype: str | None, flags: int
 
 def hide_host_paths(libc, work_dir: str, read_roots: list[str]) -> str:
     """Make every mount private to this namespace, cover the folders that hold host sockets
-    with empty tmpfs, and bind the work dir back at its own path. A folder holding one of the
-    read roots (a venv under /tmp) stays visible and is named in the report."""
+    with empty tmpfs, and bind the work dir and any read root under a covered folder (a venv
+    or checkout under /tmp) back at their own paths: only those stay visible there."""
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
-    work_fd = os.open(work_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    covered, kept = [], []
-    for folder in HIDDEN_DIRS:
-        if os.path.islink(folder) or not os.path.isdir(folder):
-            continue  # /var/run is usually a link to /run
-        if any(os.path.join(root, "").startswith(os.path.join(folder, "")) for root in read_roots):
-            kept.append(folder)
-            continue
+    folders = [f for f in HIDDEN_DIRS if not os.path.islink(f) and os.path.isdir(f)]  # /var/run: a link
+    inside = [os.path.realpath(root) for root in read_roots
+              if any(os.path.join(os.path.realpath(root), "").startswith(os.path.join(f, ""))
+                     for f in folders) and os.path.isdir(root)]
+    # descriptors first: once a folder is covered, the paths below it are gone
+    keep = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+            for path in [work_dir, *inside]]
+    for folder in folders:
         _mount(libc, "tandem-sandbox", folder, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                "size=64k,mode=0755")
-        covered.append(folder)
-    os.makedirs(work_dir, exist_ok=True)  # inside a fresh tmpfs when the work dir is under one
-    _mount(libc, f"/proc/self/fd/{work_fd}", work_dir, None, MS_BIND | MS_REC)
-    os.close(work_fd)
+    for path, fd in keep:
+        os.makedirs(path, exist_ok=True)  # a mount point inside the fresh tmpfs when covered
+        _mount(libc, f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
     os.chdir(work_dir)
-    return "tmpfs over " + ",".join(covered) + (f"; kept {','.join(kept)}" if kept else "")
+    rebound = f"; bound back {','.join(inside)}" if inside else ""
+    return "tmpfs over " + ",".join(folders) + rebound
 
 
 def fork_namespace_init(libc, cpu_seconds: int) -> None:
