@@ -57,10 +57,6 @@ async def fit_colocate_async(trainer: RLTrainer,
             with timer.phase("resume"):
                 await trainer.manager.resume_generation()
             metrics.update(buffer_metrics)
-            metrics["rollout/failed_sessions"] = len(trainer.runner.take_failures())
-            # trajectories whose tokens span a sync: the partial rollouts the resumable client finished
-            metrics["rollout/cross_version_fraction"] = sum(
-                t.min_global_steps != t.max_global_steps for t in trajectories) / len(trajectories)
             metrics = await trainer.finish_step(trajectories, batch, metrics, timer, on_validation)
             bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.2f}",
                             lag=f"{metrics['staleness/lag_mean']:.2f}")

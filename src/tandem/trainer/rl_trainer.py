@@ -368,6 +368,10 @@ class RLTrainer:
         metrics.update(self.batch_metrics(trajectories, batch))
         metrics.update(timer.metrics())
         metrics.update(await self.manager.fault_metrics())  # dead servers, retried requests
+        metrics["rollout/failed_sessions"] = len(self.runner.take_failures())  # left out of the batch
+        # trajectories whose tokens span a sync: partial rollouts the resumable client finished
+        metrics["rollout/cross_version_fraction"] = sum(
+            t.min_global_steps != t.max_global_steps for t in trajectories) / max(len(trajectories), 1)
         generated = sum(int(t.response_mask.sum()) for t in trajectories)
         # sync mode: tokens per second of generation; async modes: per second of the whole step
         seconds = timer.times.get("generate") or sum(timer.times.values())

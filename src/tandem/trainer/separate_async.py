@@ -82,10 +82,6 @@ async def fit_separate_async(trainer: RLTrainer,
             if spill is not None:
                 metrics["spill/tokens"] = float(spill.spilled_tokens - spilled)
                 metrics["spill/joins_total"] = float(spill.joins)
-            metrics["rollout/failed_sessions"] = len(trainer.runner.take_failures())
-            # trajectories whose tokens span a sync: the partial rollouts the resumable client finished
-            metrics["rollout/cross_version_fraction"] = sum(
-                t.min_global_steps != t.max_global_steps for t in trajectories) / len(trajectories)
             metrics = await trainer.finish_step(trajectories, batches, metrics, timer, on_validation)
             bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.2f}",
                             lag=f"{metrics['staleness/lag_mean']:.2f}")

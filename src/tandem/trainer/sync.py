@@ -24,14 +24,12 @@ async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = No
         timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{trainer.algorithm_name} [{phase}]"))
         with timer.phase("generate"):
             trajectories = await trainer.generate(trainer.train_rows(trainer.step), trainer.step)
-            failed_sessions = len(trainer.runner.take_failures())  # left out of the batch
         with timer.phase("sleep"):
             await trainer.sleep_rollout()
         batch, metrics = await trainer.train_on(trajectories, timer)
         trainer.step += 1
         with timer.phase("sync"):
             metrics.update(await trainer.sync_weights())
-        metrics["rollout/failed_sessions"] = failed_sessions
         metrics = await trainer.finish_step(trajectories, batch, metrics, timer, on_validation)
         bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.2f}",
                         gap=f"{metrics.get('rollout_gap/abs_diff_mean', 0):.1e}")
