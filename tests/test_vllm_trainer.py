@@ -51,6 +51,7 @@ def test_sync_loop_with_the_vllm_backend(tmp_path, ray_cluster):
     assert steps[1]["rollout_gap/abs_diff_max"] < 1e-4  # fp32 engines, as in tests/conformance
 
 
+@pytest.mark.timeout(1200)  # vLLM engine start + warm-up + 2 steps: ~3 min quiet, 5+ loaded
 def test_the_demo_runs_with_the_vllm_backend(tmp_path, monkeypatch):
     """A smoke run of `tandem demo rollout.name=vllm` (few warm-up steps, 2 GRPO steps): the
     tool-calling loop samples from vLLM, the actor trains and the synced vLLM engine serves the
