@@ -91,10 +91,16 @@ def sft_loss_fn(micro_batch, outputs):
     return loss, {}
 
 
-@torch.no_grad()
 def tool_copy_probability(model: torch.nn.Module, tokenizer, problems: list[dict]) -> float:
     """Mean over problems of P(sampling, at temperature 1, the exact tool call and final answer
     of the tool transcript | the response starts with <tool_call>)."""
+    return float(tool_copy_log_probs(model, tokenizer, problems).exp().mean())
+
+
+@torch.no_grad()
+def tool_copy_log_probs(model: torch.nn.Module, tokenizer, problems: list[dict]) -> torch.Tensor:
+    """Per problem: log P(the tool transcript's policy tokens after <tool_call>), i.e. the
+    whole call, end of turn and final answer, at temperature 1."""
     from tandem.training.forward import actor_forward
 
     tools = calculator_schemas()
@@ -108,7 +114,7 @@ def tool_copy_probability(model: torch.nn.Module, tokenizer, problems: list[dict
     log_probs, mask = outputs.padded("log_probs"), padded_field(batch["loss_mask"], 0).bool()
     first = mask.float().argmax(dim=-1)  # the <tool_call> token: the choice GRPO is to teach
     mask[torch.arange(len(problems)), first] = False
-    return float((log_probs * mask).sum(dim=-1).exp().mean())
+    return (log_probs * mask).sum(dim=-1)
 
 
 def warm_up(recipe: WarmupRecipe, progress: bool = True) -> Path:
