@@ -88,3 +88,6 @@ def test_warm_up_gate_fails_clearly_when_copying_never_emerges(tmp_path, monkeyp
     with pytest.raises(RuntimeError, match=r"after 2 tool-only steps .* < min_copy_probability 0.9"):
         warm_up(recipe, progress=False)
     assert not any(tmp_path.glob("demo-warmup-*/.complete"))  # nothing half-made is cached
+    # a smoke warm-up (no longer than its tool-only phase) is not gated
+    smoke = WarmupRecipe(str(base), steps=1, batch_size=2, probe_problems=4)
+    assert (warm_up(smoke, progress=False) / "model.safetensors").exists()

@@ -144,22 +144,25 @@ def warm_up(recipe: WarmupRecipe, progress: bool = True) -> Path:
                 metrics = engine.train_mini_batch(trajectories_to_batch(trajectories), sft_loss_fn)
                 bar.set_postfix(loss=f"{metrics['actor/loss']:.3f}")
 
-        train(recipe.tool_only_steps, 1.0, "warm-up (supervised, tool only)")
-        extra = 0
-        while (copy := tool_copy_probability(engine.model, tokenizer, probes)) < recipe.min_copy_probability:
+        tool_only = min(recipe.tool_only_steps, recipe.steps)
+        train(tool_only, 1.0, "warm-up (supervised, tool only)")
+        extra, copy = 0, tool_copy_probability(engine.model, tokenizer, probes)
+        # a warm-up no longer than its tool-only phase is a smoke run: no gate
+        while recipe.steps > tool_only and copy < recipe.min_copy_probability:
             if extra >= recipe.max_gate_steps:
                 raise RuntimeError(
-                    f"demo warm-up: after {recipe.tool_only_steps + extra} tool-only steps the model "
-                    f"samples a probe's tool call and answer exactly with probability {copy:.2f} "
-                    f"< min_copy_probability {recipe.min_copy_probability}; GRPO would start from "
+                    f"demo warm-up: after {tool_only + extra} tool-only steps the model samples a "
+                    f"probe's tool call and answer exactly with probability {copy:.2f} < "
+                    f"min_copy_probability {recipe.min_copy_probability}; GRPO would start from "
                     "a model that cannot use the tool. Raise WarmupRecipe.max_gate_steps or lr")
             print(f"[demo] warm-up: tool copy probability {copy:.3f} < "
                   f"{recipe.min_copy_probability}; {recipe.gate_steps} more tool-only steps", flush=True)
             train(recipe.gate_steps, 1.0, "warm-up (supervised, tool only)")
             extra += recipe.gate_steps
-        train(recipe.steps - recipe.tool_only_steps, recipe.tool_fraction, "warm-up (supervised, mixed)")
+            copy = tool_copy_probability(engine.model, tokenizer, probes)
+        train(recipe.steps - tool_only, recipe.tool_fraction, "warm-up (supervised, mixed)")
         print(f"[demo] warm-up: tool copy probability {copy:.3f} after the tool-only phase "
-              f"({recipe.tool_only_steps + extra} steps), "
+              f"({tool_only + extra} steps), "
               f"{tool_copy_probability(engine.model, tokenizer, probes):.3f} at the end", flush=True)
         engine.model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
