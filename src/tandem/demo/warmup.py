@@ -1,5 +1,7 @@
 """Supervised warm-up on generated tool-use transcripts, so GRPO starts from a model that knows
-the format. The result is cached: later runs with the same recipe load it in a second."""
+the format. Its tool-only phase ends only once the model samples probe tool calls and answers
+exactly (WarmupRecipe.min_copy_probability). The result is cached: later runs with the same
+recipe load it in a second."""
 
 from __future__ import annotations
 
