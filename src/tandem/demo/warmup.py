@@ -1,5 +1,7 @@
 """Supervised warm-up on generated tool-use transcripts, so GRPO starts from a model that knows
-the format. The result is cached: later runs with the same recipe load it in a second."""
+the format. Its tool-only phase ends only once the model samples probe tool calls and answers
+exactly (WarmupRecipe.min_copy_probability). The result is cached: later runs with the same
+recipe load it in a second."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from tandem import algorithms
-from tandem.batch.jagged import trajectories_to_batch
+from tandem.batch.jagged import padded_field, trajectories_to_batch
 from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import OptimConfig
 from tandem.demo.tasks import calculator_schemas, make_problem, transcript
@@ -37,6 +39,14 @@ class WarmupRecipe:
     tool_only_steps: int = 300
     tool_fraction: float = 0.2
     seed: int = 0
+    # Gate after the tool-only phase: GRPO samples at temperature 1, so greedy copying is not
+    # enough; the mean probability of sampling a probe's whole tool call and final answer
+    # exactly (given that it calls the tool) must reach min_copy_probability, else
+    # gate_steps more tool-only steps, at most max_gate_steps in all.
+    min_copy_probability: float = 0.9
+    probe_problems: int = 64
+    gate_steps: int = 50
+    max_gate_steps: int = 600
 
     def key(self) -> str:
         digest = hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
@@ -77,12 +87,36 @@ def transcript_trajectory(tokenizer, messages: list[dict], tools: list[dict]) ->
 
 def sft_loss_fn(micro_batch, outputs):
     """Token-mean negative log-likelihood of the policy's tokens over the whole mini-batch."""
-    from tandem.batch.jagged import padded_field
-
     mask = padded_field(micro_batch["loss_mask"], 0).float()
     loss = algorithms.aggregate_loss(-outputs.padded("log_probs"), mask, "token-mean",
                                      global_token_count=outputs.mini_batch.global_tokens)
     return loss, {}
+
+
+def tool_copy_probability(model: torch.nn.Module, tokenizer, problems: list[dict]) -> float:
+    """Mean over problems of P(sampling, at temperature 1, the exact tool call and final answer
+    of the tool transcript | the response starts with <tool_call>)."""
+    return float(tool_copy_log_probs(model, tokenizer, problems).exp().mean())
+
+
+@torch.no_grad()
+def tool_copy_log_probs(model: torch.nn.Module, tokenizer, problems: list[dict]) -> torch.Tensor:
+    """Per problem: log P(the tool transcript's policy tokens after <tool_call>), i.e. the
+    whole call, end of turn and final answer, at temperature 1."""
+    from tandem.training.forward import actor_forward
+
+    tools = calculator_schemas()
+    trajectories = [transcript_trajectory(tokenizer, transcript(problem, True), tools)
+                    for problem in problems]
+    batch = trajectories_to_batch(trajectories)
+    was_training = model.training
+    model.eval()
+    outputs = actor_forward(model, batch, use_remove_padding=False)
+    model.train(was_training)
+    log_probs, mask = outputs.padded("log_probs"), padded_field(batch["loss_mask"], 0).bool()
+    first = mask.float().argmax(dim=-1)  # the <tool_call> token: the choice GRPO is to teach
+    mask[torch.arange(len(problems)), first] = False
+    return (log_probs * mask).sum(dim=-1)
 
 
 def warm_up(recipe: WarmupRecipe, progress: bool = True) -> Path:
@@ -99,15 +133,39 @@ def warm_up(recipe: WarmupRecipe, progress: bool = True) -> Path:
         engine = TrainingEngine(model, "actor", max_token_len=16384, use_remove_padding=False,
                                 optim=optim, total_steps=recipe.steps)
         tools = calculator_schemas()
-        bar = tqdm(range(recipe.steps), desc="warm-up (supervised)", disable=not progress)
-        for step in bar:
-            fraction = 1.0 if step < recipe.tool_only_steps else recipe.tool_fraction
-            trajectories = [transcript_trajectory(tokenizer, transcript(make_problem(rng),
-                                                                        rng.random() < fraction),
-                                                  tools)
-                            for _ in range(recipe.batch_size)]
-            metrics = engine.train_mini_batch(trajectories_to_batch(trajectories), sft_loss_fn)
-            bar.set_postfix(loss=f"{metrics['actor/loss']:.3f}")
+        probe_rng = random.Random(recipe.seed + 1)  # probes never drawn for training
+        probes = [make_problem(probe_rng) for _ in range(recipe.probe_problems)]
+
+        def train(steps: int, fraction: float, desc: str) -> None:
+            bar = tqdm(range(steps), desc=desc, disable=not progress)
+            for _ in bar:
+                trajectories = [transcript_trajectory(tokenizer, transcript(make_problem(rng),
+                                                                            rng.random() < fraction),
+                                                      tools)
+                                for _ in range(recipe.batch_size)]
+                metrics = engine.train_mini_batch(trajectories_to_batch(trajectories), sft_loss_fn)
+                bar.set_postfix(loss=f"{metrics['actor/loss']:.3f}")
+
+        tool_only = min(recipe.tool_only_steps, recipe.steps)
+        train(tool_only, 1.0, "warm-up (supervised, tool only)")
+        extra, copy = 0, tool_copy_probability(engine.model, tokenizer, probes)
+        # a warm-up no longer than its tool-only phase is a smoke run: no gate
+        while recipe.steps > tool_only and copy < recipe.min_copy_probability:
+            if extra >= recipe.max_gate_steps:
+                raise RuntimeError(
+                    f"demo warm-up: after {tool_only + extra} tool-only steps the model samples a "
+                    f"probe's tool call and answer exactly with probability {copy:.2f} < "
+                    f"min_copy_probability {recipe.min_copy_probability}; GRPO would start from "
+                    "a model that cannot use the tool. Raise WarmupRecipe.max_gate_steps or lr")
+            print(f"[demo] warm-up: tool copy probability {copy:.3f} < "
+                  f"{recipe.min_copy_probability}; {recipe.gate_steps} more tool-only steps", flush=True)
+            train(recipe.gate_steps, 1.0, "warm-up (supervised, tool only)")
+            extra += recipe.gate_steps
+            copy = tool_copy_probability(engine.model, tokenizer, probes)
+        train(recipe.steps - tool_only, recipe.tool_fraction, "warm-up (supervised, mixed)")
+        print(f"[demo] warm-up: tool copy probability {copy:.3f} after the tool-only phase "
+              f"({tool_only + extra} steps), "
+              f"{tool_copy_probability(engine.model, tokenizer, probes):.3f} at the end", flush=True)
         engine.model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
 
