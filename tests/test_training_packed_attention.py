@@ -66,10 +66,10 @@ def test_packed_sdpa_equals_masked_sdpa_values_and_gradients(heads, kv_heads):
 
 
 def test_packed_sdpa_never_mixes_sequences():
-    lengths, dim = [4, 6], 8
+    dim = 8
     generator = torch.Generator().manual_seed(1)
     query, key, value = (torch.randn(1, 2, 10, dim, generator=generator) for _ in range(3))
-    bounds = torch.tensor([0, 4, 10], dtype=torch.int32)
+    bounds = torch.tensor([0, 4, 10], dtype=torch.int32)  # sequences of 4 and 6 tokens
     before, _ = packed_sdpa_attention(Attention(2, 2), query, key, value, None, cu_seq_lens_q=bounds)
     key[:, :, 4:] += 5.0  # the second sequence's keys and values only
     value[:, :, 4:] -= 3.0
