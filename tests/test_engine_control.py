@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.config.schema import RolloutConfig
 from tandem.models import TinyModelSpec, build_tiny_model
+from tandem.rollout.engine.async_engine import all_finite
 from tandem.rollout.native import NativeRollout
 
 
@@ -372,3 +373,14 @@ def test_stepping_in_another_thread_than_the_builder_warns_once(model_path, capl
     thread.start()
     thread.join()
     assert caplog.text.count("two OpenMP teams") == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_finds_any_nan_or_inf(dtype):
+    tensor = torch.linspace(-3.0, 3.0, 257, dtype=dtype).view(1, 257)
+    assert all_finite(tensor) and all_finite(tensor[:, :0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for index in (0, 128, 256):
+            broken = tensor.clone()
+            broken[0, index] = bad
+            assert not all_finite(broken), (bad, index)

@@ -156,3 +156,19 @@ async def test_bfloat16_keeps_the_plain_path(model_path):
     assert not rollout.engine.runner.packed_linears
     assert isinstance(rollout.engine.runner.lm_head, nn.Linear)
     assert len((await rollout.generate("b", PROMPTS[0], GREEDY)).token_ids) == 12
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+async def test_non_finite_packed_linear_weight_is_rejected(model_path, bad):
+    """Packed linears are staged straight into the packed layout; the value check still sees
+    every element of the weight sent, and the engine keeps its version."""
+    rollout = make(model_path)
+    before = await greedy_all(rollout)
+    state = perturbed_state(model_path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert name in rollout.engine.runner.packed_linears
+    state[name] = state[name].index_fill(1, torch.tensor([state[name].shape[1] - 1]), bad)
+    with pytest.raises(ValueError, match=f"{name!r} holds NaN or inf"):
+        await rollout.update_weights(state.items(), version=1)
+    assert rollout.weight_version == 0
+    assert await greedy_all(rollout, prefix="after") == before

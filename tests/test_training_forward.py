@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 from tandem.batch.jagged import field_values, trajectories_to_batch
 from tandem.batch.trajectory import Trajectory
 from tandem.models.tiny import TinyModelSpec, build_tiny_model
+from tandem.training import packed_attention
 from tandem.training.forward import actor_forward, token_entropy, token_log_probs
 
 EPS = torch.finfo(torch.float32).eps
@@ -32,10 +33,15 @@ def mixed_batch(seed=0, shapes=((3, 9), (7, 2), (1, 5), (12, 1), (4, 6))):
         for p, r in shapes])
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=[("qwen2", "sdpa"), ("llama", "sdpa"), ("qwen2", "packed"),
+                                        ("llama", "packed")], ids="-".join)
 def model(request):
-    path = build_tiny_model(TinyModelSpec(architecture=request.param))
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    """The tiny models with sdpa, and with the training engine's packed_sdpa attention."""
+    architecture, attention = request.param
+    path = build_tiny_model(TinyModelSpec(architecture=architecture))
+    implementation = packed_attention.register() if attention == "packed" else "sdpa"
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation=implementation).eval()
 
 
 def per_sequence(model, batch, temperature=1.0):
@@ -91,13 +97,16 @@ def test_packed_forward_rejects_positions_that_do_not_restart():
 
 @pytest.mark.smollm2
 @pytest.mark.slow
-def test_packed_equals_padded_on_smollm2():
+@pytest.mark.parametrize("attention", ["sdpa", "packed"])
+def test_packed_equals_padded_on_smollm2(attention):
     """The Llama architecture at full size (30 layers, 576 wide, 49k vocabulary), with gradients."""
     from tandem.models.smollm2 import smollm2_available, smollm2_path
 
     if not smollm2_available():
         pytest.skip("needs `make smollm2`")
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32, attn_implementation="sdpa")
+    implementation = packed_attention.register() if attention == "packed" else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32,
+                                                 attn_implementation=implementation)
     batch = mixed_batch(shapes=((30, 20), (7, 12), (50, 3), (12, 25)))
     outputs, gradients = {}, {}
     for packed in (True, False):

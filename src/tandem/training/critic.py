@@ -46,10 +46,11 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, use_cache: bool = False,
-                logits_to_keep: torch.Tensor | None = None) -> ValueOutput:
-        """input_ids [B, L] -> values [B, K] at the `logits_to_keep` columns (all when None)."""
+                logits_to_keep: torch.Tensor | None = None, **attention_kwargs: torch.Tensor) -> ValueOutput:
+        """input_ids [B, L] -> values [B, K] at the `logits_to_keep` columns (all when None);
+        attention_kwargs (packed sequence boundaries) go to the backbone's attention."""
         hidden = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                            use_cache=use_cache).last_hidden_state
+                            use_cache=use_cache, **attention_kwargs).last_hidden_state
         if logits_to_keep is not None:
             hidden = hidden[:, logits_to_keep]
         return ValueOutput(values=self.value_head(hidden).squeeze(-1))

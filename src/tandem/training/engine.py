@@ -64,13 +64,16 @@ class TrainingEngine:
 
     @classmethod
     def from_config(cls, config: TandemConfig, role: str, total_steps: int | None = None,
-                    attn_implementation: str = "sdpa") -> "TrainingEngine":
-        """Load model.path as the actor, the reference (frozen copy) or the critic (value head)."""
+                    attn_implementation: str | None = None) -> "TrainingEngine":
+        """Load model.path as the actor, the reference (frozen copy) or the critic (value head).
+        The attention defaults to `packed_sdpa` (per-sequence attention in packed forwards)."""
         from transformers import AutoModelForCausalLM
 
         from tandem.models.tiny import resolve_model_path
+        from tandem.training import packed_attention
         from tandem.training.critic import ValueModel
 
+        attn_implementation = attn_implementation or packed_attention.register()
         path = resolve_model_path(config.model.path)
         dtype = getattr(torch, config.model.dtype)
         _, world_size = dp_rank_and_size()

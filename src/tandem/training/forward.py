@@ -5,6 +5,9 @@ sequence, no attention mask and no KV cache. transformers 5 then derives the seq
 the position resets and builds a block-diagonal causal mask (sdpa / eager; its flash-attention
 path reads the same resets), so attention never crosses sequences. With a cache object
 present it does not, hence `use_cache=False` (tests/test_training_forward.py holds this).
+The sequence boundaries also go to the attention as `cu_seq_lens_q/k`: the training engine's
+`packed_sdpa` attention (packed_attention.py) attends per sequence with them instead of over
+the whole masked row.
 
 Padded: the dense layout (prompts left-padded, responses right-padded) with an attention mask;
 every response then starts at column P, so one column range serves the whole batch.
@@ -92,8 +95,11 @@ def _at_response_positions(run: Callable[..., torch.Tensor], batch: TensorDict, 
         if not bool(packed.position_ids[0, starts].eq(0).all()):
             raise ValueError("packed forward: position_ids must restart at 0 for every sequence; "
                              "otherwise neighbouring sequences would attend to each other")
+        # the boundaries for attention per sequence (packed_attention.py; other kernels ignore them)
+        bounds = packed.cu_seqlens.to(device)
         return run(packed.response_positions().to(device), input_ids=packed.input_ids.to(device),
-                   position_ids=packed.position_ids.to(device), attention_mask=None)[0]
+                   position_ids=packed.position_ids.to(device), attention_mask=None,
+                   cu_seq_lens_q=bounds, cu_seq_lens_k=bounds)[0]
     dense = to_dense(batch, pad_token_id=0, response_fields=())
     width, response_width = dense.prompt_width, dense.responses.shape[1]
     out = run(torch.arange(width - 1, width + response_width - 1, device=device),

@@ -11,11 +11,16 @@ from tandem.config.schema import OptimConfig
 
 
 def build_optimizer(parameters: Iterable[torch.nn.Parameter], optim: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters with the config's lr, betas and weight decay."""
+    """AdamW over the trainable parameters with the config's lr, betas and weight decay; torch's
+    fused kernel for plain CPU/CUDA tensors (on CPU its default is one tensor at a time, ~4x
+    slower on a 135M model), the default implementation for FSDP2's sharded DTensors."""
     if len(optim.betas) != 2:
         raise ValueError(f"optim.betas={optim.betas}: give exactly two values, e.g. [0.9, 0.999]")
-    return torch.optim.AdamW([p for p in parameters if p.requires_grad], lr=optim.lr,
-                             betas=(optim.betas[0], optim.betas[1]), weight_decay=optim.weight_decay)
+    trainable = [p for p in parameters if p.requires_grad]
+    fused = bool(trainable) and all(not hasattr(p, "to_local") and p.device.type in ("cpu", "cuda")
+                                    and p.is_floating_point() for p in trainable)
+    return torch.optim.AdamW(trainable, lr=optim.lr, betas=(optim.betas[0], optim.betas[1]),
+                             weight_decay=optim.weight_decay, fused=fused or None)
 
 
 def lr_multiplier(step: int, optim: OptimConfig, total_steps: int | None) -> float:

@@ -58,8 +58,13 @@ class PackedLinear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.load(weight)
 
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """A copy of the dense weight [out, in] in oneDNN's packed layout."""
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
     def load(self, weight: torch.Tensor) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self.packed = self.pack(weight)
 
     def release(self) -> None:
         self.packed = None
@@ -372,12 +377,18 @@ class ModelRunner:
         """The HF parameters still held dense (all of them unless the linears are packed)."""
         return dict(self.model.named_parameters())
 
+    def stage_form(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """What swap_weight installs for a checked engine-dtype host weight: a packed linear's
+        weight packed (a copy), any other weight the tensor itself."""
+        return PackedLinear.pack(tensor) if name in self.packed_linears else tensor
+
     def swap_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """Install one staged (checked, engine-dtype, host) weight: packed linears re-pack it,
-        dense CPU parameters take the tensor itself (no copy), device parameters copy it in."""
+        """Install one staged weight (stage_form of a checked, engine-dtype, host copy): packed
+        linears take their packed tensor, dense CPU parameters the tensor itself (no copy),
+        device parameters copy it in."""
         linear = self.packed_linears.get(name)
         if linear is not None:
-            linear.load(tensor)
+            linear.packed = tensor
             return
         parameter = self.model.get_parameter(name)
         if parameter.device == tensor.device:
