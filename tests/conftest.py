@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 
 import pytest
@@ -19,6 +20,9 @@ def ray_cluster():
 
     started = not ray.is_initialized()
     if started:
+        # the local cluster's token authentication, chosen explicitly as tandem's own start
+        # does (trainer/placement.py: init_ray); unset, Ray warns on every start
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
         # worker_niceness 0: Ray's default (15) starves actors whenever the machine is busy.
         # address="local": never join a cluster some other process on the machine started
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,

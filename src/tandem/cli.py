@@ -54,6 +54,9 @@ def has_checkpoint(checkpoints: Path) -> bool:
 
 def _train(config_path: str, overrides: list[str]) -> None:
     config = checked_config(config_path, overrides, "train")
+    from tandem.trainer.startup import mark_early
+
+    mark_early("config")
     from tandem.quiet import quiet_libraries
 
     quiet_libraries()
@@ -181,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the `tandem` command: exit status 2 for a config error, 1 for any other."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tandem.trainer.startup").setLevel(logging.INFO)  # its one summary line
     try:
         _run(args)
     except Exception as error:  # one message per error; the traceback only on request

@@ -10,7 +10,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from tandem import algorithms
 from tandem.batch.jagged import trajectories_to_batch
@@ -18,6 +17,7 @@ from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import OptimConfig
 from tandem.demo.tasks import calculator_schemas, make_problem, transcript
 from tandem.models.cache import build_once
+from tandem.progress import progress_bar
 from tandem.training.engine import TrainingEngine
 
 
@@ -99,7 +99,7 @@ def warm_up(recipe: WarmupRecipe, progress: bool = True) -> Path:
         engine = TrainingEngine(model, "actor", max_token_len=16384, use_remove_padding=False,
                                 optim=optim, total_steps=recipe.steps)
         tools = calculator_schemas()
-        bar = tqdm(range(recipe.steps), desc="warm-up (supervised)", disable=not progress)
+        bar = progress_bar(range(recipe.steps), desc="warm-up (supervised)", disable=not progress)
         for step in bar:
             fraction = 1.0 if step < recipe.tool_only_steps else recipe.tool_fraction
             trajectories = [transcript_trajectory(tokenizer, transcript(make_problem(rng),

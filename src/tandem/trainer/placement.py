@@ -34,6 +34,17 @@ def ray_init_kwargs(config: TandemConfig) -> dict[str, Any]:
             "log_to_driver": True, "_system_config": {"worker_niceness": 0}}
 
 
+def init_ray(config: TandemConfig) -> None:
+    """Join the configured cluster as it is, or start a local one with Ray's token
+    authentication on: RAY_AUTH_MODE=token unless the environment already chooses a mode
+    (Ray >= 2.59 turns it on for a new local cluster anyway, and warns on every start while
+    the mode is left unset; docs/trainer.md, "Ray's token authentication")."""
+    kwargs = ray_init_kwargs(config)
+    if "address" not in kwargs:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    ray.init(**kwargs)
+
+
 def standalone_rollout_devices(config: TandemConfig) -> int:
     """Devices of the standalone rollout replicas (separate_async only; else 0)."""
     if config.trainer.trainer_mode != "separate_async":
