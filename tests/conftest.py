@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 
 import pytest
@@ -20,13 +19,13 @@ def ray_cluster():
 
     started = not ray.is_initialized()
     if started:
-        # the local cluster's token authentication, chosen explicitly as tandem's own start
-        # does (trainer/placement.py: init_ray); unset, Ray warns on every start
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
         # worker_niceness 0: Ray's default (15) starves actors whenever the machine is busy.
         # address="local": never join a cluster some other process on the machine started
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 _system_config={"worker_niceness": 0})
+        from tandem.trainer.placement import without_token_auth_notice
+
+        with without_token_auth_notice():  # Ray's token auth stays on, its notice is not shown
+            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                     _system_config={"worker_niceness": 0})
     yield ray
     if started:
         _shutdown_ray(ray)

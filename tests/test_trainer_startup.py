@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from tandem.config.load import load_config
 from tandem.trainer import placement, startup
@@ -27,13 +29,18 @@ def test_process_start_time_is_when_the_process_began():
     assert before - tick <= started <= reported_at <= after
 
 
-def test_parts_in_milestone_order_and_first_record_stays():
+def test_parts_in_the_order_they_happened_and_first_record_stays():
     clock = StartupClock(origin=100.0)
     clock.mark("servers", at=110.0)
     clock.mark("ray", at=103.5)
     clock.mark("trainer", at=101.0)
     clock.mark("ray", at=105.0)  # a second record of a milestone is ignored
-    assert clock.parts() == {"trainer": 1.0, "ray": 2.5, "servers": 6.5}
+    assert list(clock.parts().items()) == [("trainer", 1.0), ("ray", 2.5), ("servers", 6.5)]
+    clock = StartupClock(origin=0.0)
+    for name, at in (("config", 0.5), ("ray", 2.0), ("trainer", 6.0), ("data", 6.5)):
+        clock.mark(name, at=at)
+    assert list(clock.parts().items()) == [("config", 0.5), ("ray", 1.5), ("trainer", 4.0),
+                                           ("data", 0.5)]
     with pytest.raises(ValueError, match="unknown start-up milestone 'raylet'"):
         clock.mark("raylet")
 
@@ -87,19 +94,86 @@ def test_engine_stamps_its_first_token():
     assert rollout.stats()["first_token_time"] == stamped  # the first one, not the latest
 
 
-def test_local_cluster_keeps_token_auth_on_without_the_warning(monkeypatch):
-    """tandem's own local cluster: RAY_AUTH_MODE=token unless the user chose a mode; a cluster
-    given by address is joined as it is (its auth mode is its owner's)."""
+def test_local_cluster_start_drops_only_rays_token_auth_notice(monkeypatch, caplog):
+    """Ray's own notice (the real function that logs it) is dropped while tandem starts its local
+    cluster and shown again afterwards; Ray's other messages pass; a cluster given by address is
+    joined with ray.init as it is."""
+    auth = pytest.importorskip("ray._private.authentication.authentication_token_setup")
+    logger = logging.getLogger(placement.TOKEN_AUTH_LOGGER)
     calls = []
-    monkeypatch.setattr(placement.ray, "init", lambda **kwargs: calls.append(kwargs))
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        auth._warn_token_auth_enabled()
+        logger.warning("something else")
+
+    monkeypatch.setattr(placement.ray, "init", init)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    placement.init_ray(load_config())
-    assert "address" not in calls[-1]
-    assert placement.os.environ["RAY_AUTH_MODE"] == "token"
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the user's explicit choice stands
-    placement.init_ray(load_config())
-    assert placement.os.environ["RAY_AUTH_MODE"] == "disabled"
-    monkeypatch.delenv("RAY_AUTH_MODE")
-    placement.init_ray(load_config(overrides=["trainer.ray_address=10.0.0.5:6379"]))
-    assert calls[-1]["address"] == "10.0.0.5:6379" and "RAY_AUTH_MODE" not in placement.os.environ
+    with caplog.at_level(logging.WARNING, logger=placement.TOKEN_AUTH_LOGGER):
+        placement.init_ray(load_config())
+        assert "address" not in calls[-1]
+        assert [r.getMessage() for r in caplog.records] == ["something else"]
+        caplog.clear()
+        placement.init_ray(load_config(overrides=["trainer.ray_address=10.0.0.5:6379"]))
+        assert calls[-1]["address"] == "10.0.0.5:6379"
+        assert caplog.records[0].getMessage().startswith(placement.TOKEN_AUTH_NOTICE)
+
+
+def test_loaded_whole_sees_parameters_the_files_lack(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tandem.models import build_tiny_model
+    from tandem.trainer.hybrid_worker import loaded_whole
+
+    path = build_tiny_model()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # tied: one name stored
+    assert loaded_whole(model, path)
+    model.value_head = torch.nn.Linear(2, 1)  # initialised at random, in no file
+    assert not loaded_whole(model, path)
+    assert not loaded_whole(model, tmp_path)  # no safetensors there
+
+
+async def started_worker(config, monkeypatch):
+    """A one-rank hybrid worker in this process with its engine started; the versions each
+    checkpoint-engine sync was asked for are in worker.synced."""
+    from tandem.models.tiny import resolve_model_path
+    from tandem.rollout.native import NativeRollout
+    from tandem.trainer.hybrid_worker import HybridWorker
+
+    worker = HybridWorker(config)
+    worker.synced = []
+    sync = worker.checkpoint_engine.sync
+
+    async def spy(stream, rollout, version):
+        worker.synced.append(version)
+        await sync(stream, rollout, version)
+
+    monkeypatch.setattr(worker.checkpoint_engine, "sync", spy)
+    await worker.start(NativeRollout, str(resolve_model_path(config.model.path)), config.rollout)
+    return worker
+
+
+async def test_first_sync_is_skipped_only_while_the_actor_is_the_loaded_checkpoint(monkeypatch):
+    """A fresh run's first sync (version 0) copies nothing when the engine loaded the same
+    files as the actor: the engine then already generates exactly the actor's greedy tokens.
+    Any change to the actor before it (here an in-place edit) makes it a real sync."""
+    config = load_config(overrides=["model.path=tiny:qwen2", "rollout.kv_cache_memory_bytes=1048576"])
+    worker = await started_worker(config, monkeypatch)
+    await worker.sync_weights(0)
+    assert worker.synced == []
+    prompt = [5, 6, 7, 8, 9]
+    out = await worker.generate("a", prompt, {"temperature": 0, "max_tokens": 6})
+    assert out.token_ids == worker.actor_greedy(prompt, len(out.token_ids))
+    await worker.sync_weights(0)  # only the first sync may be skipped
+    assert worker.synced == [0]
+    await worker.shutdown()
+
+    changed = await started_worker(config, monkeypatch)
+    with torch.no_grad():
+        changed.actor.model.get_input_embeddings().weight.mul_(1.5)
+    await changed.sync_weights(0)
+    assert changed.synced == [0]
+    out = await changed.generate("b", prompt, {"temperature": 0, "max_tokens": 6})
+    assert out.token_ids == changed.actor_greedy(prompt, len(out.token_ids))
+    await changed.shutdown()

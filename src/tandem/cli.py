@@ -54,9 +54,12 @@ def has_checkpoint(checkpoints: Path) -> bool:
 
 def _train(config_path: str, overrides: list[str]) -> None:
     config = checked_config(config_path, overrides, "train")
+    from tandem.trainer import placement
     from tandem.trainer.startup import mark_early
 
     mark_early("config")
+    placement.init_ray(config)  # Ray's processes start while torch and the rest are imported
+    mark_early("ray")
     from tandem.quiet import quiet_libraries
 
     quiet_libraries()

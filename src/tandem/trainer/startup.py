@@ -10,12 +10,14 @@ import time
 
 logger = logging.getLogger(__name__)
 
-# In order; each part is the time from the previous recorded milestone (or the process start).
+# Each part is the time from the milestone recorded before it (or the process start). `tandem
+# train` starts Ray right after the config check, before the imports; otherwise Ray comes after
+# the trainer's data.
 MILESTONES = (
     "config",       # the CLI checked the config and datasets (python start included)
-    "trainer",      # RLTrainer created: torch, transformers, Ray and tandem imported
+    "ray",          # Ray started (a local cluster) or joined (`tandem train`: here)
+    "trainer",      # RLTrainer created: torch, transformers and tandem imported
     "data",         # tokenizer and datasets loaded, run directory written
-    "ray",          # Ray started (a local cluster) or joined
     "workers",      # training workers placed, started and holding the actor
     "servers",      # rollout engines started and registered with the balancer
     "weights",      # first weight sync, actor -> rollout
@@ -58,12 +60,11 @@ class StartupClock:
         self.marks.setdefault(milestone, time.time() if at is None else at)
 
     def parts(self) -> dict[str, float]:
-        """Seconds of each recorded milestone's part, in MILESTONES order."""
+        """Seconds of each recorded milestone's part, in the order they happened."""
         parts, previous = {}, self.origin
-        for name in MILESTONES:
-            if name in self.marks:
-                parts[name] = self.marks[name] - previous
-                previous = self.marks[name]
+        for name in sorted(self.marks, key=lambda name: (self.marks[name], MILESTONES.index(name))):
+            parts[name] = self.marks[name] - previous
+            previous = self.marks[name]
         return parts
 
     def metrics(self) -> dict[str, float]:

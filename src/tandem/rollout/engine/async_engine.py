@@ -429,7 +429,8 @@ class AsyncEngine:
                                     "weights must be floating point")
                 # on the host even for CUDA engines: a staged full copy never doubles device memory
                 copy = torch.empty(shape, dtype=self.runner.dtype).copy_(tensor)
-                if not bool(torch.isfinite(copy).all()):
+                # a finite sum is the common case and ~10x cheaper than the elementwise test
+                if not torch.isfinite(copy.sum()) and not bool(torch.isfinite(copy).all()):
                     raise ValueError(f"update_weights: {name!r} holds NaN or inf values (in "
                                      f"{self.runner.dtype}); the engine keeps version "
                                      f"{self.version}")
