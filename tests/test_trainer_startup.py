@@ -65,12 +65,13 @@ def test_no_first_token_reported():
     assert "reports no first-token time" in clock.summary()
 
 
-def test_early_marks_reach_clocks_started_after_them(monkeypatch):
+def test_early_marks_go_to_the_next_clock_only(monkeypatch):
     monkeypatch.setattr(startup, "_early_marks", {})
+    before = time.time()
     startup.mark_early("config")
-    at = startup._early_marks["config"]
-    assert StartupClock(origin=at - 1.0).marks == {"config": at}
-    assert StartupClock(origin=at + 1.0).marks == {}  # a later run in the same process
+    marks = StartupClock().marks
+    assert list(marks) == ["config"] and before <= marks["config"] <= time.time()
+    assert StartupClock().marks == {}  # a later trainer in the same process has no CLI part
 
 
 def test_engine_stamps_its_first_token():

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +60,13 @@ def _train(config_path: str, overrides: list[str]) -> None:
     from tandem.trainer.startup import mark_early
 
     mark_early("config")
-    placement.init_ray(config)  # Ray's processes start while torch and the rest are imported
+    # ray.init mostly waits for Ray's processes to come up: torch and the rest import meanwhile
+    importing = threading.Thread(target=importlib.import_module, args=("tandem.trainer.rl_trainer",),
+                                 name="tandem-imports")
+    importing.start()
+    placement.init_ray(config)
     mark_early("ray")
+    importing.join()
     from tandem.quiet import quiet_libraries
 
     quiet_libraries()

@@ -51,7 +51,8 @@ class StartupClock:
 
     def __init__(self, origin: float | None = None) -> None:
         self.origin = process_start_time() if origin is None else origin
-        self.marks = {name: at for name, at in _early_marks.items() if at >= self.origin}
+        self.marks = dict(_early_marks)  # the CLI's, for the first trainer of the process only
+        _early_marks.clear()
         self.reported = False
 
     def mark(self, milestone: str, at: float | None = None) -> None:
