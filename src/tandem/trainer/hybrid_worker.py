@@ -30,7 +30,6 @@ from tandem.weight_sync.participants import (checkpoint_engine_name, make_checkp
                                              run_in_fresh_thread, send_from)
 
 
-
 def needs_reference(config: TandemConfig) -> bool:
     """A frozen reference is loaded when a KL term needs it (or ref.enable is set)."""
     return config.ref.enable or config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
