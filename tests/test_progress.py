@@ -42,8 +42,8 @@ def run_redirected(tmp_path, interval_s: float) -> str:
 
 def test_redirected_trainer_loop_writes_two_lines(tmp_path):
     """With the throttle far away, a 200-step loop (1,000 description changes, 200 inner bars)
-    writes its first state and its final state, nothing else: plain tqdm writes a
-    carriage-return-separated redraw for each of those changes (thousands of them)."""
+    writes its first state and its final state, nothing else (plain tqdm wrote 2,003 lines and
+    400 cursor-movement escapes for it into a file)."""
     text = run_redirected(tmp_path, 1e9)
     assert "\r" not in text and "\x1b" not in text
     lines = text.splitlines()
