@@ -75,7 +75,7 @@ class Terminal(io.StringIO):
 
 
 def test_a_terminal_gets_the_live_tqdm_bar():
-    bar = progress_bar(range(2), file=Terminal(), desc="x")
+    bar = progress_bar(range(2), file=Terminal(), desc="x", interval_s=5)
     assert type(bar) is tqdm
     bar.close()
     bar = progress_bar(range(2), file=io.StringIO(), desc="x")

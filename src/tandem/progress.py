@@ -54,7 +54,9 @@ def is_terminal(stream: Any) -> bool:
 
 def progress_bar(iterable: Iterable | None = None, **kwargs: Any) -> tqdm:
     """tqdm's signature (desc, total, initial, leave, disable, file, ...): a tqdm bar when its
-    file (default stderr) is a terminal, a LogLineBar otherwise."""
+    file (default stderr) is a terminal, else a LogLineBar (`interval_s` applies to it only)."""
     stream = kwargs["file"] = kwargs.get("file") or sys.stderr
-    bar_class = tqdm if is_terminal(stream) else LogLineBar
-    return bar_class(iterable, **kwargs)
+    if is_terminal(stream):
+        kwargs.pop("interval_s", None)
+        return tqdm(iterable, **kwargs)
+    return LogLineBar(iterable, **kwargs)
