@@ -21,8 +21,11 @@ def ray_cluster():
     if started:
         # worker_niceness 0: Ray's default (15) starves actors whenever the machine is busy.
         # address="local": never join a cluster some other process on the machine started
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 _system_config={"worker_niceness": 0})
+        from tandem.trainer.placement import without_token_auth_notice
+
+        with without_token_auth_notice():  # Ray's token auth stays on, its notice is not shown
+            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                     _system_config={"worker_niceness": 0})
     yield ray
     if started:
         _shutdown_ray(ray)

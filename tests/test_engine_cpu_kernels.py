@@ -308,3 +308,23 @@ def test_a_stale_build_lock_is_removed_and_a_hung_build_is_given_up(tmp_path, mo
     monkeypatch.setattr(cpu_kernels, "_compile", lambda build_dir: time.sleep(1) or (None, ""))
     ops, reason = cpu_kernels._build_in(tmp_path)
     assert ops is None and "took over" in reason
+
+
+def test_the_build_compiles_a_copy_inside_its_folder(tmp_path, monkeypatch):
+    """The compiled path is the same for every checkout, so checkouts at different paths share
+    one build instead of rebuilding it in turn (ninja reruns when its command changes)."""
+    from torch.utils import cpp_extension
+
+    sources = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: sources.append(kwargs["sources"]))
+    assert cpu_kernels._compile(tmp_path)[1] is None
+    assert sources == [[str(tmp_path / cpu_kernels.SOURCE.name)]]
+    assert (tmp_path / cpu_kernels.SOURCE.name).read_bytes() == cpu_kernels.SOURCE.read_bytes()
+    assert (tmp_path / cpu_kernels.READY).exists()
+
+
+def test_a_finished_build_loads_without_the_builder(ops, monkeypatch):
+    build_dir = cpu_kernels.build_directory()
+    assert (build_dir / cpu_kernels.READY).exists()  # written by the build `ops` loaded
+    monkeypatch.setattr(cpu_kernels, "_compile", lambda build_dir: pytest.fail("compiled again"))
+    assert cpu_kernels._build_in(build_dir) == (torch.ops.tandem_cpu, None)

@@ -156,6 +156,21 @@ async def test_a_client_shipped_to_another_ray_process_reaches_the_servers(manag
     assert await in_flight_total(manager) == 0
 
 
+async def test_a_client_without_the_servers_gets_their_handles_from_the_balancer(manager) -> None:
+    """The balancer keeps each server's handle as an object reference (its process never loads
+    the server's class); a client that was not given the servers resolves them through it."""
+    from tandem.serving.client import ServerClient
+
+    registered = await manager.balancer.server_handle.remote("replica-0")
+    assert len(registered) == 1 and isinstance(registered[0], ray.ObjectRef)
+    client = ServerClient(manager.balancer, {})
+    outputs = [await client.generate(f"lookup{i}", [1, 2], {"max_tokens": 3}) for i in range(4)]
+    assert all(len(out.token_ids) == 3 for out in outputs)
+    assert set(client.servers) <= set(manager.replicas) and client.servers
+    assert all(isinstance(handle, ray.actor.ActorHandle) for handle in client.servers.values())
+    assert await in_flight_total(manager) == 0
+
+
 async def test_removing_a_server_mid_run_reroutes_without_losing_requests(manager) -> None:
     client = manager.resumable_client()
 

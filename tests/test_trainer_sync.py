@@ -87,6 +87,14 @@ def test_sync_loop_engine_tracks_actor(tmp_path, ray_cluster):
     for key in ("reward/mean", "rollout_gap/abs_diff_mean", "actor/policy/clip_fraction_upper", "actor/grad_norm",
                 "time/update", "time/sync", "throughput/generated_tokens_per_second"):
         assert key in steps[0], key
+    # start-up, once: in the step-0 validation record, its parts adding up to the total
+    [startup] = [r for r in records if "time/startup" in r]
+    assert startup["step"] == 0 and "val/reward" in startup
+    parts = {k: v for k, v in startup.items() if k.startswith("time/startup/")}
+    assert set(parts) == {f"time/startup/{name}" for name in ("trainer", "data", "ray", "workers",
+                                                              "servers", "weights", "first_token")}
+    assert all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) == pytest.approx(startup["time/startup"])
 
 
 def test_resume_from_checkpoint_reproduces_next_step(tmp_path, ray_cluster):

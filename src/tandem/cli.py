@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,17 @@ def has_checkpoint(checkpoints: Path) -> bool:
 
 def _train(config_path: str, overrides: list[str]) -> None:
     config = checked_config(config_path, overrides, "train")
+    from tandem.trainer import placement
+    from tandem.trainer.startup import mark_early
+
+    mark_early("config")
+    # ray.init mostly waits for Ray's processes to come up: torch and the rest import meanwhile
+    importing = threading.Thread(target=importlib.import_module, args=("tandem.trainer.rl_trainer",),
+                                 name="tandem-imports")
+    importing.start()
+    placement.init_ray(config)
+    mark_early("ray")
+    importing.join()
     from tandem.quiet import quiet_libraries
 
     quiet_libraries()
@@ -181,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the `tandem` command: exit status 2 for a config error, 1 for any other."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tandem.trainer.startup").setLevel(logging.INFO)  # its one summary line
     try:
         _run(args)
     except Exception as error:  # one message per error; the traceback only on request

@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from tandem import algorithms
 from tandem.batch.jagged import padded_field, trajectories_to_batch
@@ -20,6 +19,7 @@ from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import OptimConfig
 from tandem.demo.tasks import calculator_schemas, make_problem, transcript
 from tandem.models.cache import build_once
+from tandem.progress import progress_bar
 from tandem.training.engine import TrainingEngine
 
 
@@ -137,7 +137,7 @@ def warm_up(recipe: WarmupRecipe, progress: bool = True) -> Path:
         probes = [make_problem(probe_rng) for _ in range(recipe.probe_problems)]
 
         def train(steps: int, fraction: float, desc: str) -> None:
-            bar = tqdm(range(steps), desc=desc, disable=not progress)
+            bar = progress_bar(range(steps), desc=desc, disable=not progress)
             for _ in bar:
                 trajectories = [transcript_trajectory(tokenizer, transcript(make_problem(rng),
                                                                             rng.random() < fraction),

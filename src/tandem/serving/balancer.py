@@ -56,7 +56,8 @@ class LoadBalancer:
         self._retried = 0
 
     def add_server(self, server_id: str, handle: Any = None) -> None:
-        """Register a server (its Ray handle, if any, so clients can look it up by id)."""
+        """Register a server and what clients that lack it get back from server_handle() (the
+        manager passes [ObjectRef of its Ray handle], None for an in-process server)."""
         if server_id in self._loads:
             raise ValueError(f"server {server_id!r} is already registered")
         self._loads[server_id] = ServerLoad(server_id, 0, 0)

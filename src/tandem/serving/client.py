@@ -106,9 +106,10 @@ class ServerClient:
             if not is_actor(self.balancer):
                 raise KeyError(f"server {server_id!r} is registered in the balancer but this "
                                "client was not given it; pass it in `servers`")
-            server = await resolve(submit(self.balancer, "server_handle", server_id))
-            if server is None:
+            registered = await resolve(submit(self.balancer, "server_handle", server_id))
+            if registered is None:
                 raise KeyError(f"server {server_id!r} was registered without a Ray handle; "
                                "in-process servers must be passed to the client in `servers`")
+            server = await resolve(registered[0])  # [ObjectRef of the handle] (ServerManager)
             self.servers[server_id] = server
         return server

@@ -109,7 +109,9 @@ class ServerManager:
         route new requests to it too."""
         # A replica still rerouting would answer every call "aborted" with no token, forever.
         await replica.resume_generation()
-        handle = replica.main_server if replica.is_remote else None
+        # the handle inside an object reference: the balancer's process keeps it without
+        # deserializing it, which would import the server's class (torch and the model code)
+        handle = [ray.put(replica.main_server)] if replica.is_remote else None
         await call(self.balancer, "add_server", replica.server_id, handle)
         self.replicas[replica.server_id] = replica
         self.servers[replica.server_id] = replica.main_server

@@ -26,6 +26,7 @@ import ray
 import torch
 
 from tandem.config.schema import RolloutConfig
+from tandem.quiet import quiet_libraries
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags
 from tandem.types import TokenOutput
 from tandem.weight_sync.base import SyncPlan
@@ -86,6 +87,7 @@ class RolloutServer:
         """Create the backend in this process and open generation; returns where it runs."""
         if self._backend is not None:
             raise RuntimeError(f"server {self.server_id!r} already hosts a backend")
+        quiet_libraries()  # no per-load progress bar from this process in the driver's log
         if torch_threads is not None:
             # Ray sets OMP_NUM_THREADS=1 in actors with fractional CPUs; CPU engines need more.
             torch.set_num_threads(torch_threads)

@@ -15,8 +15,7 @@ order of the checkpointed step).
 
 from __future__ import annotations
 
-from tqdm import tqdm
-
+from tandem.progress import progress_bar
 from tandem.trainer.metrics import PhaseTimer
 from tandem.trainer.producer import RolloutProducer
 from tandem.trainer.rl_trainer import RLTrainer, ValidationHook
@@ -33,7 +32,7 @@ async def fit_colocate_async(trainer: RLTrainer,
     buffer = RolloutBuffer(policy.buffer_groups or 2 * batch_size)
     producer = RolloutProducer(trainer, buffer, start_batch=trainer.step)
     producer.start()
-    bar = tqdm(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
+    bar = progress_bar(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
                initial=trainer.step, total=config.total_steps, disable=not config.progress)
     try:
         for _ in bar:

@@ -12,15 +12,18 @@ actor is sharded with FSDP2; each worker still hosts a full rollout engine (roll
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterable
 
 import ray
 import torch
 from tensordict import TensorDict
 
-from tandem.config.schema import TandemConfig
+from tandem.config.schema import RolloutConfig, TandemConfig
+from tandem.models.tiny import resolve_model_path
 from tandem.quiet import quiet_libraries
-from tandem.serving.server import RolloutServer
+from tandem.rollout.base import MEMORY_TAGS, BaseRollout
+from tandem.serving.server import RolloutServer, ServerInfo
 from tandem.training.engine import TrainingEngine
 from tandem.weight_sync.base import CheckpointEngine, SyncPlan
 from tandem.weight_sync.participants import (checkpoint_engine_name, make_checkpoint_engine,
@@ -58,6 +61,10 @@ class HybridWorker(RolloutServer):
             naive, ckpt.update_weights_bucket_megabytes, ckpt.timeout_s,
             **(dict(ckpt.engine_kwargs) if ckpt.backend == naive else {}))
         self._sync_engine: CheckpointEngine | None = None  # rank 0's sender of a separate sync
+        self._actor_path = resolve_model_path(config.model.path)
+        # set when the engine started from the same files as a wholly loaded actor: the actor's
+        # parameter versions then; while they stand, a version-0 sync would copy equal weights
+        self._engine_matches_actor_at: list[int] | None = None
 
     # ---- log-probabilities and values (the batch is this worker's shard) ------------------
 
@@ -92,6 +99,7 @@ class HybridWorker(RolloutServer):
         """PPO epochs over this shard's mini-batches; returns mean metrics."""
         from tandem.trainer.ppo import actor_loss_fn
 
+        self._engine_matches_actor_at = None
         return await asyncio.to_thread(
             self.actor.update, batch, actor_loss_fn(self.config), mini_batch_size,
             self.config.actor.ppo_epochs, temperature=self._temperature(),
@@ -102,6 +110,7 @@ class HybridWorker(RolloutServer):
         {"metrics": ..., "log_probs": [sum R_i], "entropy": [sum R_i]} (see ppo.old_log_probs_from_update)."""
         from tandem.trainer.ppo import actor_loss_fn
 
+        self._engine_matches_actor_at = None
         metrics, old = await asyncio.to_thread(
             self.actor.update_on_policy, batch, actor_loss_fn(self.config), temperature=self._temperature(),
             calculate_entropy=bool(self.config.actor.entropy_coeff))
@@ -116,13 +125,36 @@ class HybridWorker(RolloutServer):
 
     # ---- weight sync ----------------------------------------------------------------------
 
+    async def start(self, backend_class: type[BaseRollout], model_path: str | Path,
+                    config: RolloutConfig, dtype: str = "float32", device: str = "cpu",
+                    torch_threads: int | None = None) -> ServerInfo:
+        """RolloutServer.start, noting whether the engine now holds exactly the actor's weights."""
+        info = await super().start(backend_class, model_path, config, dtype, device, torch_threads)
+        if (Path(model_path) == self._actor_path and dtype == self.config.model.dtype
+                and loaded_whole(self.actor.model, self._actor_path)):
+            self._engine_matches_actor_at = self._actor_versions()
+        return info
+
+    async def sleep(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        self._engine_matches_actor_at = None
+        await super().sleep(tags)
+
+    def _actor_versions(self) -> list[int]:
+        # a tensor's version counts its in-place changes (optimizer steps, copies, edits)
+        return [parameter._version for parameter in self.actor.model.parameters()]
+
     async def sync_weights(self, version: int) -> dict[str, float]:
-        """Wake weights, load the actor's weights through the checkpoint engine, wake KV."""
+        """Wake weights, load the actor's weights through the checkpoint engine, wake KV. The
+        first sync of a fresh run (version 0, actor and engine loaded from the same files, nothing
+        changed since) has nothing to copy and is skipped."""
         import time
 
         start = time.perf_counter()
         await self.wake_up(["weights"])
-        await self.checkpoint_engine.sync(self.actor.export_weights(), self, version)
+        unchanged = self._engine_matches_actor_at == self._actor_versions()
+        if not (version == 0 and unchanged):
+            await self.checkpoint_engine.sync(self.actor.export_weights(), self, version)
+        self._engine_matches_actor_at = None
         await self.wake_up(["kv_cache"])
         return {"sync/seconds": time.perf_counter() - start}
 
@@ -170,6 +202,7 @@ class HybridWorker(RolloutServer):
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         """Restore what save_checkpoint wrote; returns its `extra`."""
+        self._engine_matches_actor_at = None
         extra = self.actor.load_checkpoint(f"{directory}/actor")
         if self.critic is not None:
             self.critic.load_checkpoint(f"{directory}/critic")
@@ -192,6 +225,24 @@ class HybridWorker(RolloutServer):
     def node_id(self) -> str:
         """The Ray node this worker was placed on."""
         return ray.get_runtime_context().get_node_id()
+
+
+def loaded_whole(model: torch.nn.Module, directory: Path) -> bool:
+    """Whether every parameter of `model` (a tied one under any of its names) has a tensor in
+    the safetensors files of `directory`, i.e. loading it initialised nothing at random."""
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        return False
+    from safetensors import safe_open
+
+    stored: set[str] = set()
+    for path in files:
+        with safe_open(str(path), "pt") as handle:
+            stored.update(handle.keys())
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return all(any(name in stored for name in aliases) for aliases in names.values())
 
 
 # Generate calls overlap with control calls: an async actor with room for many of them.

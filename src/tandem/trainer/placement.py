@@ -1,20 +1,23 @@
 """Where the trainer's processes run: join or start Ray, reserve one placement-group bundle per
-training device, and pick the torch.distributed rendezvous on rank 0's node."""
+training device, and pick the torch.distributed rendezvous on rank 0's node. Imports no torch
+at module level, so `tandem train` can start Ray before it imports the rest."""
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.config.schema import TandemConfig
-from tandem.serving.replica import actor_resources, resolve_ready
-from tandem.training.fsdp import rendezvous_address
 
 PLACEMENT_TIMEOUT_S = 600.0
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
 
 
 def cluster_address(config: TandemConfig) -> str | None:
@@ -34,6 +37,38 @@ def ray_init_kwargs(config: TandemConfig) -> dict[str, Any]:
             "log_to_driver": True, "_system_config": {"worker_niceness": 0}}
 
 
+def init_ray(config: TandemConfig) -> None:
+    """Unless Ray is up already: join the configured cluster as it is, or start a local one with Ray's own choice of token
+    authentication (on since Ray 2.59 unless RAY_AUTH_MODE says otherwise) without Ray's notice
+    that it chose it, which it logs on every start (docs/trainer.md, "Ray's token
+    authentication")."""
+    if ray.is_initialized():
+        return
+    kwargs = ray_init_kwargs(config)
+    if "address" in kwargs:
+        ray.init(**kwargs)
+        return
+    with without_token_auth_notice():
+        ray.init(**kwargs)
+
+
+@contextmanager
+def without_token_auth_notice() -> Iterator[None]:
+    """Drop Ray's "token authentication is enabled for this Ray cluster" notice (only that
+    line) while a local cluster starts. Setting RAY_AUTH_MODE here instead is no option: Ray
+    reads it when imported, and a driver and cluster that disagree on it cannot connect."""
+    notice = logging.getLogger(TOKEN_AUTH_LOGGER)
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(TOKEN_AUTH_NOTICE)
+
+    notice.addFilter(keep)
+    try:
+        yield
+    finally:
+        notice.removeFilter(keep)
+
+
 def standalone_rollout_devices(config: TandemConfig) -> int:
     """Devices of the standalone rollout replicas (separate_async only; else 0)."""
     if config.trainer.trainer_mode != "separate_async":
@@ -49,6 +84,8 @@ def device_bundle(config: TandemConfig) -> dict[str, float]:
 async def reserve_devices(config: TandemConfig) -> PlacementGroup:
     """A placement group of trainer.n_devices bundles (trainer.placement_strategy), placed;
     removed again if it cannot be placed in time."""
+    from tandem.serving.replica import resolve_ready
+
     n = config.trainer.n_devices
     group = placement_group([device_bundle(config)] * n, strategy=config.trainer.placement_strategy)
     try:
@@ -64,6 +101,8 @@ async def reserve_devices(config: TandemConfig) -> PlacementGroup:
 
 def in_bundle(group: PlacementGroup, index: int, resources: dict[str, float]) -> dict[str, Any]:
     """Ray .options() that run an actor or task on bundle `index` of `group` with `resources`."""
+    from tandem.serving.replica import actor_resources
+
     strategy = PlacementGroupSchedulingStrategy(placement_group=group,
                                                 placement_group_bundle_index=index)
     return {"scheduling_strategy": strategy, **actor_resources(resources)}
@@ -71,6 +110,8 @@ def in_bundle(group: PlacementGroup, index: int, resources: dict[str, float]) ->
 
 @ray.remote(num_cpus=0)
 def _address_on_node() -> str:
+    from tandem.training.fsdp import rendezvous_address
+
     return rendezvous_address()
 
 

@@ -15,7 +15,6 @@ import ray
 import torch
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from tensordict import TensorDict
-from tqdm import tqdm
 
 from tandem import algorithms
 from tandem.agent.dataset import DatasetRow, PromptDataset
@@ -27,6 +26,7 @@ from tandem.batch.trajectory import Trajectory
 from tandem.config.load import to_yaml
 from tandem.config.schema import TandemConfig
 from tandem.models.tiny import resolve_model_path
+from tandem.progress import progress_bar
 from tandem.rewards import compute_reward
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ServerOptions
@@ -34,6 +34,7 @@ from tandem.serving.resumable_client import ResumableClient
 from tandem.trainer import placement, ppo
 from tandem.trainer.hybrid_worker import HybridWorkerActor, needs_reference
 from tandem.trainer.metrics import MetricsLogger, PhaseTimer
+from tandem.trainer.startup import StartupClock
 from tandem.training import checkpoint
 from tandem.training.fsdp import shard_batch
 from tandem.weight_sync.manager import WeightSyncManager
@@ -51,6 +52,8 @@ class RLTrainer:
         """evaluation_only: read a run's directory without writing to it (tandem eval)."""
         from transformers import AutoTokenizer
 
+        self.startup = StartupClock()  # process start -> first token (time/startup)
+        self.startup.mark("trainer")
         self.config = config
         self.evaluation_only = evaluation_only
         self.model_path = resolve_model_path(config.model.path)
@@ -74,6 +77,7 @@ class RLTrainer:
         self.manager: ServerManager | None = None
         self.runner: AgentLoopRunner | None = None
         self.weight_sync: WeightSyncManager | None = None  # separate_async: actor -> standalone servers
+        self.startup.mark("data")
 
     # ---- start and stop ---------------------------------------------------------------
 
@@ -86,7 +90,8 @@ class RLTrainer:
         separate = config.trainer.trainer_mode == "separate_async"
         rollout_devices = placement.standalone_rollout_devices(config)
         if not ray.is_initialized():
-            ray.init(**placement.ray_init_kwargs(config))
+            placement.init_ray(config)
+        self.startup.mark("ray")
         self.placement_group = await placement.reserve_devices(config)
         threads = max(1, (os.cpu_count() or 1) // (n + rollout_devices))
         init_method = await placement.rank0_rendezvous(self.placement_group) if n > 1 else None
@@ -95,6 +100,7 @@ class RLTrainer:
             config, rank, n, init_method, self.total_optimizer_steps(config.actor.ppo_epochs),
             self.total_optimizer_steps(config.critic.ppo_epochs), threads) for rank in range(n)]
         await asyncio.gather(*(worker.ping.remote() for worker in self.workers))
+        self.startup.mark("workers")
         options = ServerOptions(model_path=str(self.model_path), dtype=config.model.dtype,
                                 device=config.model.device)
         if separate:  # on CPU a device is one core (a Ray bundle of 1 CPU)
@@ -104,6 +110,7 @@ class RLTrainer:
         else:
             self.manager = await ServerManager.create(config.rollout, options, "hybrid",
                                                       hosts=self.workers)
+        self.startup.mark("servers")
         reward_fn = self._reward_fn if config.reward.placement == "agent_loop" else None
         self.runner = AgentLoopRunner.from_tokenizer(self.client(), self.tokenizer, config.rollout,
                                                      reward_fn=reward_fn)
@@ -157,7 +164,7 @@ class RLTrainer:
     async def generate(self, rows: list[DatasetRow], step: int, validate: bool = False) -> list[Trajectory]:
         """Run the agent loops (n sessions per row) through the client -> trajectories."""
         total = sum(self.runner.sessions_per_prompt(row, validate) for row in rows)
-        with tqdm(total=total, desc="validate" if validate else "generate", unit="traj", leave=False,
+        with progress_bar(total=total, desc="validate" if validate else "generate", unit="traj", leave=False,
                   disable=not self.config.trainer.progress) as bar:
             return await self.runner.run(rows, validate=validate, seeds=self.seeds(step, len(rows), validate),
                                          on_trajectory=lambda _: bar.update())
@@ -342,11 +349,12 @@ class RLTrainer:
         if self.config.trainer.resume:
             await self.load_latest_checkpoint()
         await self.sync_weights()
+        self.startup.mark("weights")
         validation: dict[str, float] = {}
         if self.step == 0:
             validation = await self.validate_and_report(on_validation)
             if validation:
-                self.metrics.log(0, validation)
+                self.metrics.log(0, {**validation, **await self.startup_metrics()})
         return validation
 
     async def end(self, on_validation: ValidationHook | None,
@@ -381,8 +389,18 @@ class RLTrainer:
             metrics.update(await self.validate_and_report(on_validation))
         if config.save_freq and self.step % config.save_freq == 0:
             await self.save_checkpoint()
+        metrics.update(await self.startup_metrics())  # once, in the run's first record
         self.metrics.log(self.step, metrics)
         return metrics
+
+    async def startup_metrics(self) -> dict[str, float]:
+        """Once, after the first generation: time/startup and its parts, also logged as one
+        line (trainer.startup); {} afterwards."""
+        if self.startup.reported:
+            return {}
+        stats = (await self.manager.stats()).values()
+        return self.startup.report([s["backend"]["first_token_time"] for s in stats
+                                    if s["backend"].get("first_token_time") is not None])
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.output_dir / "checkpoints" / f"step_{step}"

@@ -20,8 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tqdm import tqdm
-
+from tandem.progress import progress_bar
 from tandem.trainer.metrics import PhaseTimer
 from tandem.trainer.producer import RolloutProducer
 from tandem.trainer.rl_trainer import RLTrainer, ValidationHook
@@ -46,7 +45,7 @@ async def fit_separate_async(trainer: RLTrainer,
     producer = RolloutProducer(trainer, buffer, start_batch=trainer.step)
     producer.start()
     idle = RolloutIdleClock(buffer)
-    bar = tqdm(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
+    bar = progress_bar(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
                initial=trainer.step, total=config.total_steps, disable=not config.progress)
     try:
         for _ in bar:

@@ -7,8 +7,7 @@ advantages -> update -> sync weights and wake (weights first, load, then KV cach
 
 from __future__ import annotations
 
-from tqdm import tqdm
-
+from tandem.progress import progress_bar
 from tandem.trainer.metrics import PhaseTimer
 from tandem.trainer.rl_trainer import RLTrainer, ValidationHook
 
@@ -18,7 +17,7 @@ async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = No
     metrics) is called after each validation (before training, every test_freq, at the end)."""
     config = trainer.config.trainer
     validation = await trainer.begin(on_validation)
-    bar = tqdm(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
+    bar = progress_bar(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
                initial=trainer.step, total=config.total_steps, disable=not config.progress)
     for _ in bar:
         timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{trainer.algorithm_name} [{phase}]"))

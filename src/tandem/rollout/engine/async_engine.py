@@ -63,6 +63,7 @@ class AsyncEngine:
         self.weight_shapes: dict[str, torch.Size] = {}
         self.counters = {"steps": 0, "prompt_tokens_computed": 0, "generated_tokens": 0,
                          "failed_steps": 0}
+        self.first_token_time: float | None = None  # time.time() of the first sampled token
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._in_step = False  # a step is between its schedule() and its _record()
@@ -205,6 +206,8 @@ class AsyncEngine:
                 continue
             seq.append(token, log_prob, self.version)
             self.counters["generated_tokens"] += 1
+            if self.first_token_time is None:  # the trainer's start-up report reads it
+                self.first_token_time = time.time()
             if seq.stop_reason is not None:
                 self._finish(seq)
         self._finish_aborted()
@@ -463,8 +466,9 @@ class AsyncEngine:
         """All or nothing: stage and check the whole stream, then swap it in."""
         await self.commit_weights(self.stage_weights(named_tensors), version)
 
-    def stats(self) -> dict[str, int]:
-        return {**self.counters, "prompt_tokens_cached": self.scheduler.prompt_tokens_cached,
+    def stats(self) -> dict[str, int | float | None]:
+        return {**self.counters, "first_token_time": self.first_token_time,
+                "prompt_tokens_cached": self.scheduler.prompt_tokens_cached,
                 "preemptions": self.scheduler.num_preemptions,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "num_blocks": self.blocks.num_blocks, "free_blocks": self.blocks.num_free_blocks,

@@ -3,9 +3,13 @@
 They replace the chains of small torch ops of a CPU fp32 step: decode attention reading the
 paged K/V in place, RMSNorm (with the residual add fused), rotary embedding fused with the
 KV-cache write, and silu(gate) * up. `load()` builds them once per machine with torch's
-extension builder (g++ and ninja, ~5 s; cached in `$TORCH_EXTENSIONS_DIR` or
+extension builder (g++ and ninja, 5-25 s; cached in `$TORCH_EXTENSIONS_DIR` or
 `~/.cache/torch_extensions`, in a folder named after a hash of the source, flags, torch
-version and the CPU's instruction-set flags, since `-march=native` code may not run elsewhere) and registers them as `torch.ops.tandem_cpu.*`. Concurrent processes share one build
+version and location, and the CPU's instruction-set flags, since `-march=native` code may not
+run elsewhere) and registers them as `torch.ops.tandem_cpu.*`. The source is compiled from a
+copy in that folder, so checkouts at different paths share one build instead of rebuilding in
+turn; once a build has succeeded (the `READY` file) later processes load the library directly,
+without the builder (~1 s less start-up). Concurrent processes share one build
 (torch's lock file); a lock older than `STALE_LOCK_S` is left by a build that died and is
 removed, and a build that takes longer than `BUILD_TIMEOUT_S` is given up on, so a start never
 hangs on it.
@@ -34,7 +38,9 @@ HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # head sizes decode_attention is com
 MAX_GROUP = 64  # query heads per kv head it handles
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
-STALE_LOCK_S = 120.0  # a build takes ~5 s
+STALE_LOCK_S = 120.0  # a build takes 5-25 s
+READY = "READY"  # written into the build folder once the library built and loaded
+LIBRARY = "tandem_cpu_kernels.so"
 BUILD_TIMEOUT_S = 300.0
 
 _lock = threading.Lock()
@@ -65,7 +71,11 @@ def _build() -> tuple[object | None, str | None]:
 
 
 def _build_in(build_dir: Path) -> tuple[object | None, str | None]:
-    """Compile into build_dir, clearing a stale lock first and giving up after the timeout."""
+    """Load the finished build in build_dir, or compile into it, clearing a stale lock first
+    and giving up after the timeout."""
+    if (build_dir / READY).exists() and (build_dir / LIBRARY).exists():
+        torch.ops.load_library(str(build_dir / LIBRARY))
+        return torch.ops.tandem_cpu, None
     build_dir.mkdir(parents=True, exist_ok=True)
     lock = build_dir / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
@@ -84,9 +94,10 @@ def _build_in(build_dir: Path) -> tuple[object | None, str | None]:
 
 
 def build_directory() -> Path:
-    """Where the kernels are built: one folder per (source, flags, torch version, CPU)."""
-    key = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()
-                       + torch.__version__.encode() + _cpu_signature().encode()).hexdigest()[:12]
+    """Where the kernels are built: one folder per (source, flags, torch version and
+    location, CPU)."""
+    key = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()
+                       + torch.__file__.encode() + _cpu_signature().encode()).hexdigest()[:12]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     return Path(root) / f"tandem_cpu_kernels-{key}"
 
@@ -106,8 +117,13 @@ def _cpu_signature() -> str:
 def _compile(build_dir: Path) -> tuple[object | None, str | None]:
     from torch.utils import cpp_extension
 
+    source = build_dir / SOURCE.name  # the same path for every checkout: ninja's command agrees
+    if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
+        partial = build_dir / f".{SOURCE.name}.{os.getpid()}"
+        partial.write_bytes(SOURCE.read_bytes())
+        os.replace(partial, source)  # atomic: a concurrent build never compiles half a file
     try:
-        cpp_extension.load(name="tandem_cpu_kernels", sources=[str(SOURCE)],
+        cpp_extension.load(name="tandem_cpu_kernels", sources=[str(source)],
                            extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                            build_directory=str(build_dir), is_python_module=False,
                            verbose=False)
@@ -115,4 +131,5 @@ def _compile(build_dir: Path) -> tuple[object | None, str | None]:
         lines = str(error).strip().splitlines() or [type(error).__name__]
         cause = next((line for line in lines if "error:" in line), lines[0])
         return None, f"building {SOURCE.name} failed: {cause.strip()[:300]}"
+    (build_dir / READY).touch()
     return torch.ops.tandem_cpu, None
