@@ -11,8 +11,8 @@ actor is sharded with FSDP2; each worker still hosts a full rollout engine (roll
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
+import functools
+from typing import Any, Callable, TypeVar
 
 import ray
 import torch
@@ -25,6 +25,8 @@ from tandem.training.engine import TrainingEngine
 from tandem.weight_sync.base import CheckpointEngine, SyncPlan
 from tandem.weight_sync.participants import (checkpoint_engine_name, make_checkpoint_engine,
                                              run_in_fresh_thread, send_from)
+
+T = TypeVar("T")
 
 
 def needs_reference(config: TandemConfig) -> bool:
@@ -40,7 +42,7 @@ class HybridWorker(RolloutServer):
                  critic_total_steps: int | None = None, torch_threads: int | None = None) -> None:
         quiet_libraries()
         self._init_rollout_server(f"hybrid-{rank}", pause_timeout_s=3600.0, drain_timeout_s=60.0)
-        if torch_threads is not None:
+        if torch_threads is not None:  # before any torch work: every thread of the process takes it
             torch.set_num_threads(torch_threads)
         if world_size > 1:
             from tandem.training.fsdp import init_process_group
@@ -59,12 +61,24 @@ class HybridWorker(RolloutServer):
             **(dict(ckpt.engine_kwargs) if ckpt.backend == naive else {}))
         self._sync_engine: CheckpointEngine | None = None  # rank 0's sender of a separate sync
 
+    # ---- threads -------------------------------------------------------------------------
+
+    async def _compute(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run training-side torch work off the event loop, in a thread that exits when it
+        returns: a pooled thread (asyncio.to_thread) would keep its OpenMP team alive beside the
+        engine's, and two teams on the same cores slow every engine step (docs/training.md,
+        "Threads")."""
+        return await run_in_fresh_thread(functools.partial(function, *args, **kwargs), f"train-{self.rank}")
+
+    async def training_threads(self) -> int:
+        """torch.get_num_threads() where this worker's training runs (the engine's is in info())."""
+        return await self._compute(torch.get_num_threads)
+
     # ---- log-probabilities and values (the batch is this worker's shard) ------------------
 
     async def compute_log_prob(self, batch: TensorDict, calculate_entropy: bool = False) -> dict[str, torch.Tensor]:
         """Actor re-forward: {"log_probs": [sum R_i], "entropy": ...} (old_log_probs)."""
-        out = await asyncio.to_thread(self.actor.compute_log_prob, batch, self._temperature(),
-                                      calculate_entropy)
+        out = await self._compute(self.actor.compute_log_prob, batch, self._temperature(), calculate_entropy)
         return {"log_probs": out.log_probs, **({"entropy": out.entropy} if calculate_entropy else {})}
 
     async def compute_ref_log_prob(self, batch: TensorDict) -> torch.Tensor:
@@ -72,12 +86,12 @@ class HybridWorker(RolloutServer):
         if self.reference is None:
             raise RuntimeError("no reference model: set ref.enable, actor.use_kl_loss or "
                                "algorithm.use_kl_in_reward")
-        out = await asyncio.to_thread(self.reference.compute_log_prob, batch, self._temperature())
+        out = await self._compute(self.reference.compute_log_prob, batch, self._temperature())
         return out.log_probs
 
     async def compute_values(self, batch: TensorDict) -> torch.Tensor:
         """Critic forward: [sum R_i]."""
-        out = await asyncio.to_thread(self.critic.compute_values, batch)
+        out = await self._compute(self.critic.compute_values, batch)
         return out.values
 
     def _temperature(self) -> float:
@@ -92,7 +106,7 @@ class HybridWorker(RolloutServer):
         """PPO epochs over this shard's mini-batches; returns mean metrics."""
         from tandem.trainer.ppo import actor_loss_fn
 
-        return await asyncio.to_thread(
+        return await self._compute(
             self.actor.update, batch, actor_loss_fn(self.config), mini_batch_size,
             self.config.actor.ppo_epochs, temperature=self._temperature(),
             calculate_entropy=bool(self.config.actor.entropy_coeff))
@@ -102,7 +116,7 @@ class HybridWorker(RolloutServer):
         {"metrics": ..., "log_probs": [sum R_i], "entropy": [sum R_i]} (see ppo.old_log_probs_from_update)."""
         from tandem.trainer.ppo import actor_loss_fn
 
-        metrics, old = await asyncio.to_thread(
+        metrics, old = await self._compute(
             self.actor.update_on_policy, batch, actor_loss_fn(self.config), temperature=self._temperature(),
             calculate_entropy=bool(self.config.actor.entropy_coeff))
         return {"metrics": metrics, "log_probs": old.log_probs, "entropy": old.entropy}
@@ -111,8 +125,8 @@ class HybridWorker(RolloutServer):
         """Value-function epochs over this shard."""
         from tandem.trainer.ppo import critic_loss_fn
 
-        return await asyncio.to_thread(self.critic.update, batch, critic_loss_fn(self.config),
-                                       mini_batch_size, self.config.critic.ppo_epochs)
+        return await self._compute(self.critic.update, batch, critic_loss_fn(self.config),
+                                   mini_batch_size, self.config.critic.ppo_epochs)
 
     # ---- weight sync ----------------------------------------------------------------------
 

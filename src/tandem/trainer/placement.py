@@ -3,6 +3,8 @@ training device, and pick the torch.distributed rendezvous on rank 0's node."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 from typing import Any
 
@@ -14,6 +16,7 @@ from tandem.config.schema import TandemConfig
 from tandem.serving.replica import actor_resources, resolve_ready
 from tandem.training.fsdp import rendezvous_address
 
+logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 600.0
 
 
@@ -39,6 +42,40 @@ def standalone_rollout_devices(config: TandemConfig) -> int:
     if config.trainer.trainer_mode != "separate_async":
         return 0
     return config.rollout.nnodes * config.rollout.n_gpus_per_node
+
+
+def torch_threads(config: TandemConfig, cores: int | None = None) -> tuple[int, int]:
+    """(torch threads of each training worker, of each standalone rollout server).
+
+    A set value (actor.torch_threads, rollout.torch_threads) is used as is; 0 ("auto") gives
+    each such process an even share of the cores of this machine (`cores`) that the set values
+    leave. The processes that compute at the same time share: in separate_async the training
+    workers and the standalone servers; otherwise only the training workers, whose own rollout
+    engine alternates with training in the same process.
+    """
+    cores = cores or len(os.sched_getaffinity(0))
+    workers, servers = config.trainer.n_devices, standalone_rollout_devices(config)
+    actor, rollout = config.actor.torch_threads, config.rollout.torch_threads
+    unset = (0 if actor else workers) + (0 if rollout or not servers else servers)
+    share = max(1, (cores - workers * actor - servers * rollout) // max(unset, 1))
+    return actor or share, rollout or share
+
+
+async def log_torch_threads(config: TandemConfig, workers: list[Any], manager: Any) -> None:
+    """Log once the torch threads each process reports: where every worker trains and where
+    every rollout engine steps (a hybrid worker's own engine included); warn when the
+    processes computing at the same time ask for more threads than the machine has cores."""
+    training = list(await asyncio.gather(*(worker.training_threads.remote() for worker in workers)))
+    engines = [info.torch_threads for replica in manager.replicas.values() for info in replica.infos]
+    cores = len(os.sched_getaffinity(0))
+    separate = config.trainer.trainer_mode == "separate_async"
+    logger.info("torch threads (%d cores here, trainer_mode=%s): training %s, rollout engines %s; %s",
+                cores, config.trainer.trainer_mode, training, engines,
+                "both run at the same time" if separate else "each worker alternates generation and training")
+    busy = sum(training) + (sum(engines) if separate else 0)
+    if busy > cores and cluster_address(config) is None:  # on a cluster the processes spread over nodes
+        logger.warning("%d torch threads compute at the same time on %d cores: OpenMP threads will "
+                       "preempt each other; lower actor.torch_threads / rollout.torch_threads", busy, cores)
 
 
 def device_bundle(config: TandemConfig) -> dict[str, float]:

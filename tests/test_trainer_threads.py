@@ -1,0 +1,93 @@
+"""Issue 17, threads: each process's torch thread count from the cores it owns (hybrid: the
+worker's engine and its training alternate, so both take all of them; separate_async: training
+and the standalone servers run at once and split them), set against Ray's OMP_NUM_THREADS=1,
+and training run in a thread that exits, so no second OpenMP team outlives it beside the
+engine's."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+
+from tandem.config.load import ConfigError, load_config
+from tandem.rollout.native import NativeRollout
+from tandem.trainer.hybrid_worker import HybridWorkerActor
+from tandem.trainer.placement import torch_threads
+
+SEPARATE = ["trainer.trainer_mode=separate_async", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
+            "rollout.checkpoint_engine.backend=shm", "data.train_batch_size=8"]
+
+
+def test_auto_threads_give_each_concurrent_process_its_share_of_the_cores():
+    # hybrid: one worker per device, its engine alternating with training in the same process
+    assert torch_threads(load_config(), cores=16)[0] == 16
+    assert torch_threads(load_config(overrides=["trainer.n_devices=2", "actor.fsdp_size=2"]), cores=16)[0] == 8
+    # separate_async: 1 training worker and 1 standalone server compute at the same time
+    assert torch_threads(load_config(overrides=SEPARATE), cores=16) == (8, 8)
+    # a set count is kept; auto takes what it leaves
+    assert torch_threads(load_config(overrides=SEPARATE + ["actor.torch_threads=4"]), cores=16) == (4, 12)
+    assert torch_threads(load_config(overrides=SEPARATE + ["rollout.torch_threads=10"]), cores=16) == (6, 10)
+    assert torch_threads(load_config(overrides=SEPARATE + ["actor.torch_threads=3", "rollout.torch_threads=5"]),
+                         cores=16) == (3, 5)
+    # never below one thread, even with more processes than cores
+    assert torch_threads(load_config(overrides=["trainer.n_devices=4", "actor.fsdp_size=4"]), cores=2)[0] == 1
+    assert torch_threads(load_config(overrides=SEPARATE + ["actor.torch_threads=8"]), cores=2) == (8, 1)
+
+
+def test_rollout_threads_outside_separate_async_are_a_config_error():
+    with pytest.raises(ConfigError, match=r"rollout.torch_threads: is 2, but in trainer_mode=sync the rollout "
+                                          r"engine runs inside the training workers, whose threads are "
+                                          r"actor.torch_threads; set rollout.torch_threads=0"):
+        load_config(overrides=["rollout.torch_threads=2"])
+    with pytest.raises(ConfigError, match=r"actor.torch_threads: is -1; must be >= 0"):
+        load_config(overrides=["actor.torch_threads=-1"])
+    assert load_config(overrides=SEPARATE + ["rollout.torch_threads=2"]).rollout.torch_threads == 2
+
+
+def _training_threads_alive(worker) -> list[str]:  # runs inside the worker (Ray's __ray_call__)
+    """Threads that ran training work: asyncio.to_thread's pool ("asyncio_N") or _compute's."""
+    return [t.name for t in threading.enumerate() if t.name.startswith(("asyncio", "train-"))]
+
+
+def test_hybrid_worker_trains_and_generates_on_all_its_threads(ray_cluster):
+    """A worker on a 1-CPU bundle (Ray sets OMP_NUM_THREADS=1 there) told to use 2 threads:
+    the engine's thread and the training thread both report 2, and once a training-side call
+    returned no thread of it stays alive (asyncio.to_thread's pool kept one, with its OpenMP
+    team, beside the engine's)."""
+    config = load_config(overrides=["model.path=tiny:qwen2", "rollout.kv_cache_memory_bytes=8388608"])
+    worker = HybridWorkerActor.options(num_cpus=1).remote(config, 0, 1, None, 10, None, 2)
+    try:
+        info = ray.get(worker.start.remote(NativeRollout, str(_tiny_path()), config.rollout), timeout=300)
+        assert info.torch_threads == 2
+        assert ray.get(worker.training_threads.remote()) == 2
+        out = ray.get(worker.compute_log_prob.remote(_batch()))
+        assert out["log_probs"].shape == (5,)
+        for _ in range(100):  # the thread exits just after handing its result over
+            alive = ray.get(worker.__ray_call__.remote(_training_threads_alive))
+            if not alive:
+                break
+            time.sleep(0.05)
+        assert alive == []
+    finally:
+        ray.kill(worker)
+
+
+def _tiny_path():
+    from tandem.models.tiny import resolve_model_path
+
+    return resolve_model_path("tiny:qwen2")
+
+
+def _batch():
+    import torch
+
+    from tandem.batch.jagged import trajectories_to_batch
+    from tandem.batch.trajectory import Trajectory
+
+    return trajectories_to_batch([Trajectory(prompts=torch.tensor([5, 6, 7]), responses=torch.tensor([8, 9, 10, 11, 12]),
+                                             response_mask=torch.ones(5, dtype=torch.long),
+                                             rollout_log_probs=torch.zeros(5), min_global_steps=0,
+                                             max_global_steps=0)])
