@@ -70,9 +70,10 @@ class HybridWorker(RolloutServer):
         "Threads")."""
         return await run_in_fresh_thread(functools.partial(function, *args, **kwargs), f"train-{self.rank}")
 
-    async def training_threads(self) -> int:
-        """torch.get_num_threads() where this worker's training runs (the engine's is in info())."""
-        return await self._compute(torch.get_num_threads)
+    async def torch_threads(self) -> dict[str, int]:
+        """torch.get_num_threads() on the event loop's thread, where the engine steps, and on a
+        training thread."""
+        return {"engine": torch.get_num_threads(), "training": await self._compute(torch.get_num_threads)}
 
     # ---- log-probabilities and values (the batch is this worker's shard) ------------------
 

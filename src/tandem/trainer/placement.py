@@ -62,16 +62,20 @@ def torch_threads(config: TandemConfig, cores: int | None = None) -> tuple[int, 
 
 
 async def log_torch_threads(config: TandemConfig, workers: list[Any], manager: Any) -> None:
-    """Log once the torch threads each process reports: where every worker trains and where
-    every rollout engine steps (a hybrid worker's own engine included); warn when the
-    processes computing at the same time ask for more threads than the machine has cores."""
-    training = list(await asyncio.gather(*(worker.training_threads.remote() for worker in workers)))
-    engines = [info.torch_threads for replica in manager.replicas.values() for info in replica.infos]
-    cores = len(os.sched_getaffinity(0))
+    """Log once the torch threads each process reports (every worker's engine and training
+    threads, every standalone server's engine thread); warn when the processes computing at
+    the same time ask for more threads than this machine has cores."""
+    hybrid = list(await asyncio.gather(*(worker.torch_threads.remote() for worker in workers)))
+    training = [threads["training"] for threads in hybrid]
     separate = config.trainer.trainer_mode == "separate_async"
+    if separate:
+        engines = [info.torch_threads for replica in manager.replicas.values() for info in replica.infos]
+    else:
+        engines = [threads["engine"] for threads in hybrid]
+    cores = len(os.sched_getaffinity(0))
     logger.info("torch threads (%d cores here, trainer_mode=%s): training %s, rollout engines %s; %s",
                 cores, config.trainer.trainer_mode, training, engines,
-                "both run at the same time" if separate else "each worker alternates generation and training")
+                "both at the same time" if separate else "each worker alternates generation and training")
     busy = sum(training) + (sum(engines) if separate else 0)
     if busy > cores and cluster_address(config) is None:  # on a cluster the processes spread over nodes
         logger.warning("%d torch threads compute at the same time on %d cores: OpenMP threads will "
