@@ -66,7 +66,7 @@ class HybridWorker(RolloutServer):
     async def _compute(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run training-side torch work off the event loop, in a thread that exits when it
         returns: a pooled thread (asyncio.to_thread) would keep its OpenMP team alive beside the
-        engine's, and two teams on the same cores slow every engine step (docs/training.md,
+        engine's, and two teams on the same cores slow every engine step (docs/trainer.md,
         "Threads")."""
         return await run_in_fresh_thread(functools.partial(function, *args, **kwargs), f"train-{self.rank}")
 

@@ -126,6 +126,6 @@ def micro_batch_token_budget(config: TandemConfig, hf_config: Mapping[str, Any],
         raise ValueError(f"actor.micro_batch_memory_gb: is {actor.micro_batch_memory_gb:g}, which holds the "
                          f"estimated activations of {fits} tokens of {config.model.path} ({config.model.dtype}), "
                          f"fewer than the longest trajectory rollout.prompt_length + rollout.response_length "
-                         f"= {longest}; raise it to at least {math.ceil(needed / GB * 100) / 100:g} (or set "
+                         f"= {longest}; raise it to at least {math.ceil(needed / 10**6) / 1000:g} (or set "
                          "it to 0 to size micro-batches by actor.ppo_max_token_len_per_micro_batch alone)")
     return min(actor.ppo_max_token_len_per_micro_batch, fits)
