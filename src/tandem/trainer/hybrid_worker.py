@@ -11,7 +11,7 @@ actor is sharded with FSDP2; each worker still hosts a full rollout engine (roll
 
 from __future__ import annotations
 
-import functools
+import asyncio
 from typing import Any, Callable, TypeVar
 
 import ray
@@ -64,11 +64,10 @@ class HybridWorker(RolloutServer):
     # ---- threads -------------------------------------------------------------------------
 
     async def _compute(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run training-side torch work off the event loop, in a thread that exits when it
-        returns: a pooled thread (asyncio.to_thread) would keep its OpenMP team alive beside the
-        engine's, and two teams on the same cores slow every engine step (docs/trainer.md,
-        "Threads")."""
-        return await run_in_fresh_thread(functools.partial(function, *args, **kwargs), f"train-{self.rank}")
+        """Run training-side torch work off the event loop, in asyncio's thread pool. (A thread
+        per call, which leaves no second OpenMP team beside the engine's, made generation and
+        sync several times slower in 2 of 3 SmolLM2 runs, unexplained: docs/trainer.md, "Threads".)"""
+        return await asyncio.to_thread(function, *args, **kwargs)
 
     async def torch_threads(self) -> dict[str, int]:
         """torch.get_num_threads() on the event loop's thread, where the engine steps, and on a
