@@ -4,6 +4,7 @@ vs TRL's GRPOTrainer on the same GRPO job, in one run.
     .venv/bin/python bench/rl_step.py                      # tandem, then TRL if .venv-trl exists
     .venv/bin/python bench/rl_step.py --steps 5 --no-trl   # tandem alone: per-phase times
     .venv/bin/python bench/rl_step.py --logits-memory      # peak memory: full vs chunked logits
+    .venv/bin/python bench/rl_step.py --micro-batch-memory 0.5 1  # estimate vs peak of budgets
     .venv-trl/bin/python bench/rl_step.py --hf-check       # plain HF speed in a venv (PYTHONPATH=src)
 
 Job (issue 17): the `easy` sums task, 4 prompts x 4 completions per step, 96-token prompts,
@@ -242,6 +243,66 @@ def logits_memory() -> None:
           "chunked/full peak memory of the smollm2 LM head, 768 response tokens")
 
 
+def micro_batch_memory_child(memory_gb: float) -> None:
+    """One actor forward + backward (log-probs + entropy, packed) of 96 + 48-token sequences
+    filling the token budget that actor.micro_batch_memory_gb=`memory_gb` derives for SmolLM2
+    (fp32). A warm-up step allocates the parameter gradients first, so the peak RSS growth is
+    what the micro-batch itself adds. Prints tokens, the estimate and the peak."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.batch.jagged import trajectories_to_batch
+    from tandem.batch.trajectory import Trajectory
+    from tandem.models.smollm2 import smollm2_path
+    from tandem.training.forward import actor_forward
+    from tandem.training.lm_head import DEFAULT_CHUNK_BYTES
+    from tandem.training.memory_budget import GB, ModelShape, activation_bytes, tokens_for_memory
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
+    shape = ModelShape.from_hf_config(model.config.to_dict())
+    tokens = tokens_for_memory(int(memory_gb * GB), shape, 4, False, DEFAULT_CHUNK_BYTES)
+    generator = torch.Generator().manual_seed(0)
+
+    def batch(lengths: list[int]):
+        return trajectories_to_batch([
+            Trajectory(prompts=torch.randint(10, 40000, (length - length // 3,), generator=generator),
+                       responses=torch.randint(10, 40000, (length // 3,), generator=generator),
+                       response_mask=torch.ones(length // 3, dtype=torch.long),
+                       rollout_log_probs=torch.zeros(length // 3), min_global_steps=0, max_global_steps=0)
+            for length in lengths])
+
+    def step(micro_batch) -> None:
+        out = actor_forward(model, micro_batch, True, 1.0, calculate_entropy=True)
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+
+    step(batch([16]))
+    model.zero_grad(set_to_none=False)  # keep the gradients' memory: it is not the micro-batch's
+    lengths = [144] * (tokens // 144) + ([tokens % 144] if tokens % 144 >= 3 else [])
+    micro_batch = batch(lengths)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_kib("VmRSS")
+    started = time.perf_counter()
+    step(micro_batch)
+    print(json.dumps({"tokens": sum(lengths), "estimate": activation_bytes(shape, 4, sum(lengths), False, DEFAULT_CHUNK_BYTES),
+                      "peak": (_status_kib("VmHWM") - before) * 1024, "seconds": time.perf_counter() - started}))
+
+
+def micro_batch_memory(budgets: list[float]) -> None:
+    """Each budget in a fresh process (glibc set up as in logits_memory): the derived token
+    budget, the estimated activation bytes and the measured peak RSS growth."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT / "src")}
+    ratios = []
+    for memory_gb in budgets:
+        output = subprocess.run([sys.executable, __file__, "--micro-batch-memory-child", str(memory_gb)],
+                                check=True, capture_output=True, text=True, env=env).stdout
+        result = json.loads(output.strip().splitlines()[-1])
+        ratios.append(result["peak"] / result["estimate"])
+        print(f"actor.micro_batch_memory_gb={memory_gb:g}: {result['tokens']} tokens, estimate "
+              f"{result['estimate'] / 2**20:.1f} MiB, measured peak RSS growth {result['peak'] / 2**20:.1f} MiB "
+              f"({ratios[-1]:.2f}x), forward+backward {result['seconds']:.1f} s", flush=True)
+    print(f"RATIO {max(ratios):.2f} measured/estimated micro-batch memory, smollm2 fp32 packed (max over budgets)")
+
+
 def hf_check() -> None:
     """Plain HF work in whichever venv runs this script (compare .venv with .venv-trl, and the
     box's state): one forward + backward of 16 x 88 tokens, one greedy generate of 16 x 48."""
@@ -278,6 +339,9 @@ def main() -> None:
     parser.add_argument("--no-trl", action="store_true", help="tandem alone, even if .venv-trl exists")
     parser.add_argument("--logits-memory", action="store_true", help="peak memory: full vs chunked logits")
     parser.add_argument("--hf-check", action="store_true", help="time plain HF work in this venv")
+    parser.add_argument("--micro-batch-memory", type=float, nargs="+", metavar="GB",
+                        help="peak memory of micro-batches sized by actor.micro_batch_memory_gb")
+    parser.add_argument("--micro-batch-memory-child", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--logits-memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--trl-run", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -291,6 +355,10 @@ def main() -> None:
         return logits_memory()
     if args.hf_check:
         return hf_check()
+    if args.micro_batch_memory_child is not None:
+        return micro_batch_memory_child(args.micro_batch_memory_child)
+    if args.micro_batch_memory:
+        return micro_batch_memory(args.micro_batch_memory)
 
     from tandem.demo.tasks import make_datasets
     from tandem.models.smollm2 import smollm2_path

@@ -15,20 +15,26 @@ from typing import Any
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def model_shape(path: str) -> dict[str, int] | None:
-    """layers, kv_heads, head_dim and max_positions of model.path, or None when unknown here."""
+def hf_config(path: str) -> dict[str, Any] | None:
+    """model.path's config.json as a dict (a tiny model's from its spec; its vocabulary is at
+    most the tokenizer's), or None when unknown here."""
     if path.startswith("tiny:"):
         from tandem.models.tiny import TinyModelSpec
 
         spec = TinyModelSpec(architecture=path.split(":", 1)[1])
-        return {"layers": spec.num_hidden_layers, "kv_heads": spec.num_key_value_heads,
-                "head_dim": spec.hidden_size // spec.num_attention_heads,
-                "max_positions": spec.max_position_embeddings}
+        return {"num_hidden_layers": spec.num_hidden_layers, "num_attention_heads": spec.num_attention_heads,
+                "num_key_value_heads": spec.num_key_value_heads, "hidden_size": spec.hidden_size,
+                "intermediate_size": spec.intermediate_size,
+                "vocab_size": spec.vocab_size or spec.tokenizer_vocab_size,
+                "max_position_embeddings": spec.max_position_embeddings}
     config_file = Path(path).expanduser() / "config.json"
-    if not config_file.is_file():
-        return None
-    hf: dict[str, Any] = json.loads(config_file.read_text())
-    heads = hf.get("num_attention_heads")
+    return json.loads(config_file.read_text()) if config_file.is_file() else None
+
+
+def model_shape(path: str) -> dict[str, int] | None:
+    """layers, kv_heads, head_dim and max_positions of model.path, or None when unknown here."""
+    hf = hf_config(path)
+    heads = hf.get("num_attention_heads") if hf is not None else None
     if not heads or "num_hidden_layers" not in hf:
         return None
     return {"layers": hf["num_hidden_layers"], "kv_heads": hf.get("num_key_value_heads") or heads,

@@ -14,7 +14,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from tandem.config.kv_budget import kv_budget_problem
+from tandem.config.kv_budget import hf_config, kv_budget_problem
 from tandem.config.ranges import out_of_range
 from tandem.config.schema import RolloutConfig, RolloutCorrectionConfig, TandemConfig
 from tandem.types import TEMPERATURE_FLOOR
@@ -223,6 +223,8 @@ def validate(config: TandemConfig) -> None:
         _fail("actor.ppo_max_token_len_per_micro_batch", f"is {actor.ppo_max_token_len_per_micro_batch}, "
               f"below the longest trajectory rollout.prompt_length + rollout.response_length = {longest}; "
               f"raise it to at least {longest}")
+    if actor.micro_batch_memory_gb:
+        _check_memory_budget(config)
 
     algorithm = config.algorithm
     _choice("algorithm.adv_estimator", algorithm.adv_estimator, ADV_ESTIMATORS)
@@ -281,12 +283,36 @@ def validate(config: TandemConfig) -> None:
                   f"needs train_batch_size == trainer.separate_async.parameter_sync_step ({sync_step})"
                   f" x actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) = "
                   f"{sync_step * actor.ppo_mini_batch_size}")
+    elif rollout.torch_threads:
+        _fail("rollout.torch_threads", f"is {rollout.torch_threads}, but in trainer_mode="
+              f"{trainer.trainer_mode} the rollout engine runs inside the training workers, whose "
+              "threads are actor.torch_threads; set rollout.torch_threads=0")
     async_rollout = trainer.async_rollout
     _choice("trainer.async_rollout.on_stale", async_rollout.on_stale, ("drop", "regenerate"))
     if async_rollout.buffer_groups and async_rollout.buffer_groups < config.data.train_batch_size:
         _fail("trainer.async_rollout.buffer_groups", f"is {async_rollout.buffer_groups}, fewer than "
               f"data.train_batch_size={config.data.train_batch_size}: a step could never fill its "
               "batch. Raise it (or 0 for 2 x train_batch_size)")
+
+
+def _check_memory_budget(config: TandemConfig) -> None:
+    """actor.micro_batch_memory_gb must hold the longest trajectory, when the model's shape is
+    known here (the engine checks again with the loaded model: a head with softcapping or logit
+    scaling takes the full-logits path, as an FSDP-sharded one does)."""
+    from tandem.training.memory_budget import micro_batch_token_budget
+
+    if not config.actor.use_remove_padding:
+        _fail("actor.micro_batch_memory_gb", "sizes packed micro-batches, but actor.use_remove_padding="
+              "false: a padded forward also holds its padding tokens, which the estimate cannot bound. "
+              "Set actor.use_remove_padding=true, or actor.micro_batch_memory_gb=0 and size "
+              "micro-batches with actor.ppo_max_token_len_per_micro_batch")
+    hf = hf_config(config.model.path)
+    if hf is None:
+        return
+    try:
+        micro_batch_token_budget(config, hf, full_logits=config.actor.fsdp_size > 1)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _kl_type(field_name: str, value: str) -> None:

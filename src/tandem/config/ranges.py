@@ -29,6 +29,7 @@ RANGES: dict[str, str] = {
     "rollout.block_size": "[1, inf)",
     "rollout.seed": "[0, inf)",
     "rollout.agent_concurrency": "[1, inf)",
+    "rollout.torch_threads": "[0, inf)",  # 0: auto
     "rollout.nnodes": "[0, inf)",
     "rollout.n_gpus_per_node": "[0, inf)",
     "rollout.val_kwargs.n": "[1, inf)",
@@ -50,6 +51,8 @@ RANGES: dict[str, str] = {
     "actor.ppo_mini_batch_size": "[1, inf)",
     "actor.ppo_epochs": "[1, inf)",
     "actor.ppo_max_token_len_per_micro_batch": "[1, inf)",
+    "actor.micro_batch_memory_gb": "[0, inf)",  # 0: off
+    "actor.torch_threads": "[0, inf)",  # 0: auto
     "actor.clip_ratio_low": "[0, 1)",  # the ratio's lower clip 1 - low must stay > 0
     "actor.clip_ratio_high": "[0, inf)",
     "actor.clip_ratio_c": "(1, inf)",  # dual clip

@@ -109,6 +109,7 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     openai_agent: OpenAIAgentConfig = field(default_factory=OpenAIAgentConfig)
     agent_concurrency: int = 64  # agent-loop sessions in flight at once
+    torch_threads: int = 0  # CPU threads of each standalone rollout server (separate_async); 0: auto
     # Devices of a standalone rollout pool (separate_async); 0 means "share the actor's".
     nnodes: int = 0
     n_gpus_per_node: int = 0
@@ -134,6 +135,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = 8  # in prompts x n trajectories: see docs/training.md
     ppo_epochs: int = 1
     ppo_max_token_len_per_micro_batch: int = 4096  # micro-batches by token budget
+    # > 0: also fit each micro-batch's estimated activations in this many GB (1e9 bytes); the
+    # smaller of the two budgets wins (docs/training.md, "Micro-batches")
+    micro_batch_memory_gb: float = 0.0
     use_remove_padding: bool = True
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
@@ -146,6 +150,7 @@ class ActorConfig:
     # k1 (kl) | abs | k2 (mse) | k3 (low_var_kl); a trailing "+" backpropagates k2's gradient
     kl_loss_type: str = "low_var_kl"
     fsdp_size: int = 1  # data-parallel processes; 1 = no sharding
+    torch_threads: int = 0  # CPU threads of each training worker and its hybrid engine; 0: auto
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 

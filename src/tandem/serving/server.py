@@ -49,6 +49,7 @@ class ServerInfo:
     placement_group_id: str | None  # hex id when placed in a Ray placement group
     weight_version: int
     niceness: int  # CPU priority of the process (Ray's default for workers is 15)
+    torch_threads: int  # torch.get_num_threads() of the engine's thread
 
     @property
     def address(self) -> str:
@@ -114,7 +115,7 @@ class RolloutServer:
             placement_group_id = ray.get_runtime_context().get_placement_group_id()
         return ServerInfo(self.server_id, type(self.backend).__name__,
                           ray.util.get_node_ip_address(), os.getpid(), placement_group_id,
-                          self.backend.weight_version, os.nice(0))
+                          self.backend.weight_version, os.nice(0), torch.get_num_threads())
 
     def stats(self) -> dict[str, Any]:
         """Server counters (requests by outcome, tokens returned) plus the backend's own."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 import ray
 import torch
@@ -29,6 +29,8 @@ from tandem.weight_sync.base import CheckpointEngine, SyncPlan
 from tandem.weight_sync.participants import (checkpoint_engine_name, make_checkpoint_engine,
                                              run_in_fresh_thread, send_from)
 
+T = TypeVar("T")
+
 
 def needs_reference(config: TandemConfig) -> bool:
     """A frozen reference is loaded when a KL term needs it (or ref.enable is set)."""
@@ -43,7 +45,7 @@ class HybridWorker(RolloutServer):
                  critic_total_steps: int | None = None, torch_threads: int | None = None) -> None:
         quiet_libraries()
         self._init_rollout_server(f"hybrid-{rank}", pause_timeout_s=3600.0, drain_timeout_s=60.0)
-        if torch_threads is not None:
+        if torch_threads is not None:  # before any torch work: every thread of the process takes it
             torch.set_num_threads(torch_threads)
         if world_size > 1:
             from tandem.training.fsdp import init_process_group
@@ -66,12 +68,24 @@ class HybridWorker(RolloutServer):
         # parameter versions then; while they stand, a version-0 sync would copy equal weights
         self._engine_matches_actor_at: list[int] | None = None
 
+    # ---- threads -------------------------------------------------------------------------
+
+    async def _compute(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run training-side torch work off the event loop, in asyncio's thread pool. (A thread
+        per call, which leaves no second OpenMP team beside the engine's, made generation and
+        sync several times slower in 2 of 3 SmolLM2 runs, unexplained: docs/trainer.md, "Threads".)"""
+        return await asyncio.to_thread(function, *args, **kwargs)
+
+    async def torch_threads(self) -> dict[str, int]:
+        """torch.get_num_threads() on the event loop's thread, where the engine steps, and on a
+        training thread."""
+        return {"engine": torch.get_num_threads(), "training": await self._compute(torch.get_num_threads)}
+
     # ---- log-probabilities and values (the batch is this worker's shard) ------------------
 
     async def compute_log_prob(self, batch: TensorDict, calculate_entropy: bool = False) -> dict[str, torch.Tensor]:
         """Actor re-forward: {"log_probs": [sum R_i], "entropy": ...} (old_log_probs)."""
-        out = await asyncio.to_thread(self.actor.compute_log_prob, batch, self._temperature(),
-                                      calculate_entropy)
+        out = await self._compute(self.actor.compute_log_prob, batch, self._temperature(), calculate_entropy)
         return {"log_probs": out.log_probs, **({"entropy": out.entropy} if calculate_entropy else {})}
 
     async def compute_ref_log_prob(self, batch: TensorDict) -> torch.Tensor:
@@ -79,12 +93,12 @@ class HybridWorker(RolloutServer):
         if self.reference is None:
             raise RuntimeError("no reference model: set ref.enable, actor.use_kl_loss or "
                                "algorithm.use_kl_in_reward")
-        out = await asyncio.to_thread(self.reference.compute_log_prob, batch, self._temperature())
+        out = await self._compute(self.reference.compute_log_prob, batch, self._temperature())
         return out.log_probs
 
     async def compute_values(self, batch: TensorDict) -> torch.Tensor:
         """Critic forward: [sum R_i]."""
-        out = await asyncio.to_thread(self.critic.compute_values, batch)
+        out = await self._compute(self.critic.compute_values, batch)
         return out.values
 
     def _temperature(self) -> float:
@@ -100,7 +114,7 @@ class HybridWorker(RolloutServer):
         from tandem.trainer.ppo import actor_loss_fn
 
         self._engine_matches_actor_at = None
-        return await asyncio.to_thread(
+        return await self._compute(
             self.actor.update, batch, actor_loss_fn(self.config), mini_batch_size,
             self.config.actor.ppo_epochs, temperature=self._temperature(),
             calculate_entropy=bool(self.config.actor.entropy_coeff))
@@ -111,7 +125,7 @@ class HybridWorker(RolloutServer):
         from tandem.trainer.ppo import actor_loss_fn
 
         self._engine_matches_actor_at = None
-        metrics, old = await asyncio.to_thread(
+        metrics, old = await self._compute(
             self.actor.update_on_policy, batch, actor_loss_fn(self.config), temperature=self._temperature(),
             calculate_entropy=bool(self.config.actor.entropy_coeff))
         return {"metrics": metrics, "log_probs": old.log_probs, "entropy": old.entropy}
@@ -120,8 +134,8 @@ class HybridWorker(RolloutServer):
         """Value-function epochs over this shard."""
         from tandem.trainer.ppo import critic_loss_fn
 
-        return await asyncio.to_thread(self.critic.update, batch, critic_loss_fn(self.config),
-                                       mini_batch_size, self.config.critic.ppo_epochs)
+        return await self._compute(self.critic.update, batch, critic_loss_fn(self.config),
+                                   mini_batch_size, self.config.critic.ppo_epochs)
 
     # ---- weight sync ----------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ at module level, so `tandem train` can start Ray before it imports the rest."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.config.schema import TandemConfig
 
+logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 600.0
 TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
@@ -74,6 +76,44 @@ def standalone_rollout_devices(config: TandemConfig) -> int:
     if config.trainer.trainer_mode != "separate_async":
         return 0
     return config.rollout.nnodes * config.rollout.n_gpus_per_node
+
+
+def torch_threads(config: TandemConfig, cores: int | None = None) -> tuple[int, int]:
+    """(torch threads of each training worker, of each standalone rollout server).
+
+    A set value (actor.torch_threads, rollout.torch_threads) is used as is; 0 ("auto") gives
+    each such process an even share of the cores of this machine (`cores`) that the set values
+    leave. The processes that compute at the same time share: in separate_async the training
+    workers and the standalone servers; otherwise only the training workers, whose own rollout
+    engine alternates with training in the same process.
+    """
+    cores = cores or len(os.sched_getaffinity(0))
+    workers, servers = config.trainer.n_devices, standalone_rollout_devices(config)
+    actor, rollout = config.actor.torch_threads, config.rollout.torch_threads
+    unset = (0 if actor else workers) + (0 if rollout or not servers else servers)
+    share = max(1, (cores - workers * actor - servers * rollout) // max(unset, 1))
+    return actor or share, rollout or share
+
+
+async def log_torch_threads(config: TandemConfig, workers: list[Any], manager: Any) -> None:
+    """Log once the torch threads each process reports (every worker's engine and training
+    threads, every standalone server's engine thread); warn when the processes computing at
+    the same time ask for more threads than this machine has cores."""
+    hybrid = list(await asyncio.gather(*(worker.torch_threads.remote() for worker in workers)))
+    training = [threads["training"] for threads in hybrid]
+    separate = config.trainer.trainer_mode == "separate_async"
+    if separate:
+        engines = [info.torch_threads for replica in manager.replicas.values() for info in replica.infos]
+    else:
+        engines = [threads["engine"] for threads in hybrid]
+    cores = len(os.sched_getaffinity(0))
+    logger.info("torch threads (%d cores here, trainer_mode=%s): training %s, rollout engines %s; %s",
+                cores, config.trainer.trainer_mode, training, engines,
+                "both at the same time" if separate else "each worker alternates generation and training")
+    busy = sum(training) + (sum(engines) if separate else 0)
+    if busy > cores and cluster_address(config) is None:  # on a cluster the processes spread over nodes
+        logger.warning("%d torch threads compute at the same time on %d cores: OpenMP threads will "
+                       "preempt each other; lower actor.torch_threads / rollout.torch_threads", busy, cores)
 
 
 def device_bundle(config: TandemConfig) -> dict[str, float]:

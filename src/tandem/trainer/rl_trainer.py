@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -88,21 +87,20 @@ class RLTrainer:
         config = self.config
         n = config.trainer.n_devices
         separate = config.trainer.trainer_mode == "separate_async"
-        rollout_devices = placement.standalone_rollout_devices(config)
         if not ray.is_initialized():
             placement.init_ray(config)
         self.startup.mark("ray")
         self.placement_group = await placement.reserve_devices(config)
-        threads = max(1, (os.cpu_count() or 1) // (n + rollout_devices))
+        worker_threads, server_threads = placement.torch_threads(config)
         init_method = await placement.rank0_rendezvous(self.placement_group) if n > 1 else None
         bundle = placement.device_bundle(config)
         self.workers = [HybridWorkerActor.options(**placement.in_bundle(self.placement_group, rank, bundle)).remote(
             config, rank, n, init_method, self.total_optimizer_steps(config.actor.ppo_epochs),
-            self.total_optimizer_steps(config.critic.ppo_epochs), threads) for rank in range(n)]
+            self.total_optimizer_steps(config.critic.ppo_epochs), worker_threads) for rank in range(n)]
         await asyncio.gather(*(worker.ping.remote() for worker in self.workers))
         self.startup.mark("workers")
         options = ServerOptions(model_path=str(self.model_path), dtype=config.model.dtype,
-                                device=config.model.device)
+                                device=config.model.device, torch_threads=server_threads)
         if separate:  # on CPU a device is one core (a Ray bundle of 1 CPU)
             self.manager = await ServerManager.create(config.rollout, options, "standalone")
             self.weight_sync = WeightSyncManager(self.workers, self.manager,
@@ -110,6 +108,7 @@ class RLTrainer:
         else:
             self.manager = await ServerManager.create(config.rollout, options, "hybrid",
                                                       hosts=self.workers)
+        await placement.log_torch_threads(config, self.workers, self.manager)
         self.startup.mark("servers")
         reward_fn = self._reward_fn if config.reward.placement == "agent_loop" else None
         self.runner = AgentLoopRunner.from_tokenizer(self.client(), self.tokenizer, config.rollout,

@@ -9,6 +9,7 @@ not depend on how the mini-batch was cut, nor on the number of ranks.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -24,9 +25,12 @@ from tandem.training import checkpoint
 from tandem.training.export import DeltaExporter, LocalShard, TensorDelta, iter_full_weights, iter_local_shards
 from tandem.training.forward import ForwardOutput, MiniBatchInfo, actor_forward, critic_forward
 from tandem.training.fsdp import all_reduce, dp_rank_and_size, shard_model
+from tandem.training.lm_head import plain_linear_head
+from tandem.training.memory_budget import micro_batch_token_budget
 from tandem.training.micro_batches import split_by_token_budget, split_into
 from tandem.training.optim import build_lr_scheduler, build_optimizer
 
+logger = logging.getLogger(__name__)
 ROLES = ("actor", "reference", "critic")
 LossFn = Callable[[TensorDict, ForwardOutput], tuple[torch.Tensor, dict[str, float]]]
 
@@ -88,7 +92,14 @@ class TrainingEngine:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
                                                          attn_implementation=attn_implementation)
             optim = config.actor.optim if role == "actor" else None
-        return cls(model, role, config.actor.ppo_max_token_len_per_micro_batch, config.actor.use_remove_padding,
+        # an FSDP-sharded or non-linear head takes the full logits path (forward.actor_forward)
+        full_logits = role != "critic" and (world_size > 1 or plain_linear_head(model) is None)
+        max_token_len = micro_batch_token_budget(config, model.config.to_dict(), full_logits)
+        if role == "actor" and config.actor.micro_batch_memory_gb and dp_rank_and_size()[0] == 0:
+            logger.info("actor micro-batches: at most %d tokens (actor.micro_batch_memory_gb=%g, "
+                        "actor.ppo_max_token_len_per_micro_batch=%d)", max_token_len,
+                        config.actor.micro_batch_memory_gb, config.actor.ppo_max_token_len_per_micro_batch)
+        return cls(model, role, max_token_len, config.actor.use_remove_padding,
                    optim, total_steps, config.model.device, config.trainer.on_nonfinite_loss)
 
     # ---- forward passes -------------------------------------------------------------------

@@ -17,8 +17,8 @@ def split_by_token_budget(lengths: torch.Tensor, max_tokens: int) -> list[torch.
     longest = int(lengths.max())
     if longest > max_tokens:
         raise ValueError(f"a sequence of {longest} tokens exceeds the micro-batch token budget "
-                         f"{max_tokens}; raise actor.ppo_max_token_len_per_micro_batch to at least "
-                         "rollout.prompt_length + rollout.response_length")
+                         f"{max_tokens}; raise actor.ppo_max_token_len_per_micro_batch (and actor.micro_batch_memory_gb "
+                         "when set) to hold rollout.prompt_length + rollout.response_length tokens")
     bins: list[list[int]] = []
     totals: list[int] = []
     for index in torch.argsort(lengths, descending=True, stable=True).tolist():
