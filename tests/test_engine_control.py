@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.config.schema import RolloutConfig
 from tandem.models import TinyModelSpec, build_tiny_model
-from tandem.rollout.engine.async_engine import all_finite
+from tandem.rollout.engine.weight_staging import all_finite
 from tandem.rollout.native import NativeRollout
 
 

@@ -29,6 +29,7 @@ from tandem.rollout.engine.model_runner import ModelRunner, torch_dtype
 from tandem.rollout.engine.sampler import sample
 from tandem.rollout.engine.scheduler import ScheduledSequence, Scheduler
 from tandem.rollout.engine.sequence import Sequence, SequenceStatus
+from tandem.rollout.engine.weight_staging import stage_weights, weight_key
 from tandem.types import SamplingParams, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -405,40 +406,9 @@ class AsyncEngine:
 
     def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
                       ) -> dict[str, torch.Tensor]:
-        """Copy the stream into fresh host tensors of the engine's dtype (packed linears' weights
-        straight into their packed layout), checking every name, shape, dtype and value (NaN/inf
-        rejected); the engine itself is not touched, so a stream that raises or a bad tensor
-        leaves it on its complete previous version. Reads only the weight shapes, so it may run
-        in another thread."""
-        shapes = self._accepted_shapes()
-        tied = getattr(self.runner.config, "tie_word_embeddings", False)
-        staged: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                key = name
-                if key not in shapes and tied and name == "lm_head.weight":
-                    key = "model.embed_tokens.weight"
-                shape = shapes.get(key)
-                if shape is None:
-                    raise ValueError(f"update_weights: unknown weight {name!r} (expected HF "
-                                     f"names such as {next(iter(shapes))!r})")
-                if tuple(tensor.shape) != tuple(shape):
-                    raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)},"
-                                     f" the model expects {tuple(shape)}")
-                if not tensor.is_floating_point():
-                    raise TypeError(f"update_weights: {name!r} has dtype {tensor.dtype}; "
-                                    "weights must be floating point")
-                if key in self.runner.packed_linears:  # packing copies: no dense copy first
-                    copy = tensor.detach().to("cpu", self.runner.dtype).contiguous()
-                else:
-                    # on the host even for CUDA engines: a staged full copy never doubles device memory
-                    copy = torch.empty(shape, dtype=self.runner.dtype).copy_(tensor)
-                if not all_finite(copy):
-                    raise ValueError(f"update_weights: {name!r} holds NaN or inf values (in "
-                                     f"{self.runner.dtype}); the engine keeps version "
-                                     f"{self.version}")
-                staged[key] = self.runner.stage_form(key, copy)
-        return staged
+        """Checked host copies of the stream (weight_staging.stage_weights); the engine itself is
+        not touched. Reads only the weight shapes, so it may run in another thread."""
+        return stage_weights(self.runner, self._accepted_shapes(), named_tensors, self.version)
 
     async def commit_weights(self, staged: Mapping[str, torch.Tensor], version: int) -> None:
         """Swap staged tensors (stage_weights) in under the step lock and stamp `version`."""
@@ -457,9 +427,8 @@ class AsyncEngine:
 
     def current_weight(self, name: str) -> torch.Tensor:
         """A host copy of the HF-named weight now served (packed linears unpacked)."""
-        if name not in self._accepted_shapes() and name == "lm_head.weight":
-            name = "model.embed_tokens.weight"  # tied: exported under the embedding's name
-        return self.runner.dense_weight(name).to("cpu", copy=True)
+        key = weight_key(name, self._accepted_shapes(), self.runner.config)
+        return self.runner.dense_weight(key).to("cpu", copy=True)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              version: int) -> None:
@@ -480,12 +449,6 @@ class AsyncEngine:
             await self.abort_all()
             self._task.cancel()
             self._task = None
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or inf in `tensor`. min and max propagate NaN, so one read pass without the
-    [numel] bool tensor of isfinite (which made it ~8x slower on CPU)."""
-    return tensor.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(tensor))).all())
 
 
 def _check_config(config: RolloutConfig) -> None:
