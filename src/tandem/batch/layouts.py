@@ -164,3 +164,105 @@ def from_dense(dense: DenseBatch) -> TensorDict:
     for name, values in dense.response_fields.items():
         fields[name] = make_field(values[attention[:, width:]], response_lengths)
     return TensorDict(fields, batch_size=[dense.prompts.shape[0]])
+
+
+@dataclass
+class AttentionRows:
+    """A packed row laid out again as `count` right-padded rows of `width` slots, for attention.
+
+    gather [count * width]: the packed token in each slot (padding slots take token 0: right
+    padding is never attended by a valid query); scatter [T]: the slot whose output each packed
+    token takes. Attention over the rows (causal) is attention within each sequence.
+    """
+
+    gather: torch.Tensor
+    scatter: torch.Tensor
+    count: int
+    width: int
+
+    def to(self, device: torch.device) -> "AttentionRows":
+        """The same rows with their index tensors on `device`."""
+        return AttentionRows(self.gather.to(device), self.scatter.to(device), self.count, self.width)
+
+
+@dataclass
+class SharedPromptBatch:
+    """Packed layout in which samples with the same prompt share one copy of it.
+
+    Each prompt group is [prompt | response_1 | ... | response_k] in one row [1, T], every
+    response positioned right after the prompt (positions P .. P+R-1), so the decoder computes
+    the prompt once per group instead of once per sample. `rows` lets attention see, for each
+    sample, its group's prompt followed by its own response. Forward outputs differ from the
+    plain packed layout only by float rounding; prompt gradients add up over the group.
+    """
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    rows: AttentionRows  # one row per sample, in prompt-group order
+    response_index: torch.Tensor  # [sum R_i] in batch order: the outputs predicting each response token
+    saved_tokens: int  # tokens of the plain packed row that sharing leaves out
+
+
+def prompt_groups(batch: TensorDict) -> torch.Tensor:
+    """[B] int64: for each sample, the index of the first sample with the same prompt tokens."""
+    prompts, starts = field_values(batch["prompts"]), field_offsets(batch["prompts"]).tolist()
+    first: dict[bytes, int] = {}
+    return torch.tensor([first.setdefault(prompts[start:end].numpy().tobytes(), i)
+                         for i, (start, end) in enumerate(zip(starts, starts[1:]))], dtype=torch.long)
+
+
+def to_shared_prompts(batch: TensorDict) -> SharedPromptBatch | None:
+    """Jagged batch -> SharedPromptBatch, or None when no two samples share a prompt or the
+    positions are not 0 .. L-1 per sample (then the plain packed layout does the same work)."""
+    prompt_lengths = field_lengths(batch["prompts"]).tolist()
+    response_lengths = field_lengths(batch["responses"]).tolist()
+    lengths = field_lengths(batch["input_ids"])
+    if min(prompt_lengths, default=0) < 1 or not bool(field_values(batch["position_ids"]).eq(ragged_ranges(torch.zeros_like(lengths), lengths)).all()):
+        return None
+    prompts, responses = field_values(batch["prompts"]), field_values(batch["responses"])
+    prompt_starts = field_offsets(batch["prompts"]).tolist()
+    response_starts = field_offsets(batch["responses"]).tolist()
+    groups: dict[int, list[int]] = {}
+    for i, group in enumerate(prompt_groups(batch).tolist()):
+        groups.setdefault(group, []).append(i)
+    if len(groups) == len(prompt_lengths):
+        return None
+    width = int(lengths.max())
+    ids, positions, gather, scatter, index = [], [], [], [], [None] * len(prompt_lengths)
+    cursor = 0
+    for members in groups.values():
+        owner, length = members[0], prompt_lengths[members[0]]
+        prompt_at = cursor
+        ids.append(prompts[prompt_starts[owner]:prompt_starts[owner] + length])
+        positions.append(torch.arange(length))
+        scatter.append(len(gather) * width + torch.arange(length))  # the owner's row computes it
+        cursor += length
+        for member in members:
+            count = response_lengths[member]
+            ids.append(responses[response_starts[member]:response_starts[member] + count])
+            positions.append(torch.arange(length, length + count))
+            row = torch.zeros(width, dtype=torch.long)
+            row[:length] = torch.arange(prompt_at, prompt_at + length)
+            row[length:length + count] = torch.arange(cursor, cursor + count)
+            scatter.append(len(gather) * width + length + torch.arange(count))
+            gather.append(row)
+            # the prompt's last token predicts the first response token, each response token the next
+            index[member] = torch.cat([torch.tensor([prompt_at + length - 1]),
+                                       torch.arange(cursor, cursor + max(count - 1, 0))])[:count]
+            cursor += count
+    total = int(lengths.sum())
+    return SharedPromptBatch(
+        input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions)[None],
+        rows=AttentionRows(torch.cat(gather), torch.cat(scatter), len(gather), width),
+        response_index=torch.cat(index), saved_tokens=total - cursor)
+
+
+def attention_rows(cu_seqlens: torch.Tensor) -> AttentionRows:
+    """The rows of a plain packed row: sequence s in row s (`cu_seqlens` [B+1] boundaries)."""
+    lengths = cu_seqlens.diff().long()
+    starts = cu_seqlens[:-1].long()
+    count, width, total = lengths.numel(), int(lengths.max()), int(cu_seqlens[-1])
+    sequence = torch.repeat_interleave(torch.arange(count), lengths, output_size=total)
+    scatter = sequence * width + torch.arange(total) - starts[sequence]
+    gather = torch.zeros(count * width, dtype=torch.long).index_copy(0, scatter, torch.arange(total))
+    return AttentionRows(gather, scatter, count, width)

@@ -139,6 +139,8 @@ class ActorConfig:
     # smaller of the two budgets wins (docs/training.md, "Micro-batches")
     micro_batch_memory_gb: float = 0.0
     use_remove_padding: bool = True
+    # packed forwards compute a prompt shared by several samples (GRPO's n) once (docs/training.md)
+    share_prompts: bool = True
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0  # dual clip; must be > 1

@@ -20,6 +20,7 @@ from tensordict import TensorDict
 
 from tandem.algorithms.aggregation import loss_normalizers
 from tandem.batch.jagged import field_lengths, padded_field, select_samples
+from tandem.batch.layouts import prompt_groups
 from tandem.config.schema import OptimConfig, TandemConfig
 from tandem.training import checkpoint
 from tandem.training.export import DeltaExporter, LocalShard, TensorDelta, iter_full_weights, iter_local_shards
@@ -29,6 +30,7 @@ from tandem.training.lm_head import plain_linear_head
 from tandem.training.memory_budget import micro_batch_token_budget
 from tandem.training.micro_batches import split_by_token_budget, split_into
 from tandem.training.optim import build_lr_scheduler, build_optimizer
+from tandem.training.packed_attention import uses_packed_sdpa
 
 logger = logging.getLogger(__name__)
 ROLES = ("actor", "reference", "critic")
@@ -44,8 +46,9 @@ class TrainingEngine:
 
     def __init__(self, model: torch.nn.Module, role: str, max_token_len: int, use_remove_padding: bool = True,
                  optim: OptimConfig | None = None, total_steps: int | None = None, device: str = "cpu",
-                 on_nonfinite_loss: str = "skip"):
-        """on_nonfinite_loss: "skip" drops a step whose loss is NaN/inf, "stop" raises."""
+                 on_nonfinite_loss: str = "skip", share_prompts: bool = True):
+        """on_nonfinite_loss: "skip" drops a step whose loss is NaN/inf, "stop" raises;
+        share_prompts: packed forwards compute a prompt shared by several samples once."""
         if role not in ROLES:
             raise ValueError(f"TrainingEngine role={role!r}: use one of {ROLES}")
         if role == "reference" and optim is not None:
@@ -53,7 +56,7 @@ class TrainingEngine:
         if on_nonfinite_loss not in ("skip", "stop"):
             raise ValueError(f"on_nonfinite_loss={on_nonfinite_loss!r}: use 'skip' or 'stop'")
         self.role, self.max_token_len, self.use_remove_padding = role, max_token_len, use_remove_padding
-        self.on_nonfinite_loss = on_nonfinite_loss
+        self.on_nonfinite_loss, self.share_prompts = on_nonfinite_loss, share_prompts
         self.device = device
         self.rank, self.dp_size = dp_rank_and_size()
         model = model.to(device)
@@ -100,19 +103,24 @@ class TrainingEngine:
                         "actor.ppo_max_token_len_per_micro_batch=%d)", max_token_len,
                         config.actor.micro_batch_memory_gb, config.actor.ppo_max_token_len_per_micro_batch)
         return cls(model, role, max_token_len, config.actor.use_remove_padding,
-                   optim, total_steps, config.model.device, config.trainer.on_nonfinite_loss)
+                   optim, total_steps, config.model.device, config.trainer.on_nonfinite_loss,
+                   config.actor.share_prompts)
 
     # ---- forward passes -------------------------------------------------------------------
 
     def _forward(self, batch: TensorDict, temperature: float, calculate_entropy: bool,
                  entropy_grad: bool = True) -> ForwardOutput:
         if self.role == "critic":
-            return critic_forward(self.model, batch, self.use_remove_padding)
+            return critic_forward(self.model, batch, self.use_remove_padding, self.share_prompts)
         return actor_forward(self.model, batch, self.use_remove_padding, temperature, calculate_entropy,
-                             entropy_grad)
+                             entropy_grad, share_prompts=self.share_prompts)
 
     def _micro_batches(self, batch: TensorDict, max_token_len: int | None) -> list[torch.Tensor]:
-        groups = split_by_token_budget(field_lengths(batch["input_ids"]), max_token_len or self.max_token_len)
+        shared = {}
+        if self.share_prompts and self.use_remove_padding and uses_packed_sdpa(self.model):
+            shared = {"prompt_groups": prompt_groups(batch), "prompt_lengths": field_lengths(batch["prompts"])}
+        groups = split_by_token_budget(field_lengths(batch["input_ids"]), max_token_len or self.max_token_len,
+                                       **shared)
         if self.dp_size > 1:  # every rank must run as many forwards as the busiest one
             groups = split_into(groups, int(all_reduce([len(groups)], op="max")[0]))
         return groups

@@ -6,8 +6,14 @@ the position resets and builds a block-diagonal causal mask (sdpa / eager; its f
 path reads the same resets), so attention never crosses sequences. With a cache object
 present it does not, hence `use_cache=False` (tests/test_training_forward.py holds this).
 The sequence boundaries also go to the attention as `cu_seq_lens_q/k`: the training engine's
-`packed_sdpa` attention (packed_attention.py) attends per sequence with them instead of over
-the whole masked row.
+`packed_sdpa` attention (packed_attention.py) attends per sequence with them (as
+`attention_rows`, computed once per forward) instead of over the whole masked row.
+
+Shared prompts (`share_prompts`, packed_sdpa only): GRPO's n samples of a prompt carry the same
+prompt tokens; the packed row then holds each prompt once, followed by every response of its
+group (layouts.SharedPromptBatch), and attention shows each response its prompt. The decoder's
+work drops by (n-1)/n of the prompt tokens; outputs equal the plain packed ones up to float
+rounding, gradients included.
 
 Padded: the dense layout (prompts left-padded, responses right-padded) with an attention mask;
 every response then starts at column P, so one column range serves the whole batch.
@@ -26,8 +32,9 @@ from tensordict import TensorDict
 
 from tandem.algorithms.entropy import entropy_from_logits
 from tandem.batch.jagged import field_lengths, field_values, make_field, padded_field
-from tandem.batch.layouts import to_dense, to_packed
+from tandem.batch.layouts import attention_rows, to_dense, to_packed, to_shared_prompts
 from tandem.training.lm_head import DEFAULT_CHUNK_BYTES, chunk_tokens, chunked_log_probs, plain_linear_head
+from tandem.training.packed_attention import uses_packed_sdpa
 
 
 @dataclass
@@ -62,7 +69,7 @@ class ForwardOutput:
 
 
 def response_head_outputs(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool,
-                          output_key: str = "logits") -> torch.Tensor:
+                          output_key: str = "logits", share_prompts: bool = True) -> torch.Tensor:
     """Run `model` and return its `output_key` at the positions predicting response tokens.
 
     `model(input_ids, position_ids, attention_mask, use_cache, logits_to_keep)` is the HF causal
@@ -71,10 +78,11 @@ def response_head_outputs(model: torch.nn.Module, batch: TensorDict, use_remove_
     def run(positions: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
         return getattr(model(**inputs, use_cache=False, logits_to_keep=positions), output_key)
 
-    return _at_response_positions(run, batch, use_remove_padding, _model_device(model))
+    return _at_response_positions(run, batch, use_remove_padding, _model_device(model), _rows_mode(model, share_prompts))
 
 
-def response_hidden_states(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool) -> torch.Tensor:
+def response_hidden_states(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool,
+                           share_prompts: bool = True) -> torch.Tensor:
     """The decoder's last hidden states at the positions predicting response tokens: [sum R_i, H]
     (what the LM head turns into those tokens' logits)."""
     decoder = model.get_decoder()
@@ -82,13 +90,26 @@ def response_hidden_states(model: torch.nn.Module, batch: TensorDict, use_remove
     def run(positions: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
         return decoder(**inputs, use_cache=False).last_hidden_state[:, positions]
 
-    return _at_response_positions(run, batch, use_remove_padding, _model_device(model))
+    return _at_response_positions(run, batch, use_remove_padding, _model_device(model), _rows_mode(model, share_prompts))
+
+
+def _rows_mode(model: torch.nn.Module, share_prompts: bool) -> str | None:
+    """How the attention takes packed rows: "shared" (prompts shared), "rows", or None
+    (the attention is not packed_sdpa: boundaries as cu_seq_lens only)."""
+    if not uses_packed_sdpa(model):
+        return None
+    return "shared" if share_prompts else "rows"
 
 
 def _at_response_positions(run: Callable[..., torch.Tensor], batch: TensorDict, use_remove_padding: bool,
-                           device: torch.device) -> torch.Tensor:
-    """run(positions, input_ids=, position_ids=, attention_mask=) -> [rows, len(positions), ...];
+                           device: torch.device, rows_mode: str | None = None) -> torch.Tensor:
+    """run(positions, input_ids=, position_ids=, attention_mask=, ...) -> [rows, len(positions), ...];
     returns its rows at the response-predicting positions, flat in batch order."""
+    shared = to_shared_prompts(batch) if use_remove_padding and rows_mode == "shared" else None
+    if shared is not None:
+        return run(shared.response_index.to(device), input_ids=shared.input_ids.to(device),
+                   position_ids=shared.position_ids.to(device), attention_mask=None,
+                   attention_rows=shared.rows.to(device))[0]
     if use_remove_padding:
         packed = to_packed(batch, response_fields=())
         starts = packed.cu_seqlens[:-1].long()
@@ -97,9 +118,10 @@ def _at_response_positions(run: Callable[..., torch.Tensor], batch: TensorDict, 
                              "otherwise neighbouring sequences would attend to each other")
         # the boundaries for attention per sequence (packed_attention.py; other kernels ignore them)
         bounds = packed.cu_seqlens.to(device)
+        rows = {"attention_rows": attention_rows(packed.cu_seqlens).to(device)} if rows_mode else {}
         return run(packed.response_positions().to(device), input_ids=packed.input_ids.to(device),
                    position_ids=packed.position_ids.to(device), attention_mask=None,
-                   cu_seq_lens_q=bounds, cu_seq_lens_k=bounds)[0]
+                   cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, **rows)[0]
     dense = to_dense(batch, pad_token_id=0, response_fields=())
     width, response_width = dense.prompt_width, dense.responses.shape[1]
     out = run(torch.arange(width - 1, width + response_width - 1, device=device),
@@ -121,23 +143,25 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 def actor_forward(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool,
                   temperature: float = 1.0, calculate_entropy: bool = False, entropy_grad: bool = True,
-                  logits_chunk_bytes: int | None = DEFAULT_CHUNK_BYTES) -> ForwardOutput:
+                  logits_chunk_bytes: int | None = DEFAULT_CHUNK_BYTES, share_prompts: bool = True
+                  ) -> ForwardOutput:
     """Log-probabilities (and entropy) of every response token under `model`.
 
     With a plain linear LM head they come from the hidden states in chunks of at most
     `logits_chunk_bytes` of logits (lm_head.py); `None`, or another head, takes the full logits.
-    `entropy_grad=False` computes the entropy without gradient (for metrics only).
+    `entropy_grad=False` computes the entropy without gradient (for metrics only);
+    `share_prompts` computes a prompt shared by several samples once (packed_sdpa, packed only).
     """
     labels = field_values(batch["responses"]).to(_model_device(model))
     lengths = field_lengths(batch["responses"])
     head = plain_linear_head(model) if logits_chunk_bytes is not None else None
     if head is not None:
-        hidden = response_hidden_states(model, batch, use_remove_padding)
+        hidden = response_hidden_states(model, batch, use_remove_padding, share_prompts)
         mode = ("grad" if entropy_grad else "detached") if calculate_entropy else "none"
         log_probs, entropy = chunked_log_probs(hidden, head, labels, temperature, mode,
                                                chunk_tokens(head.out_features, logits_chunk_bytes))
         return ForwardOutput(response_lengths=lengths, log_probs=log_probs, entropy=entropy)
-    logits = response_head_outputs(model, batch, use_remove_padding, "logits")
+    logits = response_head_outputs(model, batch, use_remove_padding, "logits", share_prompts)
     entropy = None
     if calculate_entropy:
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
@@ -146,9 +170,10 @@ def actor_forward(model: torch.nn.Module, batch: TensorDict, use_remove_padding:
                          entropy=entropy)
 
 
-def critic_forward(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool) -> ForwardOutput:
+def critic_forward(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool,
+                   share_prompts: bool = True) -> ForwardOutput:
     """Value estimates V(s_t) at the state before each response token."""
-    values = response_head_outputs(model, batch, use_remove_padding, "values")
+    values = response_head_outputs(model, batch, use_remove_padding, "values", share_prompts)
     return ForwardOutput(response_lengths=field_lengths(batch["responses"]), values=values.float())
 
 
