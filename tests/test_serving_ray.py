@@ -273,3 +273,39 @@ async def test_colocated_server_shares_another_roles_placement_group(ray_cluster
     finally:
         await manager.shutdown()
         remove_placement_group(group)
+
+
+@ray.remote
+class _Sleeper:
+    async def sleep(self, seconds: float) -> int:  # an async actor method, as the servers' generate
+        await asyncio.sleep(seconds)
+        return 1
+
+
+async def test_a_cancelled_remote_call_leaves_no_unretrieved_exception(ray_cluster) -> None:
+    """Cancelling the caller cancels the Ray task; its TaskCancelledError is read when it lands,
+    so asyncio never logs 'Future exception was never retrieved' (which the async modes printed
+    once per aborted generate at exit)."""
+    import gc
+
+    from tandem.serving.remote import resolve
+
+    loop = asyncio.get_running_loop()
+    logged: list[dict] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: logged.append(context))
+    try:
+        pending = _Sleeper.remote().sleep.remote(30)
+        waiter = asyncio.ensure_future(resolve(pending))
+        await asyncio.sleep(0.5)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        with pytest.raises((ray.exceptions.TaskCancelledError, asyncio.CancelledError)):
+            await asyncio.wait_for(asyncio.wrap_future(pending.future()), 20)
+        await asyncio.sleep(0.1)
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert not [c for c in logged if "never retrieved" in c.get("message", "")], logged

@@ -58,9 +58,17 @@ async def _cancel(pending: Any, future: asyncio.Future, cancel_remote: bool) -> 
     if isinstance(pending, ray.ObjectRef):
         if cancel_remote:
             ray.cancel(pending)  # the caller gave up: stop the remote work too
+        # nobody awaits it any more: read its outcome (TaskCancelledError) when it lands, or
+        # asyncio logs "Future exception was never retrieved" with a traceback at exit
+        future.add_done_callback(_discard_outcome)
     else:
         future.cancel()  # a local coroutine is this caller's own work: let its cleanup finish
         await asyncio.wait({future})
+
+
+def _discard_outcome(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def call(target: Any, method: str, *args: Any, timeout_s: float | None = None) -> Any:
