@@ -5,7 +5,10 @@ receiver: `naive` in-process (the rollout copies each tensor into its parameters
 `gloo` to a receiver in another process (which copies into its own parameters), and `delta`
 (over shm) with 1% and 10% of the elements changed since the receiver's version. Each is timed
 from send start to the sender's commit (every byte in the receiver's parameters), best of
-`--repeats`; setup (build_topology + init_process_group) is reported apart.
+`--repeats`; setup (build_topology + init_process_group) is reported apart. The two sides of a
+cross-process sync run `--peer-threads` torch threads each (default 1: each is one process on
+its own core, as the trainer places a training worker and a rollout server on this 2-core box;
+2 + 2 threads on 2 cores oversubscribe them); memcpy and naive run at the process's default.
 
     .venv/bin/python bench/sync.py                       # 100 MB, 500 MB, 2 GB
     .venv/bin/python bench/sync.py --sizes 100 --repeats 2
@@ -39,8 +42,9 @@ def make_state(total_megabytes: int, tensor_megabytes: int) -> dict[str, torch.T
     return state
 
 
-def receiver_main(conn) -> None:
+def receiver_main(conn, threads: int) -> None:
     """The rollout side: holds parameters, joins each sync it is sent, copies what arrives."""
+    torch.set_num_threads(threads)
     params: dict[str, torch.Tensor] = {}
     while (message := conn.recv()) is not None:
         kind, payload = message
@@ -64,10 +68,10 @@ def receiver_main(conn) -> None:
 class Receiver:
     """A spawned receiver process driven over a pipe."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int) -> None:
         context = mp.get_context("spawn")
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=receiver_main, args=(child,), daemon=True)
+        self.process = context.Process(target=receiver_main, args=(child, threads), daemon=True)
         self.process.start()
 
     def call(self, kind: str, payload) -> None:
@@ -115,9 +119,20 @@ def time_naive(state, destination, repeats: int, bucket_megabytes: int) -> float
 
 
 def time_remote(engine_name: str, kwargs: dict, state, receiver: Receiver, repeats: int,
-                change_fraction: float | None = None) -> dict:
-    """Best send time to the receiver process (plus setup and bytes of that sync). For delta,
-    a full sync comes first, then each timed one changes `change_fraction` of the elements."""
+                change_fraction: float | None = None, threads: int = 1) -> dict:
+    """Best send time to the receiver process (plus setup and bytes of that sync), the sender on
+    `threads` torch threads. For delta, a full sync comes first, then each timed one changes
+    `change_fraction` of the elements."""
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _time_remote(engine_name, kwargs, state, receiver, repeats, change_fraction)
+    finally:
+        torch.set_num_threads(default_threads)
+
+
+def _time_remote(engine_name: str, kwargs: dict, state, receiver: Receiver, repeats: int,
+                 change_fraction: float | None) -> dict:
     engine = get_checkpoint_engine_class(engine_name)(**kwargs)
     generator = torch.Generator().manual_seed(0)
     best = {"send_s": float("inf")}
@@ -154,13 +169,16 @@ def main() -> None:
     parser.add_argument("--bucket-megabytes", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", default="naive,shm,gloo,delta")
+    parser.add_argument("--peer-threads", type=int, default=1,
+                        help="torch threads of each side of a cross-process sync")
     args = parser.parse_args()
     engines = args.engines.split(",")
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, bucket {args.bucket_megabytes} MiB, "
-          f"tensors of {args.tensor_megabytes} MB, best of {args.repeats}")
-    receiver = Receiver()
+          f"tensors of {args.tensor_megabytes} MB, best of {args.repeats}, "
+          f"{args.peer_threads} thread(s) per side of a cross-process sync")
+    receiver = Receiver(args.peer_threads)
     shm_ratio_500 = None
     kwargs = {"bucket_megabytes": args.bucket_megabytes, "timeout_s": 600.0}
     for size in (int(s) for s in args.sizes.split(",")):
@@ -184,7 +202,8 @@ def main() -> None:
             if engine == "naive":
                 report("naive", time_naive(state, destination, args.repeats, args.bucket_megabytes))
             elif engine in ("shm", "gloo"):
-                result = time_remote(engine, kwargs, state, receiver, args.repeats)
+                result = time_remote(engine, kwargs, state, receiver, args.repeats,
+                                     threads=args.peer_threads)
                 rate = report(engine, result["send_s"], f"  (setup {result['setup_s'] * 1e3:.0f} ms)")
                 if engine == "shm":
                     shm_time = result["send_s"]
@@ -193,7 +212,7 @@ def main() -> None:
             elif engine == "delta":
                 for fraction in (0.01, 0.10):
                     result = time_remote("delta", dict(kwargs, transport="shm"), state, receiver,
-                                         args.repeats, fraction)
+                                         args.repeats, fraction, args.peer_threads)
                     versus = f", {result['send_s'] / shm_time:.2f}x the shm time" if shm_time else ""
                     report(f"delta {fraction:.0%}", result["send_s"],
                            f"  (bytes {result['bytes_sent'] / nbytes:.1%} of full{versus})")

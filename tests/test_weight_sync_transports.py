@@ -74,6 +74,40 @@ def test_bucketing_splits_and_rejoins_in_process():
     assert all(same_bits(out[name], tensor) for name, tensor in state.items())
 
 
+def test_only_tensors_larger_than_a_bucket_split_and_rejoin_in_a_reused_scratch():
+    """A tensor that fits a bucket starts the next one rather than splitting (a re-join costs a
+    copy); split ones re-join in a scratch buffer that the next sync's unpacker reuses, while
+    an unpacker running at the same time gets its own."""
+    state = {"a": torch.randn(150_000), "b": torch.randn(150_000), "big": torch.randn(400_000)}
+    buckets = [[(chunk.name, chunk.length) for chunk, _ in bucket]
+               for bucket in plan_buckets(state.items(), 1 << 20)]
+    # a (600 kB) fits the first bucket; b does not fit beside it: it starts the second bucket
+    # instead of splitting; big (1.6 MB) is larger than a bucket and splits: the rest of the
+    # second bucket, a whole third one, and the remainder in a fourth
+    assert buckets[0] == [("a", 600_000)] and buckets[1][0] == ("b", 600_000)
+    assert [sum(name == "big" for name, _ in bucket) for bucket in buckets] == [0, 1, 1, 1]
+
+    def sync() -> tuple[dict, int]:
+        unpacker, out, pointer = Unpacker(), {}, None
+        buffer = torch.empty(1 << 20, dtype=torch.uint8)
+        for bucket in plan_buckets(state.items(), 1 << 20):
+            for name, tensor in unpacker.unpack(buffer, fill_bucket(buffer, bucket)):
+                out[name] = tensor.clone()
+                pointer = tensor.data_ptr() if name == "big" else pointer
+        unpacker.close()
+        return out, pointer
+
+    first, first_pointer = sync()
+    second, second_pointer = sync()
+    assert all(same_bits(first[n], t) and same_bits(second[n], t) for n, t in state.items())
+    assert first_pointer == second_pointer  # the scratch came back from the pool
+    holder = Unpacker()
+    held = holder._borrow(1_600_000, torch.device("cpu"))
+    _, third_pointer = sync()
+    assert third_pointer != held.data_ptr()  # never two unpackers on one scratch
+    holder.close()
+
+
 def _fresh(workers, index):
     workers[index].close()
     workers[index] = Worker()

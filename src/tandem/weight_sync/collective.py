@@ -111,21 +111,24 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             raise RuntimeError("receive_weights needs init_process_group(plan, rank>=1) first")
         buffer = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device=self.device)
         unpacker = Unpacker()
-        while True:
-            sizes = torch.empty(2, dtype=torch.int64, device=self.device)
-            self._wait_all([(self._group.broadcast(sizes, 0), sizes)], "receive")
-            header_bytes, used = sizes.tolist()
-            if header_bytes == 0:
-                break
-            header = torch.empty(header_bytes, dtype=torch.uint8, device=self.device)
-            self._wait_all([(self._group.broadcast(header, 0), header)], "receive")
-            chunks = pickle.loads(header.cpu().numpy().tobytes())
-            self._wait_all([(self._group.broadcast(buffer[:used], 0), None)], "receive")
-            yield from unpacker.unpack(buffer, chunks)
-        if unpacker.check_complete():
-            raise WeightSyncError("receive", "sender", f"stream ended inside tensors "
-                                  f"{unpacker.check_complete()}")
-        await_commit(self._store, self.rank, self.plan.timeout_s)
+        try:
+            while True:
+                sizes = torch.empty(2, dtype=torch.int64, device=self.device)
+                self._wait_all([(self._group.broadcast(sizes, 0), sizes)], "receive")
+                header_bytes, used = sizes.tolist()
+                if header_bytes == 0:
+                    break
+                header = torch.empty(header_bytes, dtype=torch.uint8, device=self.device)
+                self._wait_all([(self._group.broadcast(header, 0), header)], "receive")
+                chunks = pickle.loads(header.cpu().numpy().tobytes())
+                self._wait_all([(self._group.broadcast(buffer[:used], 0), None)], "receive")
+                yield from unpacker.unpack(buffer, chunks)
+            if unpacker.check_complete():
+                raise WeightSyncError("receive", "sender", f"stream ended inside tensors "
+                                      f"{unpacker.check_complete()}")
+            await_commit(self._store, self.rank, self.plan.timeout_s)
+        finally:
+            unpacker.close()
 
     def _wait_all(self, works: list, phase: str) -> None:
         for work, _ in works:

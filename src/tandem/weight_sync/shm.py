@@ -125,21 +125,24 @@ class ShmCheckpointEngine(CheckpointEngine):
         if not self.rank or not self._buffers:
             raise RuntimeError("receive_weights needs init_process_group(plan, rank>=1) first")
         unpacker = Unpacker()
-        index = 0
-        while True:
-            wait_keys(self._store, {f"ready/{index}": "sender"}, self.plan.timeout_s, "receive")
-            header = take(self._store, f"ready/{index}", "receive")
-            if not header:
-                break
-            yield from unpacker.unpack(self._buffers[index % N_BUFFERS], pickle.loads(header))
-            if self.device == "cuda":  # the consumer's copies out of this buffer are done
-                torch.cuda.current_stream().synchronize()
-            put(self._store, f"consumed/{index}/{self.rank}", b"1", "receive")
-            index += 1
-        if unpacker.check_complete():
-            raise WeightSyncError("receive", "sender",
-                                  f"stream ended inside tensors {unpacker.check_complete()}")
-        await_commit(self._store, self.rank, self.plan.timeout_s)
+        try:
+            index = 0
+            while True:
+                wait_keys(self._store, {f"ready/{index}": "sender"}, self.plan.timeout_s, "receive")
+                header = take(self._store, f"ready/{index}", "receive")
+                if not header:
+                    break
+                yield from unpacker.unpack(self._buffers[index % N_BUFFERS], pickle.loads(header))
+                if self.device == "cuda":  # the consumer's copies out of this buffer are done
+                    torch.cuda.current_stream().synchronize()
+                put(self._store, f"consumed/{index}/{self.rank}", b"1", "receive")
+                index += 1
+            if unpacker.check_complete():
+                raise WeightSyncError("receive", "sender",
+                                      f"stream ended inside tensors {unpacker.check_complete()}")
+            await_commit(self._store, self.rank, self.plan.timeout_s)
+        finally:
+            unpacker.close()
 
     def finalize(self) -> None:
         """Drop the store of this sync; the sender's buffers stay for the next one."""
