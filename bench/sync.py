@@ -3,7 +3,8 @@
 For each total size, fp32 tensors of `--tensor-megabytes` each go from this process to one
 receiver: `naive` in-process (the rollout copies each tensor into its parameters), `shm` and
 `gloo` to a receiver in another process (which copies into its own parameters), and `delta`
-(over shm) with 1% and 10% of the elements changed since the receiver's version. Each is timed
+(over shm; `delta-gloo` over gloo) with 1% and 10% of the elements changed since the receiver's
+version, each next to the full sync of its transport. Each is timed
 from send start to the sender's commit (every byte in the receiver's parameters), best of
 `--repeats`; setup (build_topology + init_process_group) is reported apart. The two sides of a
 cross-process sync run `--peer-threads` torch threads each (default 1: each is one process on
@@ -168,7 +169,8 @@ def main() -> None:
     parser.add_argument("--tensor-megabytes", type=int, default=25)
     parser.add_argument("--bucket-megabytes", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engines", default="naive,shm,gloo,delta")
+    parser.add_argument("--engines", default="naive,shm,gloo,delta,delta-gloo",
+                        help="delta runs over shm, delta-gloo over gloo")
     parser.add_argument("--peer-threads", type=int, default=1,
                         help="torch threads of each side of a cross-process sync")
     args = parser.parse_args()
@@ -197,7 +199,7 @@ def main() -> None:
                   f"{seconds * 1e3:7.0f} ms{extra}")
             return rate
 
-        shm_time = None
+        full_times: dict[str, float] = {}  # shm / gloo full-sync time, for the delta rows
         for engine in engines:
             if engine == "naive":
                 report("naive", time_naive(state, destination, args.repeats, args.bucket_megabytes))
@@ -205,16 +207,18 @@ def main() -> None:
                 result = time_remote(engine, kwargs, state, receiver, args.repeats,
                                      threads=args.peer_threads)
                 rate = report(engine, result["send_s"], f"  (setup {result['setup_s'] * 1e3:.0f} ms)")
+                full_times[engine] = result["send_s"]
                 if engine == "shm":
-                    shm_time = result["send_s"]
                     if size == 500:
                         shm_ratio_500 = rate / memcpy_rate
-            elif engine == "delta":
+            elif engine in ("delta", "delta-gloo"):
+                transport = "gloo" if engine == "delta-gloo" else "shm"
                 for fraction in (0.01, 0.10):
-                    result = time_remote("delta", dict(kwargs, transport="shm"), state, receiver,
+                    result = time_remote("delta", dict(kwargs, transport=transport), state, receiver,
                                          args.repeats, fraction, args.peer_threads)
-                    versus = f", {result['send_s'] / shm_time:.2f}x the shm time" if shm_time else ""
-                    report(f"delta {fraction:.0%}", result["send_s"],
+                    full = full_times.get(transport)
+                    versus = f", {result['send_s'] / full:.2f}x the full {transport} time" if full else ""
+                    report(f"{engine} {fraction:.0%}", result["send_s"],
                            f"  (bytes {result['bytes_sent'] / nbytes:.1%} of full{versus})")
         del state, destination
     receiver.close()
