@@ -140,12 +140,17 @@ async def test_stops_eos_stop_tokens_max_tokens_and_context(model_path, hf_model
 
 
 async def test_eos_completes(model_path, hf_model):
-    # force eos by making it the only allowed token: a stop through eos, not through stop ids
+    # force eos as the first token: a stop through eos, not through stop ids. The (tied) eos
+    # row becomes the final hidden state after the prompt, scaled: its logit is then 10 |h|^2
+    # while every other token's is at most |w| |h|, whatever the random weights are
     rollout = NativeRollout.create(model_path, RolloutConfig(kv_cache_memory_bytes=SMALL_KV))
     eos = hf_model.config.eos_token_id
-    embed = rollout.engine.runner.model.get_input_embeddings().weight
     with torch.no_grad():
-        embed[eos] = embed[eos] * 0 + 10.0 * embed.mean(0).sign()  # a huge logit for eos
+        hidden = hf_model.model(input_ids=torch.tensor([[5, 6, 7]])).last_hidden_state[0, -1]
+    embed = rollout.engine.runner.model.get_input_embeddings().weight
+    assert float(embed.norm(dim=1).max()) < 10 * float(hidden.norm())
+    with torch.no_grad():
+        embed[eos] = 10.0 * hidden
     out = await rollout.generate("e", [5, 6, 7], {"temperature": 0, "max_tokens": 10})
     assert out.token_ids[-1] == eos and out.stop_reason == "completed"
     ignored = await rollout.generate("i", [5, 6, 7], {"temperature": 0, "max_tokens": 4,

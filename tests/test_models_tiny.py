@@ -62,3 +62,18 @@ def test_bad_model_path_is_a_clear_error(tmp_path):
         resolve_model_path(str(tmp_path))
     with pytest.raises(ValueError, match="architecture"):
         build_tiny_model(TinyModelSpec(architecture="gpt2"))
+
+
+def test_cache_key_follows_what_the_tokenizer_is_trained_on(monkeypatch):
+    """A change to the corpus (e.g. a tool's description) gives a new cache entry, not the
+    model built from the old corpus."""
+    from tandem.models import tiny
+
+    before = tiny.TinyModelSpec().key()
+    tiny._training_text_digest.cache_clear()
+    monkeypatch.setattr(tiny, "_corpus", lambda seed: ["a tool description that changed"])
+    try:
+        assert tiny.TinyModelSpec().key() != before
+        assert tiny.TinyModelSpec(seed=0).key() == tiny.TinyModelSpec().key()
+    finally:
+        tiny._training_text_digest.cache_clear()

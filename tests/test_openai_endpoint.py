@@ -53,14 +53,6 @@ class Endpoint:
                                   default_headers=headers)
 
 
-def find_seed(engine_text, want_call: bool) -> int:
-    """A request seed for which the scripted engine's first turn calls the tool (or answers)."""
-    for seed in range(100):
-        if ("<tool_call>" in engine_text(seed)) == want_call:
-            return seed
-    raise AssertionError("no seed found")
-
-
 async def test_response_validates_as_openai_chat_completion(tokenizer):
     async with Endpoint(tokenizer) as endpoint:
         async with httpx.AsyncClient() as http:

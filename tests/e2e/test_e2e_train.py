@@ -25,6 +25,12 @@ CLASSIC_PPO = ("classic_ppo", "data.val_files=[]", "algorithm.adv_estimator=gae"
                "algorithm.kl_ctrl.kl_coef=0.1")
 IMPORTANCE_SAMPLING = ("importance_sampling", *ONE_STEP, *TOP_K, f"{CORRECTION}.importance_sampling=token")
 SKIP = ("time/", "throughput/", "actor/tokens_per_second", "critic/tokens_per_second")  # wall clock
+# The engine's log-probs depend on which requests share a step (the matmul shapes, hence the
+# float32 summation order), and that depends on timing: the same tokens, log-probs equal to
+# float32 rounding. A log-prob of a tiny model (|logits| ~10, log V ~7) errs by ~eps x 20 ~ 2.4e-6;
+# the rollout-vs-actor gap metrics are means of such differences.
+ENGINE_ROUNDING = ("rollout_gap/",)
+ENGINE_LOGPROB_TOLERANCE = 4 * 20 * 1.2e-7
 
 
 def finite(value) -> bool:
@@ -73,7 +79,9 @@ def test_reward_after_sampling_matches_agent_loop_placement(tiny_runs):
         assert sorted(records) == sorted(expected)
         for step, record in records.items():
             for key, value in expected[step].items():
-                if not key.startswith(SKIP):
+                if key.startswith(ENGINE_ROUNDING):
+                    assert record[key] == pytest.approx(value, abs=ENGINE_LOGPROB_TOLERANCE), (step, key)
+                elif not key.startswith(SKIP):
                     assert record[key] == value, (step, key)
     assert run.training[1]["reward/mean"] > 0  # the parity reward scored something
 

@@ -8,6 +8,7 @@ offline. Built directories are cached under $TANDEM_CACHE (default ~/.cache/tand
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -41,9 +42,19 @@ class TinyModelSpec:
     seed: int = 0
 
     def key(self) -> str:
-        """A short stable name for the cache directory."""
-        digest = hashlib.sha1(json.dumps([asdict(self), _TOKENIZER_VERSION]).encode()).hexdigest()
+        """A short stable name for the cache directory: the spec, the tokenizer recipe and what
+        the tokenizer is trained on (a change to a tool's description changes the merges, hence
+        the model; a cache keyed on the spec alone kept serving the old one)."""
+        digest = hashlib.sha1(json.dumps([asdict(self), _TOKENIZER_VERSION,
+                                          _training_text_digest(self.seed)]).encode()).hexdigest()
         return f"tiny-{self.architecture}-{digest[:10]}"
+
+
+@functools.lru_cache(maxsize=None)
+def _training_text_digest(seed: int) -> str:
+    """sha1 of the tokenizer's corpus, special tokens and chat template."""
+    text = json.dumps([_corpus(seed), SPECIAL_TOKENS, EOS_TOKEN, PAD_TOKEN, CHAT_TEMPLATE])
+    return hashlib.sha1(text.encode()).hexdigest()
 
 
 def _corpus(seed: int = 0, lines: int = 4000) -> list[str]:
