@@ -39,18 +39,23 @@ class Endpoint:
         self.config = RolloutConfig(**{"prompt_length": 400, "response_length": 200, **config})
         self.recorder = ChatRecorder(self.engine, self.format, self.config)
         self.server = EndpointServer(create_app(self.recorder, "tiny", api_key))
+        self.clients: list[openai.AsyncOpenAI] = []
 
     async def __aenter__(self) -> "Endpoint":
         self.url = await self.server.start()
         return self
 
     async def __aexit__(self, *exc) -> None:
+        for client in self.clients:  # closed on this loop, not by the garbage collector later
+            await client.close()
         await self.server.stop()
 
     def client(self, session: str | None = None, api_key: str = "x") -> openai.AsyncOpenAI:
         headers = {"X-Session-Id": session} if session else {}
-        return openai.AsyncOpenAI(base_url=self.url, api_key=api_key, max_retries=0,
-                                  default_headers=headers)
+        client = openai.AsyncOpenAI(base_url=self.url, api_key=api_key, max_retries=0,
+                                    default_headers=headers)
+        self.clients.append(client)
+        return client
 
 
 async def test_response_validates_as_openai_chat_completion(tokenizer):
