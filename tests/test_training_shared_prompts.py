@@ -122,17 +122,15 @@ def test_micro_batches_keep_prompt_groups_together():
     batch = grouped_batch()  # groups: samples {0, 2, 5} (prompt 7), {1, 4, 6} (prompt 4), {3} (prompt 11)
     groups = prompt_groups(batch)
     assert groups.tolist() == [0, 1, 0, 3, 1, 0, 1]
-    lengths, prompts = field_lengths(batch["input_ids"]), field_lengths(batch["prompts"])
-    # group 0 costs 7 + 5 + 9 + 2 = 23 tokens shared (37 unshared), group 1 4 + 1 + 6 + 4 = 15, sample 3: 14
-    bins = split_by_token_budget(lengths, 23, groups, prompts)
-    assert sorted(map(tuple, (b.tolist() for b in bins))) == [(0, 2, 5), (1, 4, 6), (3,)]
-    # over budget, a group splits into parts that each count the prompt once and fit
-    bins = split_by_token_budget(lengths, 17, groups, prompts)
+    lengths = field_lengths(batch["input_ids"])  # 12, 5, 16, 14, 10, 9, 8
+    # a group costs its samples' whole lengths (attention holds each sample's prompt):
+    # group 0 37 tokens, group 1 23, sample 3 14; whole groups, never a group over two bins
+    bins = split_by_token_budget(lengths, 37, groups)
+    assert sorted(map(tuple, (b.tolist() for b in bins))) == [(0, 2, 5), (1, 3, 4, 6)]
+    # over budget, a group splits into parts that fit
+    bins = split_by_token_budget(lengths, 17, groups)
     assert sorted(torch.cat(bins).tolist()) == list(range(7))
-    for b in bins:
-        members = b.tolist()
-        cost = sum(int(lengths[i] - prompts[i]) for i in members) + sum(
-            int(prompts[g]) for g in set(groups[members].tolist()))
-        assert cost <= 17, members
-    # without groups every sample counts its own prompt
-    assert len(split_by_token_budget(lengths, 23)) > 3
+    assert all(int(lengths[b].sum()) <= 17 for b in bins)
+    # by sample (no groups), first-fit longest first mixes the groups
+    mixed = split_by_token_budget(lengths, 37)
+    assert any(len(set(groups[b].tolist())) > 1 for b in mixed)

@@ -116,11 +116,9 @@ class TrainingEngine:
                              entropy_grad, share_prompts=self.share_prompts)
 
     def _micro_batches(self, batch: TensorDict, max_token_len: int | None) -> list[torch.Tensor]:
-        shared = {}
-        if self.share_prompts and self.use_remove_padding and uses_packed_sdpa(self.model):
-            shared = {"prompt_groups": prompt_groups(batch), "prompt_lengths": field_lengths(batch["prompts"])}
+        shared = self.share_prompts and self.use_remove_padding and uses_packed_sdpa(self.model)
         groups = split_by_token_budget(field_lengths(batch["input_ids"]), max_token_len or self.max_token_len,
-                                       **shared)
+                                       prompt_groups(batch) if shared else None)
         if self.dp_size > 1:  # every rank must run as many forwards as the busiest one
             groups = split_into(groups, int(all_reduce([len(groups)], op="max")[0]))
         return groups

@@ -6,14 +6,16 @@ import torch
 
 
 def split_by_token_budget(lengths: torch.Tensor, max_tokens: int,
-                          prompt_groups: torch.Tensor | None = None,
-                          prompt_lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
+                          prompt_groups: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Group sample indices so each group's total length <= max_tokens, in few groups.
 
     First-fit over samples sorted longest first; indices inside a group are ascending.
-    With `prompt_groups` [B] (samples with the same prompt share an id, layouts.prompt_groups)
-    and `prompt_lengths` [B], the samples of a prompt are one unit that counts the prompt once,
-    as the shared-prompt forward computes it; a unit over the budget splits into several.
+    With `prompt_groups` [B] (samples with the same prompt share an id, layouts.prompt_groups),
+    the samples of a prompt are one unit, kept in one micro-batch where they fit (a unit over
+    the budget splits into several), so that the shared-prompt forward computes the prompt once.
+    Units still cost every sample's whole length: the decoder then computes fewer tokens than
+    the budget, but attention lays each sample out with its prompt (layouts.AttentionRows),
+    so its activations, and the memory the budget bounds, do not shrink.
     lengths [B] -> list of LongTensor index groups.
     """
     lengths = torch.as_tensor(lengths, dtype=torch.long)
@@ -24,7 +26,7 @@ def split_by_token_budget(lengths: torch.Tensor, max_tokens: int,
         raise ValueError(f"a sequence of {longest} tokens exceeds the micro-batch token budget "
                          f"{max_tokens}; raise actor.ppo_max_token_len_per_micro_batch (and actor.micro_batch_memory_gb "
                          "when set) to hold rollout.prompt_length + rollout.response_length tokens")
-    units, costs = _units(lengths.tolist(), max_tokens, prompt_groups, prompt_lengths)
+    units, costs = _units(lengths.tolist(), max_tokens, prompt_groups)
     bins: list[list[int]] = []
     totals: list[int] = []
     for unit in sorted(range(len(units)), key=lambda u: -costs[u]):  # stable: ties keep their order
@@ -39,25 +41,25 @@ def split_by_token_budget(lengths: torch.Tensor, max_tokens: int,
     return [torch.tensor(sorted(group), dtype=torch.long) for group in bins]
 
 
-def _units(lengths: list[int], max_tokens: int, prompt_groups: torch.Tensor | None,
-           prompt_lengths: torch.Tensor | None) -> tuple[list[list[int]], list[int]]:
-    """Samples -> units packed together, with their token costs (a shared prompt counted once)."""
-    if prompt_groups is None or prompt_lengths is None:
+def _units(lengths: list[int], max_tokens: int, prompt_groups: torch.Tensor | None
+           ) -> tuple[list[list[int]], list[int]]:
+    """Samples -> units packed together (a prompt group, in parts of at most max_tokens) and
+    their token costs."""
+    if prompt_groups is None:
         return [[i] for i in range(len(lengths))], lengths
     members: dict[int, list[int]] = {}
     for i, group in enumerate(prompt_groups.tolist()):
         members.setdefault(group, []).append(i)
-    prompts = prompt_lengths.tolist()
     units, costs = [], []
     for group in members.values():
-        unit, cost = [], prompts[group[0]]
+        unit, cost = [], 0
         for i in group:
-            if unit and cost + lengths[i] - prompts[i] > max_tokens:
+            if unit and cost + lengths[i] > max_tokens:
                 units.append(unit)
                 costs.append(cost)
-                unit, cost = [], prompts[i]
+                unit, cost = [], 0
             unit.append(i)
-            cost += lengths[i] - prompts[i]
+            cost += lengths[i]
         units.append(unit)
         costs.append(cost)
     return units, costs
