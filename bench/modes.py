@@ -30,6 +30,7 @@ from tandem.config.load import load_config
 from tandem.demo.tasks import make_datasets
 from tandem.trainer.metrics import read_metrics
 from tandem.trainer.modes import fit
+from tandem.trainer.placement import without_token_auth_notice
 from tandem.trainer.rl_trainer import RLTrainer
 
 MODES = ("sync", "colocate_async", "separate_async")
@@ -128,8 +129,9 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args()
     print(f"load average {os.getloadavg()}, {os.cpu_count()} cores")
-    ray.init(num_cpus=max(os.cpu_count() or 1, 2 * args.devices), include_dashboard=False,
-             log_to_driver=False, _system_config={"worker_niceness": 0})
+    with without_token_auth_notice():  # as `tandem train` starts its local cluster
+        ray.init(num_cpus=max(os.cpu_count() or 1, 2 * args.devices), include_dashboard=False,
+                 log_to_driver=False, _system_config={"worker_niceness": 0})
     results: dict[str, dict] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
