@@ -134,3 +134,34 @@ def test_micro_batches_keep_prompt_groups_together():
     # by sample (no groups), first-fit longest first mixes the groups
     mixed = split_by_token_budget(lengths, 37)
     assert any(len(set(groups[b].tolist())) > 1 for b in mixed)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_sliding_window_layers_keep_their_window(tmp_path, share):
+    """packed_sdpa honours a layer's sliding window (it used to attend causally over the whole
+    row: log-probs off by ~0.2 on this model): equal to HF's sdpa one sequence at a time."""
+    from transformers import Qwen2Config
+
+    from tandem.training.forward import token_log_probs
+
+    config = Qwen2Config(vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                         sliding_window=4, max_window_layers=0, layer_types=["sliding_attention"] * 2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=packed_attention.register()).eval()
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    unwindowed = AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="sdpa", use_sliding_window=False,
+        layer_types=["full_attention"] * 2).eval()
+    batch = grouped_batch()
+    with torch.no_grad():
+        out = actor_forward(model, batch, True, share_prompts=share).log_probs
+        expected, unmasked = [], []
+        for i in range(batch.batch_size[0]):
+            ids, prompt = batch["input_ids"][i], batch["prompts"][i].numel()
+            expected.append(token_log_probs(reference(input_ids=ids[None]).logits[0, prompt - 1:-1], ids[prompt:]))
+            unmasked.append(token_log_probs(unwindowed(input_ids=ids[None]).logits[0, prompt - 1:-1], ids[prompt:]))
+    expected, unmasked = torch.cat(expected), torch.cat(unmasked)
+    assert float((expected - unmasked).abs().max()) > 100 * tolerance(model, expected)  # the window matters
+    torch.testing.assert_close(out, expected, rtol=0, atol=tolerance(model, expected))

@@ -8,6 +8,7 @@ on those rows; right padding needs no mask, since a valid query never reaches a 
 The rows come as `attention_rows` (batch.layouts.AttentionRows, passed by forward.py; also
 the layout in which samples share one copy of their prompt), or are derived from transformers'
 flash-attention keyword `cu_seq_lens_q`; with neither the call is plain `sdpa`, with its masks.
+A sliding-window layer's `sliding_window` becomes a banded causal mask over the rows.
 """
 
 from __future__ import annotations
@@ -48,8 +49,16 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         rows = states[0].index_select(1, attention_rows.gather)
         return rows.view(heads, count, width, dim).transpose(0, 1)
 
-    out, _ = sdpa_attention_forward(module, padded(query), padded(key), padded(value), None,
-                                    is_causal=True, **kwargs)  # [count, width, H, D]
+    # a sliding-window layer (Mistral, Gemma 2/3, Qwen2 with use_sliding_window) attends to the
+    # last `sliding_window` positions only; every row starts at position 0, so one mask serves all
+    window = kwargs.pop("sliding_window", None)
+    mask = None
+    if window is not None and width > window:
+        columns = torch.arange(width, device=query.device)
+        distance = columns[:, None] - columns[None, :]
+        mask = ((distance >= 0) & (distance < window))[None, None]
+    out, _ = sdpa_attention_forward(module, padded(query), padded(key), padded(value), mask,
+                                    is_causal=mask is None, **kwargs)  # [count, width, H, D]
     return out.reshape(count * width, *out.shape[2:]).index_select(0, attention_rows.scatter)[None], None
 
 
