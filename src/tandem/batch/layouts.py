@@ -4,6 +4,8 @@ and the next-token-shifted response slice of full-sequence outputs (seed ยง7.3-ย
 packed: every valid token of the batch in one row [1, T], positions restarting at 0 for each
 sequence, and `cu_seqlens` marking where each sequence starts. dense: prompts left-padded to
 [B, P], responses right-padded to [B, R], so every response starts at column P of input_ids.
+shared prompts: packed, with each distinct prompt once before all its responses, and the
+per-sample attention rows (`AttentionRows`) that let each response see its prompt.
 """
 
 from __future__ import annotations
@@ -217,7 +219,9 @@ def to_shared_prompts(batch: TensorDict) -> SharedPromptBatch | None:
     prompt_lengths = field_lengths(batch["prompts"]).tolist()
     response_lengths = field_lengths(batch["responses"]).tolist()
     lengths = field_lengths(batch["input_ids"])
-    if min(prompt_lengths, default=0) < 1 or not bool(field_values(batch["position_ids"]).eq(ragged_ranges(torch.zeros_like(lengths), lengths)).all()):
+    standard_positions = field_values(batch["position_ids"]).eq(
+        ragged_ranges(torch.zeros_like(lengths), lengths)).all()
+    if min(prompt_lengths, default=0) < 1 or not bool(standard_positions):
         return None
     prompts, responses = field_values(batch["prompts"]), field_values(batch["responses"])
     prompt_starts = field_offsets(batch["prompts"]).tolist()
