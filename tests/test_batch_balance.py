@@ -140,3 +140,36 @@ def test_balance_batch_reorders_whole_samples_and_reports_the_imbalance():
     responses = [len(r) for r in balanced["responses"].unbind()]
     assert sorted(zip(responses, uids)) == sorted(zip(lengths, non_tensor_list(batch, "uid")))
     assert field_lengths(balanced["input_ids"]).tolist() == [r + 4 for r in responses]
+
+
+def grouped_trajectories(response_lengths, n: int) -> list[Trajectory]:
+    """Consecutive runs of n trajectories share a prompt (distinct prompt tokens per run)."""
+    return [Trajectory(prompts=torch.tensor([3, 4, 5 + i // n]), responses=torch.arange(10, 10 + r),
+                       response_mask=torch.ones(r, dtype=torch.long),
+                       rollout_log_probs=torch.full((r,), -0.5), min_global_steps=0,
+                       max_global_steps=0, uid=f"p{i // n}", reward=1.0)
+            for i, r in enumerate(response_lengths)]
+
+
+def test_keep_prompt_groups_puts_whole_groups_on_each_rank():
+    lengths = [30, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]  # one long sample
+    batch = pad_for_data_parallel(trajectories_to_batch(grouped_trajectories(lengths, 4)), 2, 16, EOS)
+    grouped = balance_batch(batch, 2, 16, keep_prompt_groups=True)
+    for rank in range(2):
+        shard = shard_batch(grouped, rank, 2)
+        uids = non_tensor_list(shard, "uid")
+        assert len(uids) == 8 and all(uids.count(uid) == 4 for uid in set(uids)), uids
+    # four groups, two per rank, still balanced on tokens
+    assert token_imbalance(grouped, 2, 16)["balance/token_imbalance"] < 1.15
+    # per sample (the default), the same batch has groups cut across the ranks
+    plain = balance_batch(batch, 2, 16)
+    cut = [non_tensor_list(shard_batch(plain, rank, 2), "uid") for rank in range(2)]
+    assert any(uids.count(uid) != 4 for uids in cut for uid in set(uids))
+
+
+def test_keep_prompt_groups_falls_back_to_samples_when_counts_do_not_divide():
+    # groups of 3 cannot fill ranks of 4 real samples each: per-sample balancing, as without groups
+    batch = pad_for_data_parallel(trajectories_to_batch(grouped_trajectories(list(range(2, 10)), 3)), 2, 8, EOS)
+    lengths, padding = field_lengths(batch["input_ids"]).tolist(), batch["is_padding"].tolist()
+    assert balance_order(lengths, padding, 2, 8, [i // 3 for i in range(8)]) == \
+        balance_order(lengths, padding, 2, 8)

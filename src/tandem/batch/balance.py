@@ -7,7 +7,10 @@ the union of the ranks' k-th chunks. `balance_order` keeps mini-batch k's real s
 contiguous run of the batch's real samples (prompt groups stay together, as generated), spreads
 the padding samples evenly over the mini-batches, and splits each mini-batch over the ranks by a
 largest-first partition of token counts with real-sample counts differing by at most one,
-heaviest part to the rank with the fewest tokens so far. So every rank gets real samples when
+heaviest part to the rank with the fewest tokens so far. Given prompt groups (GRPO's n samples
+of a prompt), whole groups go to ranks where the counts allow it (every group of the
+mini-batch the same size, dividing every rank's share), so a shared-prompt forward computes
+each prompt once per step instead of once per rank it landed on. So every rank gets real samples when
 there are at least as many as ranks (none trains on padding only), and no rank waits long for
 another at each optimizer step's gradient all-reduce. GRPO advantages need no grouping here: they are computed on the
 driver over the whole batch.
@@ -22,6 +25,7 @@ import torch
 from tensordict import TensorDict
 
 from tandem.batch.jagged import field_lengths, select_samples
+from tandem.batch.layouts import prompt_groups
 
 
 def balanced_partition(lengths: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
@@ -48,11 +52,28 @@ def _even_split(count: int, parts: int) -> list[int]:
     return [base + (i < extra) for i in range(parts)]
 
 
+def _partition(chunk: list[int], lengths: Sequence[int], sizes: list[int],
+               groups: Sequence[int] | None) -> list[list[int]]:
+    """chunk's samples split into parts of `sizes` samples, token sums balanced; whole prompt
+    groups per part when every group has one size that divides every part's size."""
+    members: dict[int, list[int]] = {}
+    for i in chunk:
+        members.setdefault(groups[i] if groups is not None else i, []).append(i)
+    units = list(members.values())
+    size = len(units[0]) if units else 1
+    if groups is None or size == 1 or any(len(u) != size for u in units) or any(s % size for s in sizes):
+        return [[chunk[i] for i in part] for part in
+                balanced_partition([lengths[i] for i in chunk], sizes)]
+    parts = balanced_partition([sum(lengths[i] for i in unit) for unit in units], [s // size for s in sizes])
+    return [sorted(i for u in part for i in units[u]) for part in parts]
+
+
 def balance_order(lengths: Sequence[int], is_padding: Sequence[bool], world_size: int,
-                  mini_batch_size: int) -> list[int]:
+                  mini_batch_size: int, groups: Sequence[int] | None = None) -> list[int]:
     """The sample order whose contiguous shards (world_size of them) are balanced per global
     mini-batch of `mini_batch_size` samples (see the module docstring). The batch size must be a
-    multiple of mini_batch_size, and mini_batch_size of world_size."""
+    multiple of mini_batch_size, and mini_batch_size of world_size. `groups` [B]: samples with
+    the same id share a prompt (layouts.prompt_groups) and stay on one rank where they can."""
     size = len(lengths)
     if mini_batch_size % world_size or size % mini_batch_size:
         raise ValueError(f"balance_order: {size} samples in mini-batches of {mini_batch_size} over "
@@ -64,8 +85,7 @@ def balance_order(lengths: Sequence[int], is_padding: Sequence[bool], world_size
     totals = [0] * world_size
     for count in _even_split(len(real), size // mini_batch_size):
         chunk, real = real[:count], real[count:]
-        parts = [[chunk[i] for i in part] for part in
-                 balanced_partition([lengths[i] for i in chunk], _even_split(count, world_size))]
+        parts = _partition(chunk, lengths, _even_split(count, world_size), groups)
         parts.sort(key=lambda part: (-len(part), -sum(lengths[i] for i in part)))
         # the heaviest part to the rank with the fewest tokens so far: the step balances too,
         # and a mini-batch with fewer real samples than ranks hands them to different ranks
@@ -77,10 +97,13 @@ def balance_order(lengths: Sequence[int], is_padding: Sequence[bool], world_size
     return [index for shard in shards for index in shard]
 
 
-def balance_batch(batch: TensorDict, world_size: int, mini_batch_size: int) -> TensorDict:
-    """The batch reordered by `balance_order` on its sequence lengths (prompt + response)."""
+def balance_batch(batch: TensorDict, world_size: int, mini_batch_size: int,
+                  keep_prompt_groups: bool = False) -> TensorDict:
+    """The batch reordered by `balance_order` on its sequence lengths (prompt + response);
+    `keep_prompt_groups`: samples sharing a prompt stay on one rank where the counts allow."""
+    groups = prompt_groups(batch).tolist() if keep_prompt_groups else None
     order = balance_order(field_lengths(batch["input_ids"]).tolist(), batch["is_padding"].tolist(),
-                          world_size, mini_batch_size)
+                          world_size, mini_batch_size, groups)
     return select_samples(batch, torch.tensor(order, dtype=torch.long))
 
 

@@ -210,7 +210,7 @@ class RLTrainer:
         n, mini_batch = self.config.trainer.n_devices, self.mini_batch_trajectories()
         batch = pad_for_data_parallel(trajectories_to_batch(trajectories), n, mini_batch,
                                       self.tokenizer.eos_token_id)
-        return balance_batch(batch, n, mini_batch)
+        return balance_batch(batch, n, mini_batch, self.config.actor.share_prompts)
 
     def _shards(self, batch: TensorDict) -> list[TensorDict]:
         n = len(self.workers)
