@@ -137,7 +137,8 @@ def trl_run(args: argparse.Namespace) -> None:
         output_dir=str(out / "trainer"), per_device_train_batch_size=args.prompts * args.n,
         num_generations=args.n, max_completion_length=args.response_length, learning_rate=args.lr,
         max_steps=args.steps, beta=0.0, num_iterations=1, temperature=1.0, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=args.seed)
+        save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=args.seed,
+        gradient_checkpointing=not args.trl_no_checkpointing)
     timer = StepTimes()
     trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config,
                           train_dataset=load_dataset("json", data_files=args.train)["train"],
@@ -163,7 +164,8 @@ def run_trl(args: argparse.Namespace, data: Path, model: str, out: Path) -> dict
     command = [str(TRL_PYTHON), __file__, "--trl-run", str(out), "--model", model,
                "--train", str(data / "train.jsonl"), "--steps", str(args.steps), "--lr", str(args.lr),
                "--prompts", str(args.prompts), "--n", str(args.n), "--response-length",
-               str(args.response_length), "--seed", str(args.seed)]
+               str(args.response_length), "--seed", str(args.seed)] + (
+                   ["--trl-no-checkpointing"] if args.trl_no_checkpointing else [])
     started = time.perf_counter()
     subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     times = json.loads((out / "times.json").read_text())
@@ -337,6 +339,8 @@ def main() -> None:
     parser.add_argument("--val-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-trl", action="store_true", help="tandem alone, even if .venv-trl exists")
+    parser.add_argument("--trl-no-checkpointing", action="store_true",
+                        help="TRL without gradient checkpointing (its GRPOConfig default is on)")
     parser.add_argument("--logits-memory", action="store_true", help="peak memory: full vs chunked logits")
     parser.add_argument("--hf-check", action="store_true", help="time plain HF work in this venv")
     parser.add_argument("--micro-batch-memory", type=float, nargs="+", metavar="GB",
