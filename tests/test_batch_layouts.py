@@ -92,3 +92,10 @@ def test_response_from_nested_is_the_shifted_per_sequence_slice(batch):
     for i in range(batch.batch_size[0]):
         end, r = len(full_values[i]), int(lengths[i])
         assert torch.equal(responses[i], full_values[i][end - r - 1:end - 1])
+
+
+def test_group_members_gathers_indices_by_group_in_first_appearance_order():
+    from tandem.batch.layouts import group_members
+
+    assert group_members([4, 1, 4, 7, 1]) == [[0, 2], [1, 4], [3]]
+    assert group_members([4, 1, 4, 7, 1], [4, 3, 2]) == [[4], [3], [2]]

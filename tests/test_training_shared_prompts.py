@@ -53,7 +53,6 @@ def test_shared_layout_holds_each_prompt_once():
     shared = to_shared_prompts(batch)
     plain = to_packed(batch)
     assert shared.input_ids.shape[1] == plain.input_ids.shape[1] - 2 * 7 - 2 * 4
-    assert shared.saved_tokens == 2 * 7 + 2 * 4
     # prompt 0 (7 tokens), then the three responses of its group, each positioned after the prompt
     assert shared.position_ids[0, :7 + 5 + 9 + 2].tolist() == (
         list(range(7)) + list(range(7, 12)) + list(range(7, 16)) + list(range(7, 9)))

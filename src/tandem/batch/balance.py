@@ -25,7 +25,7 @@ import torch
 from tensordict import TensorDict
 
 from tandem.batch.jagged import field_lengths, select_samples
-from tandem.batch.layouts import prompt_groups
+from tandem.batch.layouts import group_members, prompt_groups
 
 
 def balanced_partition(lengths: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
@@ -56,12 +56,9 @@ def _partition(chunk: list[int], lengths: Sequence[int], sizes: list[int],
                groups: Sequence[int] | None) -> list[list[int]]:
     """chunk's samples split into parts of `sizes` samples, token sums balanced; whole prompt
     groups per part when every group has one size that divides every part's size."""
-    members: dict[int, list[int]] = {}
-    for i in chunk:
-        members.setdefault(groups[i] if groups is not None else i, []).append(i)
-    units = list(members.values())
+    units = group_members(groups, chunk) if groups is not None else []
     size = len(units[0]) if units else 1
-    if groups is None or size == 1 or any(len(u) != size for u in units) or any(s % size for s in sizes):
+    if size == 1 or any(len(u) != size for u in units) or any(s % size for s in sizes):
         return [[chunk[i] for i in part] for part in
                 balanced_partition([lengths[i] for i in chunk], sizes)]
     parts = balanced_partition([sum(lengths[i] for i in unit) for unit in units], [s // size for s in sizes])

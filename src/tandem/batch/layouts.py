@@ -11,6 +11,7 @@ per-sample attention rows (`AttentionRows`) that let each response see its promp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable, Sequence
 
 import torch
 from tensordict import TensorDict
@@ -202,7 +203,6 @@ class SharedPromptBatch:
     position_ids: torch.Tensor  # [1, T]
     rows: AttentionRows  # one row per sample, in prompt-group order
     response_index: torch.Tensor  # [sum R_i] in batch order: the outputs predicting each response token
-    saved_tokens: int  # tokens of the plain packed row that sharing leaves out
 
 
 def prompt_groups(batch: TensorDict) -> torch.Tensor:
@@ -211,6 +211,15 @@ def prompt_groups(batch: TensorDict) -> torch.Tensor:
     first: dict[bytes, int] = {}
     return torch.tensor([first.setdefault(prompts[start:end].numpy().tobytes(), i)
                          for i, (start, end) in enumerate(zip(starts, starts[1:]))], dtype=torch.long)
+
+
+def group_members(groups: Sequence[int], indices: Iterable[int] | None = None) -> list[list[int]]:
+    """The indices (all of `groups`, or `indices`) gathered by group id, groups in order of
+    first appearance: [[members of the first group], ...]."""
+    members: dict[int, list[int]] = {}
+    for i in range(len(groups)) if indices is None else indices:
+        members.setdefault(groups[i], []).append(i)
+    return list(members.values())
 
 
 def to_shared_prompts(batch: TensorDict) -> SharedPromptBatch | None:
@@ -226,15 +235,13 @@ def to_shared_prompts(batch: TensorDict) -> SharedPromptBatch | None:
     prompts, responses = field_values(batch["prompts"]), field_values(batch["responses"])
     prompt_starts = field_offsets(batch["prompts"]).tolist()
     response_starts = field_offsets(batch["responses"]).tolist()
-    groups: dict[int, list[int]] = {}
-    for i, group in enumerate(prompt_groups(batch).tolist()):
-        groups.setdefault(group, []).append(i)
+    groups = group_members(prompt_groups(batch).tolist())
     if len(groups) == len(prompt_lengths):
         return None
     width = int(lengths.max())
     ids, positions, gather, scatter, index = [], [], [], [], [None] * len(prompt_lengths)
     cursor = 0
-    for members in groups.values():
+    for members in groups:
         owner, length = members[0], prompt_lengths[members[0]]
         prompt_at = cursor
         ids.append(prompts[prompt_starts[owner]:prompt_starts[owner] + length])
@@ -254,11 +261,10 @@ def to_shared_prompts(batch: TensorDict) -> SharedPromptBatch | None:
             index[member] = torch.cat([torch.tensor([prompt_at + length - 1]),
                                        torch.arange(cursor, cursor + max(count - 1, 0))])[:count]
             cursor += count
-    total = int(lengths.sum())
     return SharedPromptBatch(
         input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions)[None],
         rows=AttentionRows(torch.cat(gather), torch.cat(scatter), len(gather), width),
-        response_index=torch.cat(index), saved_tokens=total - cursor)
+        response_index=torch.cat(index))
 
 
 def attention_rows(cu_seqlens: torch.Tensor) -> AttentionRows:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.batch.layouts import group_members
+
 
 def split_by_token_budget(lengths: torch.Tensor, max_tokens: int,
                           prompt_groups: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -47,11 +49,8 @@ def _units(lengths: list[int], max_tokens: int, prompt_groups: torch.Tensor | No
     their token costs."""
     if prompt_groups is None:
         return [[i] for i in range(len(lengths))], lengths
-    members: dict[int, list[int]] = {}
-    for i, group in enumerate(prompt_groups.tolist()):
-        members.setdefault(group, []).append(i)
     units, costs = [], []
-    for group in members.values():
+    for group in group_members(prompt_groups.tolist()):
         unit, cost = [], 0
         for i in group:
             if unit and cost + lengths[i] > max_tokens:

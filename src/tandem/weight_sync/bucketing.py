@@ -9,8 +9,8 @@ more than the copy itself).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import threading
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
