@@ -1,17 +1,13 @@
-"""Run untrusted Python in a separate, locked-down process (the child side is sandbox_boot.py).
+"""Run untrusted Python in a separate process that only the kernel's isolation holds.
 
-Every guarantee comes from the kernel, so tampering with Python state in the sandbox gains
-nothing (docs/agent_loops.md has the table of guarantee, mechanism and test):
-- seccomp (sandbox_seccomp.py) refuses process and thread creation, exec, every socket(),
-  io_uring, ptrace, mounts, namespaces, device nodes, and signals to any pid but its own;
-- a mount namespace covers /tmp, /run, /dev/shm with empty tmpfs (no host socket paths);
-  network and PID namespaces: no interfaces, the code is PID 1 and sees no other process;
-- Landlock: read only the interpreter's stdlib/site-packages and system libraries, read and
-  write only the fresh temp dir (cwd), execute nothing, no TCP;
-- no capabilities (root in the sandbox cannot raise its limits); RLIMIT_AS, RLIMIT_CPU,
-  RLIMIT_FSIZE, RLIMIT_NOFILE, no core dumps; wall time: the parent SIGKILLs the group;
-- an optional audit hook only turns the common refusals into clearer errors.
-strict=True (default) refuses to run when any kernel layer is unavailable.
+Two layers, neither of which Python state inside the sandbox can undo (docs/agent_loops.md has
+the table of guarantee, mechanism and test):
+- bubblewrap (sandbox_bwrap.py): fresh user, PID, IPC, network, UTS and mount namespaces; a new
+  root with a read-only view of the interpreter's runtime and a size-capped private tmpfs as
+  the only writable place; no capabilities; its own PID 1, which the host kills to end the run;
+- inside it (sandbox_boot.py): rlimits, then a seccomp filter (sandbox_seccomp.py) for what the
+  namespaces do not cover; an optional audit hook only words the common refusals.
+strict=True (default) refuses to run without the seccomp filter; nothing runs without bubblewrap.
 """
 
 from __future__ import annotations
@@ -19,43 +15,43 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
-import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tandem.tools.sandbox_boot import EXIT_SETUP_FAILED, REPORT_PREFIX
+from tandem.tools.sandbox_bwrap import (INSTALL_HINT, WORK_DIR, BubblewrapCommand,
+                                        find_bubblewrap, runtime_view)
 
-BOOT_SCRIPT = Path(__file__).with_name("sandbox_boot.py")
-LIBRARY_DIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib")
-DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+OUTPUT_GRACE_SECONDS = 10.0  # after the kill, for the pipes to close (they close at once)
 
 
 class SandboxUnavailableError(RuntimeError):
-    """The kernel isolation the sandbox was asked to require is not available on this host."""
+    """The isolation the sandbox was asked to require is not available on this host."""
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Per-run limits. memory_bytes bounds the address space, so leave room for imports."""
+    """Per-run limits. memory_bytes bounds the address space, so leave room for imports.
+    queue_seconds bounds the wait for a free slot, counted apart from wall_seconds."""
 
     wall_seconds: float = 10.0
     cpu_seconds: int = 5
     memory_bytes: int = 1 << 30
     file_bytes: int = 16 << 20
+    work_bytes: int = 64 << 20  # the private tmpfs: every file the code writes, together
     open_files: int = 64
     output_bytes: int = 16 << 10  # per stream; the rest is read and dropped
+    queue_seconds: float = 10.0
 
 
 @dataclass
 class SandboxResult:
-    """Outcome of one run. error is None on success, else one of ERROR_KINDS."""
+    """Outcome of one run. error is None on success, else one of ERROR_KINDS; duration_s is the
+    run itself, queue_s the wait for its slot."""
 
     ok: bool
     stdout: str
@@ -63,74 +59,78 @@ class SandboxResult:
     exit_code: int | None
     error: str | None = None
     duration_s: float = 0.0
+    queue_s: float = 0.0
     isolation: dict[str, str] = field(default_factory=dict)
 
 
-ERROR_KINDS = ("exception", "memory_limit", "cpu_limit", "wall_time", "killed")
-
-
-def _read_roots() -> list[str]:
-    paths = sysconfig.get_paths()
-    roots = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
-    roots.update(directory for directory in LIBRARY_DIRS if os.path.isdir(directory))
-    return sorted(roots)
+ERROR_KINDS = ("exception", "memory_limit", "cpu_limit", "wall_time", "killed", "busy")
 
 
 class PythonSandbox:
-    """Runs code strings in fresh sandboxed interpreters; at most max_concurrent at a time."""
+    """Runs code strings in fresh sandboxed interpreters, each run in its own slot; at most
+    max_concurrent slots at a time (default: one per CPU, at least two)."""
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), strict: bool = True,
-                 python_guards: bool = True, python: str = sys.executable,
-                 max_concurrent: int = 2) -> None:
+                 python_guards: bool = True, seccomp: bool = True, python: str = sys.executable,
+                 max_concurrent: int | None = None, bubblewrap: str | None = None) -> None:
+        if strict and not seccomp:
+            raise ValueError("PythonSandbox(seccomp=False) drops the seccomp filter, which "
+                             "strict mode requires: pass strict=False as well to accept that")
+        bwrap = find_bubblewrap(bubblewrap)
+        if bwrap is None:
+            raise SandboxUnavailableError(
+                f"the Python sandbox runs inside bubblewrap, and {bubblewrap or 'bwrap'!r} is "
+                f"not {'there' if bubblewrap else 'on PATH'}: {INSTALL_HINT}. Without it "
+                "nothing runs, in strict mode or not.")
         self.limits = limits
         self.strict = strict
-        self.python = python
-        self.max_concurrent = max_concurrent
+        self.max_concurrent = max_concurrent or max(2, os.cpu_count() or 2)
+        self.command = BubblewrapCommand(bwrap, python, tuple(runtime_view(python)),
+                                         limits.work_bytes)
+        self.view = self.command.view  # the host paths the code can read (and nothing else)
         self._settings = json.dumps({
-            "read_roots": _read_roots(), "devices": list(DEVICES), "strict": strict,
-            "python_guards": python_guards, "memory_bytes": limits.memory_bytes,
-            "cpu_seconds": limits.cpu_seconds, "file_bytes": limits.file_bytes,
-            "open_files": limits.open_files})
+            "strict": strict, "python_guards": python_guards, "seccomp": seccomp,
+            "memory_bytes": limits.memory_bytes, "cpu_seconds": limits.cpu_seconds,
+            "file_bytes": limits.file_bytes, "open_files": limits.open_files})
         # One semaphore per event loop: asyncio primitives must not cross loops.
         self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def _command(self) -> list[str]:
-        return [self.python, "-I", "-B", str(BOOT_SCRIPT), self._settings]
-
     @staticmethod
-    def _environment(work_dir: str) -> dict[str, str]:
-        return {"PATH": "/usr/bin:/bin", "HOME": work_dir, "TMPDIR": work_dir, "LANG": "C.UTF-8",
+    def _environment() -> dict[str, str]:
+        return {"PATH": "/usr/bin:/bin", "HOME": WORK_DIR, "TMPDIR": WORK_DIR, "LANG": "C.UTF-8",
                 "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
     def probe(self) -> dict[str, str]:
         """Run an empty program synchronously; return the isolation report or raise."""
-        work_dir = tempfile.mkdtemp(prefix="tandem-sandbox-")
+        code_fd = _code_file("pass\n")
         try:
-            Path(work_dir, "main.py").write_text("pass\n")
-            done = subprocess.run(self._command(), cwd=work_dir, env=self._environment(work_dir),
-                                  capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
-            isolation, stderr = _split_report(done.stderr.decode("utf-8", "replace"))
-            self._check_setup(done.returncode, isolation, stderr)
-            return isolation
+            done = subprocess.run(self.command.argv(code_fd, self._settings),
+                                  env=self._environment(), capture_output=True, timeout=60,
+                                  stdin=subprocess.DEVNULL, pass_fds=(code_fd,))
         finally:
-            shutil.rmtree(work_dir, ignore_errors=True)
+            os.close(code_fd)
+        isolation, stderr = _split_report(done.stderr.decode("utf-8", "replace"))
+        self._check_setup(done.returncode, isolation, stderr)
+        return {**self.command.report(), **isolation}
 
     def _check_setup(self, exit_code: int | None, isolation: dict[str, str] | None,
                      stderr: str) -> None:
+        if isolation is None and exit_code not in (None, 0):
+            # bubblewrap's own errors ("bwrap: ...") come before the bootstrap ever runs
+            words = stderr.strip()[-2000:]
+            if words.startswith("bwrap:"):
+                raise SandboxUnavailableError(f"bubblewrap could not build the sandbox: {words}")
+            raise RuntimeError(f"the sandbox bootstrap failed before running any code "
+                               f"(exit {exit_code}): {words}")
         missing = [layer for layer, state in (isolation or {}).items()
                    if state.startswith("unavailable")]
         # only the bootstrap exits this way with a layer missing; the code's own exit 97 cannot
         if self.strict and exit_code == EXIT_SETUP_FAILED and missing:
             raise SandboxUnavailableError(
-                f"the Python sandbox needs mount, network and PID namespaces, Landlock, "
-                f"capability dropping and seccomp; missing: "
+                "the Python sandbox needs its seccomp filter; missing: "
                 + "; ".join(f"{layer} ({isolation[layer]})" for layer in missing)
-                + ". Run on an x86_64 Linux kernel with Landlock, seccomp and (unless root) "
-                "unprivileged user namespaces, or accept weaker isolation explicitly with "
-                "PythonSandbox(strict=False).")
-        if isolation is None and exit_code not in (None, 0) and exit_code > 0:
-            raise RuntimeError(f"the sandbox bootstrap failed before running any code "
-                               f"(exit {exit_code}): {stderr[-2000:]}")
+                + ". Run on an x86_64 Linux kernel with seccomp, or accept weaker isolation "
+                "explicitly with PythonSandbox(strict=False).")
 
     def _semaphore(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -139,42 +139,129 @@ class PythonSandbox:
         return self._semaphores[loop]
 
     async def run(self, code: str) -> SandboxResult:
-        """Execute `code` as a script; errors in the code come back as a result, never raise."""
-        async with self._semaphore():
-            work_dir = tempfile.mkdtemp(prefix="tandem-sandbox-")
-            try:
-                Path(work_dir, "main.py").write_text(code, encoding="utf-8")
-                return await self._run_in(work_dir)
-            finally:
-                shutil.rmtree(work_dir, ignore_errors=True)
+        """Execute `code` as a script; errors in the code come back as a result, never raise.
+        No slot free within limits.queue_seconds: a "busy" result, before anything ran."""
+        semaphore = self._semaphore()
+        queued = time.monotonic()
+        try:
+            await asyncio.wait_for(semaphore.acquire(), self.limits.queue_seconds)
+        except asyncio.TimeoutError:
+            return SandboxResult(
+                ok=False, stdout="", exit_code=None, error="busy",
+                queue_s=time.monotonic() - queued,
+                stderr=f"no sandbox slot was free within {self.limits.queue_seconds:g} s "
+                       f"({self.max_concurrent} runs at a time); the code did not run")
+        try:
+            queue_s = time.monotonic() - queued
+            result = await self._run_in_slot(code)
+            result.queue_s = queue_s
+            return result
+        finally:
+            semaphore.release()
 
-    async def _run_in(self, work_dir: str) -> SandboxResult:
+    async def _run_in_slot(self, code: str) -> SandboxResult:
         start = time.monotonic()
-        process = await asyncio.create_subprocess_exec(
-            *self._command(), cwd=work_dir, env=self._environment(work_dir),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        code_fd = _code_file(code)
+        info_read, info_write = os.pipe()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *self.command.argv(code_fd, self._settings, info_write),
+                env=self._environment(), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                start_new_session=True, pass_fds=(code_fd, info_write))
+        finally:
+            os.close(code_fd)
+            os.close(info_write)
         readers = [asyncio.create_task(_read_capped(stream, self.limits.output_bytes))
                    for stream in (process.stdout, process.stderr)]
+        namespace_init = asyncio.create_task(_open_namespace_init(info_read, process.pid))
         timed_out = False
         try:
             await asyncio.wait_for(process.wait(), self.limits.wall_seconds)
         except asyncio.TimeoutError:
             timed_out = True
         finally:
-            _kill_group(process.pid)  # also reaps anything the code left behind in its group
-            await process.wait()
-        stdout, raw_stderr = await asyncio.gather(*readers)
+            try:  # bubblewrap tells the init's pid milliseconds after it starts
+                await asyncio.wait({namespace_init}, timeout=OUTPUT_GRACE_SECONDS)
+            finally:
+                _kill(namespace_init, process.pid)  # every process of the run dies with its init
+                await process.wait()
+        try:
+            stdout, raw_stderr = await asyncio.wait_for(asyncio.gather(*readers),
+                                                        OUTPUT_GRACE_SECONDS)
+        except asyncio.TimeoutError as error:
+            raise RuntimeError("the sandbox's output pipes stayed open after its namespace "
+                               "was killed") from error
         isolation, stderr = _split_report(raw_stderr)
-        self._check_setup(None if timed_out else process.returncode, isolation, stderr)
-        error = _classify(timed_out, process.returncode, stderr)
+        exit_code = None if timed_out else _exit_code(process.returncode)
+        self._check_setup(exit_code, isolation, stderr)
+        error = _classify(timed_out, exit_code, stderr)
         if error == "wall_time":
-            stderr += f"\nkilled after {self.limits.wall_seconds} s of wall time"
+            stderr += f"\nkilled after {self.limits.wall_seconds:g} s of wall time"
         elif error == "cpu_limit":
             stderr += f"\nkilled after {self.limits.cpu_seconds} s of CPU time"
-        return SandboxResult(ok=error is None, stdout=stdout, stderr=stderr,
-                             exit_code=None if timed_out else process.returncode, error=error,
-                             duration_s=time.monotonic() - start, isolation=isolation or {})
+        return SandboxResult(ok=error is None, stdout=stdout, stderr=stderr, exit_code=exit_code,
+                             error=error, duration_s=time.monotonic() - start,
+                             isolation={**self.command.report(), **(isolation or {})})
+
+
+def _code_file(code: str) -> int:
+    """An anonymous in-memory file holding the code; bubblewrap copies it to WORK_DIR/main.py."""
+    fd = os.memfd_create("main.py", 0)
+    os.write(fd, code.encode("utf-8", "surrogatepass"))
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+async def _open_namespace_init(info_fd: int, bwrap_pid: int) -> int | None:
+    """A pidfd for the sandbox's PID 1 (bubblewrap's child, named in its info JSON); None when
+    there is none (bubblewrap failed before cloning, or the namespace is gone already)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                os.fdopen(info_fd, "rb"))
+    try:
+        info = await reader.read()
+    finally:
+        transport.close()
+    if not info:
+        return None
+    pid = json.loads(info)["child-pid"]
+    try:
+        pidfd = os.pidfd_open(pid)
+        with open(f"/proc/{pid}/stat") as handle:  # still bubblewrap's child, not a reused pid
+            parent = int(handle.read().rpartition(")")[2].split()[1])
+    except (ProcessLookupError, FileNotFoundError):
+        return None
+    if parent != bwrap_pid:
+        os.close(pidfd)
+        return None
+    return pidfd
+
+
+def _kill(namespace_init: asyncio.Task, bwrap_pid: int) -> None:
+    """SIGKILL the namespace's init (the kernel then kills everything in it) and bubblewrap."""
+    if not namespace_init.done():
+        namespace_init.cancel()
+    elif not namespace_init.cancelled() and namespace_init.exception() is None \
+            and namespace_init.result() is not None:
+        pidfd = namespace_init.result()
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(pidfd)
+    try:
+        os.killpg(bwrap_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _exit_code(returncode: int | None) -> int | None:
+    """bubblewrap passes on a signal death as 128 + n (as shells do): report it as -n."""
+    if returncode is not None and returncode > 128:
+        return 128 - returncode
+    return returncode
 
 
 async def _read_capped(stream: asyncio.StreamReader, limit: int) -> str:
@@ -187,13 +274,6 @@ async def _read_capped(stream: asyncio.StreamReader, limit: int) -> str:
         dropped += max(0, len(chunk) - room)
     text = kept.decode("utf-8", "replace")
     return text + (f"\n... ({dropped} more bytes dropped)" if dropped else "")
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _split_report(stderr: str) -> tuple[dict[str, str] | None, str]:
@@ -209,8 +289,10 @@ def _classify(timed_out: bool, exit_code: int | None, stderr: str) -> str | None
         return "wall_time"
     if exit_code == 0:
         return None
-    if exit_code in (-signal.SIGXCPU, -signal.SIGKILL):
-        return "cpu_limit" if exit_code == -signal.SIGXCPU else "killed"
+    if exit_code == -signal.SIGXCPU:
+        return "cpu_limit"
+    if exit_code == -signal.SIGKILL:
+        return "killed"
     last_line = stderr.strip().rsplit("\n", 1)[-1]
     if last_line.startswith("MemoryError"):
         return "memory_limit"

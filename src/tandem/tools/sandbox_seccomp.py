@@ -1,9 +1,11 @@
 """The sandbox's seccomp-bpf filter, assembled by hand (stdlib only; loaded by sandbox_boot.py).
 
-Once installed a filter cannot be removed or loosened by the process or its threads, so what
-it refuses stays refused whatever the code does to Python state. x86_64 only: any other
-architecture (including 32-bit syscalls made from an x86_64 process) kills the process.
-Refused calls fail with EPERM, which Python raises as PermissionError.
+It covers what the namespaces do not: process and thread creation, exec, sockets, memory that
+RLIMIT_AS does not count, and kernel-wide calls. Once installed a filter cannot be removed or
+loosened by the process, so what it refuses stays refused whatever the code does to Python
+state. x86_64 only: any other architecture (including 32-bit syscalls made from an x86_64
+process) kills the process. Refused calls fail with EPERM, which Python raises as
+PermissionError.
 """
 
 import ctypes
@@ -35,6 +37,12 @@ DENIED_SYSCALLS = {
     "unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155,
     "chroot": 161, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
     "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+    # memory outside RLIMIT_AS: SysV shared memory, semaphores and queues (the IPC namespace
+    # already hides the host's), POSIX message queues, memfd files
+    "shmget": 29, "shmat": 30, "shmctl": 31, "shmdt": 67, "semget": 64, "semop": 65,
+    "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71,
+    "mq_open": 240, "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243,
+    "mq_notify": 244, "mq_getsetattr": 245, "memfd_create": 319, "memfd_secret": 447,
     # device nodes, file handles (open_by_handle_at walks around path checks)
     "mknod": 133, "mknodat": 259, "name_to_handle_at": 303, "open_by_handle_at": 304,
     # kernel-wide state

@@ -1,0 +1,120 @@
+"""The sandbox's outer layer: a bubblewrap command line (namespaces and a read-only view).
+
+bubblewrap (`bwrap`, the Debian/Ubuntu/Fedora package `bubblewrap`) gives the run fresh user,
+PID, IPC, network, UTS and mount namespaces, pivots into a new root that holds only read-only
+binds of the interpreter's runtime, four device nodes and a size-capped private tmpfs at
+WORK_DIR, drops every capability, and runs its own PID 1 (never the code): killing that init
+kills every process of the run, and it dies by itself when bwrap or bwrap's parent dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+SANDBOX_DIR = "/sandbox"  # in the view only; a host path under it cannot be shown
+WORK_DIR = f"{SANDBOX_DIR}/work"  # the code's cwd, HOME and TMPDIR: the only writable path
+BOOT_DIR = f"{SANDBOX_DIR}/boot"  # the bootstrap and its seccomp sibling, read-only
+BOOT_FILES = ("sandbox_boot.py", "sandbox_seccomp.py")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+LIBRARY_DIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib")
+NAMESPACES = ("user", "pid", "ipc", "net", "uts", "mount")
+INSTALL_HINT = ("install it with `apt-get install -y bubblewrap` (`make test` does; other "
+                "distributions call the package bubblewrap too)")
+
+# Asked of the target interpreter itself, which may not be the one running tandem.
+RUNTIME_QUERY = """
+import json, sys, sysconfig
+paths = sysconfig.get_paths()
+shared = sysconfig.get_config_var("Py_ENABLE_SHARED")
+print(json.dumps({"prefix": sys.prefix, "base_prefix": sys.base_prefix,
+                  "dirs": [paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")],
+                  "libdir": sysconfig.get_config_var("LIBDIR") if shared else None}))
+"""
+
+
+def find_bubblewrap(path: str | None) -> str | None:
+    """The bwrap executable: `path` if given, else the first on PATH; None when absent."""
+    found = shutil.which(path or "bwrap")
+    return os.path.realpath(found) if found else None
+
+
+def _symlink_hops(path: str) -> list[str]:
+    """`path` and every path its symlink chain passes through (each must exist in the view)."""
+    hops: list[str] = []
+    while path not in hops:
+        hops.append(path)
+        if not os.path.islink(path):
+            break
+        path = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+    return hops
+
+
+def _outermost(paths: list[str]) -> list[str]:
+    """Existing paths, sorted, without those under another one (a parent bind shows them)."""
+    kept: list[str] = []
+    for path in sorted({os.path.normpath(p) for p in paths if os.path.exists(p)}):
+        if not any(path.startswith(os.path.join(parent, "")) for parent in kept):
+            kept.append(path)
+    return kept
+
+
+def runtime_view(python: str) -> list[str]:
+    """The host paths the interpreter needs to start and import its packages, read-only."""
+    query = subprocess.run([python, "-I", "-c", RUNTIME_QUERY], capture_output=True, text=True,
+                           timeout=60, stdin=subprocess.DEVNULL)
+    if query.returncode != 0:
+        raise RuntimeError(f"cannot ask {python} where its runtime lives: {query.stderr[-500:]}")
+    runtime = json.loads(query.stdout)
+    paths = [*_symlink_hops(python), *runtime["dirs"], *LIBRARY_DIRS]
+    if runtime["prefix"] != runtime["base_prefix"]:  # a venv: python reads pyvenv.cfg first
+        paths.append(os.path.join(runtime["prefix"], "pyvenv.cfg"))
+    if runtime["libdir"]:
+        paths += [str(p) for p in Path(runtime["libdir"]).glob("libpython*")]
+    view = _outermost(paths)
+    clashes = [path for path in view if os.path.join(path, "").startswith(SANDBOX_DIR + "/")
+               or SANDBOX_DIR.startswith(os.path.join(path, ""))]
+    if clashes:
+        raise RuntimeError(f"the interpreter's runtime {clashes} overlaps {SANDBOX_DIR}, where "
+                           "the sandbox keeps its own files: install Python elsewhere")
+    return view
+
+
+@dataclass(frozen=True)
+class BubblewrapCommand:
+    """Everything but the per-run file descriptors; `argv` adds those."""
+
+    bwrap: str
+    python: str
+    view: tuple[str, ...]
+    work_bytes: int
+
+    def argv(self, code_fd: int, settings: str, info_fd: int | None = None) -> list[str]:
+        """bwrap options then the bootstrap; code_fd holds main.py, info_fd gets the init's
+        host pid (bubblewrap's {"child-pid": N})."""
+        boot = Path(__file__).parent
+        argv = [self.bwrap, "--unshare-all", "--unshare-user", "--die-with-parent",
+                "--new-session", "--cap-drop", "ALL"]
+        if info_fd is not None:
+            argv += ["--info-fd", str(info_fd)]
+        for path in self.view:
+            argv += ["--ro-bind", path, path]
+        for name in BOOT_FILES:
+            argv += ["--ro-bind", str(boot / name), f"{BOOT_DIR}/{name}"]
+        for device in DEVICES:
+            argv += ["--dev-bind-try", device, device]
+        argv += ["--size", str(self.work_bytes), "--tmpfs", WORK_DIR,
+                 "--perms", "0644", "--file", str(code_fd), f"{WORK_DIR}/main.py",
+                 "--chdir", WORK_DIR, "--remount-ro", "/"]
+        return argv + ["--", self.python, "-I", "-B", f"{BOOT_DIR}/sandbox_boot.py", settings]
+
+    def report(self) -> dict[str, str]:
+        """The isolation bubblewrap was asked for, for SandboxResult.isolation."""
+        return {"namespaces": "+".join(NAMESPACES) + f" ({self.bwrap})",
+                "view": "read-only " + ",".join(self.view),
+                "work_dir": f"private tmpfs {WORK_DIR}, {self.work_bytes >> 20} MiB",
+                "capabilities": "all dropped"}
