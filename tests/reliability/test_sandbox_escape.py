@@ -1,298 +1,288 @@
-"""Escape attempts against the Python sandbox, one per guarantee docs/agent_loops.md claims.
+"""Escape attempts against the Python sandbox, one test per class of host resource.
 
-Each attack first does what issue 11 reproduced: it walks up the stack to the bootstrap's
-globals and empties its audit hook's blocked-event sets and path check, and re-imports
-`_posixsubprocess` to get the real `fork_exec` back (TAMPER). What still
-holds afterwards is the kernel's doing; the errno names the layer (seccomp answers EPERM,
-Landlock EACCES). Run as root, as CI does: root is where the old process limit did not apply.
+Each attack first does the stack-walk tamper (sandbox_attack.TAMPER), then tries to reach the
+host, and fails if it does. Every test runs twice: against the full sandbox ("seccomp", which
+answers EPERM first) and against bubblewrap alone ("namespaces", where the errno shows that
+the namespaces and the read-only view hold by themselves). Run as root, as CI does.
 """
 
 from __future__ import annotations
 
-import errno
+import ctypes
+import json
 import os
+import random
 import socket
 import subprocess
+import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
+from sandbox_attack import LAYERS, OrphansComeHere, attack, missing_isolation, sandbox_with
 
-from tandem.tools.python_sandbox import PythonSandbox, SandboxLimits, SandboxUnavailableError
-from tandem.tools.sandbox_seccomp import (AUDIT_ARCH_X86_64, DENIED_SYSCALLS, RET_ALLOW,
-                                          RET_ERRNO, RET_KILL_PROCESS, X32_SYSCALL_BIT,
-                                          build_program)
+from tandem.tools.python_sandbox import PythonSandbox, SandboxLimits
+from tandem.tools.sandbox_bwrap import SANDBOX_DIR
 
-LIMITS = SandboxLimits(wall_seconds=8.0, cpu_seconds=2, memory_bytes=512 << 20)
-# A wall limit far past the CPU limit, so a loaded machine still hits the CPU limit first.
-CPU_LIMITS = SandboxLimits(wall_seconds=300.0, cpu_seconds=1)
-HOST_DIR = Path(__file__).resolve().parent  # outside every folder the sandbox may touch or hides
-# refused by Landlock, or absent: under a folder the mount namespace covers (a checkout in /tmp)
-HIDDEN_OR_REFUSED = {"EACCES", "ENOENT"}
-
-TAMPER = """
-import errno, os, sys
-frame = sys._getframe()
-while "BLOCKED_EVENTS" not in frame.f_globals:
-    frame = frame.f_back
-boot = frame.f_globals  # the bootstrap's module globals, reached by walking the stack
-boot["BLOCKED_EVENTS"] = boot["BLOCKED_CTYPES_EVENTS"] = ()  # the audit hook now blocks nothing
-boot["isinstance"] = lambda *args: False  # and skips its open() path check
-del sys.modules["_posixsubprocess"]
-import _posixsubprocess, subprocess  # a fresh module: the real fork_exec, not the stand-in
-subprocess._fork_exec = _posixsubprocess.fork_exec
-print("tampered")
-
-def attempt(action):
-    try:
-        return f"allowed {action()!r}"
-    except OSError as error:
-        if "sandbox:" in str(error):
-            raise  # refused by the audit hook: the tampering did not take
-        return errno.errorcode.get(error.errno, str(error.errno))
-"""
-
-
-def _missing_isolation() -> str | None:
-    try:
-        PythonSandbox(LIMITS).probe()
-    except SandboxUnavailableError as error:
-        return str(error)
-    return None
-
-
-MISSING_ISOLATION = _missing_isolation()
+HOST_DIR = Path(__file__).resolve().parent  # a host folder outside the sandbox's view
+MISSING_ISOLATION = missing_isolation()
 pytestmark = pytest.mark.skipif(MISSING_ISOLATION is not None,
-                                reason=f"kernel isolation unavailable: {MISSING_ISOLATION}")
+                                reason=f"sandbox unavailable: {MISSING_ISOLATION}")
 
 
-@pytest.fixture(scope="module")
-def sandbox() -> PythonSandbox:
-    return PythonSandbox(LIMITS)
+@pytest.fixture(scope="module", params=list(LAYERS))
+def sandbox(request) -> PythonSandbox:
+    return sandbox_with(request.param)
 
 
-async def _attack(sandbox: PythonSandbox, code: str, limits: SandboxLimits | None = None):
-    """Run TAMPER + code; return the result and the lines the code printed after tampering."""
-    runner = sandbox if limits is None else PythonSandbox(limits)
-    result = await runner.run(TAMPER + code)
-    lines = result.stdout.splitlines()
-    assert lines[:1] == ["tampered"], result.stderr  # the frame walk itself is not stopped
-    assert "sandbox:" not in result.stderr  # nothing below was refused by the audit hook
-    return result, lines[1:]
+def _refused(sandbox: PythonSandbox, by_namespaces: str) -> str:
+    """The errno an attempt gets: seccomp answers first when it is on."""
+    return "EPERM" if sandbox.seccomp else by_namespaces
 
 
-def _nothing_connected(listener: socket.socket) -> bool:
+def _nothing_arrived(listener: socket.socket) -> bool:
     listener.setblocking(False)
     try:
-        listener.accept()[0].close()
+        if listener.type == socket.SOCK_DGRAM:
+            listener.recv(16)
+        else:
+            listener.accept()[0].close()
     except BlockingIOError:
         return True
     return False
 
 
-async def test_frame_walk_then_unix_socket_at_a_host_path(sandbox, tmp_path):
-    """Ray's raylet and plasma sockets live at paths under /tmp: the mount namespace hides
-    the folder and seccomp refuses socket() for every family."""
-    path = str(tmp_path / "raylet.sock")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-        listener.bind(path)
-        listener.listen(8)
-        result, lines = await _attack(sandbox, f"""
-import socket
-print(os.path.exists({path!r}))
-print(attempt(lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).connect({path!r})))
-""")
-        assert result.ok, result.stderr
-        assert lines == ["False", "EPERM"]
-        assert _nothing_connected(listener)
-
-
-async def test_every_socket_family_is_refused(sandbox):
-    result, lines = await _attack(sandbox, """
-import socket
-for family in ("AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK", "AF_PACKET", "AF_VSOCK"):
-    print(family, attempt(lambda: socket.socket(getattr(socket, family), socket.SOCK_DGRAM)))
-print(attempt(lambda: len(socket.socketpair())))  # an anonymous pair reaches nothing: allowed
-""")
-    assert result.ok, result.stderr
-    assert lines == [f"{family} EPERM" for family in
-                     ("AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK", "AF_PACKET", "AF_VSOCK")] \
-        + ["allowed 2"]
-
-
-async def test_network_connect_to_a_loopback_listener(sandbox):
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
-        result, lines = await _attack(sandbox, f"""
-import socket
-print(attempt(lambda: socket.create_connection(("127.0.0.1", {port}), 2)))
-""")
-        assert result.ok, result.stderr
-        assert lines == ["EPERM"]
-        assert _nothing_connected(listener)
-
-
-async def test_reimported_posixsubprocess_starts_no_child(sandbox):
-    """The fresh module's fork_exec is the real one; the kernel refuses the fork under it,
-    so preexec_fn (which would run in the child) never runs."""
-    result, lines = await _attack(sandbox, """
-print(_posixsubprocess.fork_exec is subprocess._fork_exec, type(subprocess._fork_exec).__name__)
-print(attempt(lambda: subprocess.Popen(["/bin/true"], preexec_fn=lambda: open("child_ran", "w"))))
-print(os.path.exists("child_ran"))
-""")
-    assert result.ok, result.stderr
-    assert lines == ["True builtin_function_or_method", "EPERM", "False"]
-
-
-async def test_fork_bomb_creates_no_process(sandbox):
-    result, lines = await _attack(sandbox, """
-import threading
-children, last = 0, "none"
-for _ in range(100):
-    try:
-        if os.fork() == 0:
-            os._exit(0)
-        children += 1
-    except OSError as error:
-        last = errno.errorcode[error.errno]
-print(children, last)
-try:
-    threading.Thread(target=print).start()
-except RuntimeError as error:
-    print(error)
-""")
-    assert result.ok, result.stderr
-    assert lines == ["0 EPERM", "can't start new thread"]
-
-
-async def test_os_system_subprocess_and_exec_run_nothing(sandbox):
-    result, lines = await _attack(sandbox, """
-import subprocess
-print(os.system("touch ran"))  # glibc reports a failed spawn as exit status 127
-print(attempt(lambda: subprocess.run(["/bin/sh", "-c", "touch ran"])))
-print(attempt(lambda: os.posix_spawn("/bin/sh", ["sh", "-c", "touch ran"], {})))
-print(attempt(lambda: os.execv("/bin/sh", ["sh", "-c", "touch ran"])))
-print(os.path.exists("ran"))
-""")
-    assert result.ok, result.stderr
-    assert lines == [str(127 << 8), "EPERM", "EPERM", "EPERM", "False"]
-
-
-async def test_host_files_outside_the_allowed_dirs_are_unreadable(sandbox):
-    secret = HOST_DIR / f".escape-secret-{uuid.uuid4().hex}"
-    secret.write_text("hunter2")
-    try:
-        result, lines = await _attack(sandbox, f"""
-print(attempt(lambda: open("/etc/passwd").read()))
-print(attempt(lambda: open({str(secret)!r}).read()))
-os.symlink({str(secret)!r}, "link")
-print(attempt(lambda: open("link").read()))
-print(attempt(lambda: os.listdir("/")))
-""")
-    finally:
-        secret.unlink()
-    assert result.ok, result.stderr
-    # Landlock refuses (EACCES); a checkout under a covered folder (/tmp) is not even there
-    assert lines[0] == lines[3] == "EACCES" and set(lines[1:3]) <= HIDDEN_OR_REFUSED
-    assert "hunter2" not in result.stdout
-
-
-async def test_writing_outside_the_work_dir_is_refused(sandbox):
-    target = HOST_DIR / f".escape-write-{uuid.uuid4().hex}"
-    result, lines = await _attack(sandbox, f"""
-print(attempt(lambda: open({str(target)!r}, "w").write("x")))
-print(attempt(lambda: os.mkdir({str(target)!r})))
-print(attempt(lambda: os.rename("main.py", {str(target)!r})))
-""")
-    assert result.ok, result.stderr
-    assert {lines[0], lines[1]} <= HIDDEN_OR_REFUSED
-    assert lines[2] in ("EACCES", "EXDEV", "ENOENT")  # Landlock refuses moves out of the work dir
-    assert not target.exists()
-
-
-async def test_device_nodes_cannot_be_made(sandbox):
-    """As root with CAP_MKNOD a block device node in the work dir would read the raw disk."""
-    result, lines = await _attack(sandbox, """
-import stat
-print(attempt(lambda: os.mknod("disk", stat.S_IFBLK | 0o600, os.makedev(7, 0))))
-print(attempt(lambda: os.mknod("null", stat.S_IFCHR | 0o600, os.makedev(1, 3))))
-print(os.path.exists("disk") or os.path.exists("null"))
-""")
-    assert result.ok, result.stderr
-    assert lines == ["EPERM", "EPERM", "False"]
-
-
-async def test_memory_blow_up_stops_at_the_limit(sandbox):
-    result, lines = await _attack(sandbox, """
-import mmap, resource
-try:
-    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-    print("raised")
-    raise SystemExit(3)  # do not go on to allocate gigabytes on the host
-except ValueError as error:
-    print(error)
-print(attempt(lambda: len(mmap.mmap(-1, 2 << 30))))
-x = bytearray(10 * 2**30)
-""")
-    assert result.error == "memory_limit" and "MemoryError" in result.stderr, result.stderr
-    assert lines == ["not allowed to raise maximum limit", "ENOMEM"]
-
-
-async def test_infinite_loop_stops_at_the_cpu_limit(sandbox):
-    result, lines = await _attack(sandbox, """
-import resource
-try:
-    resource.setrlimit(resource.RLIMIT_CPU, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-    print("raised")
-    raise SystemExit(3)
-except ValueError as error:
-    print(error, flush=True)
-while True:
-    pass
-""", CPU_LIMITS)
-    assert result.error == "cpu_limit" and "CPU time" in result.stderr
-    assert lines == ["not allowed to raise maximum limit"]
-
-
-async def test_file_size_and_open_files_stop_at_their_limits(sandbox):
-    limits = SandboxLimits(wall_seconds=8.0, file_bytes=1 << 20, open_files=32)
-    result, lines = await _attack(sandbox, """
-import resource
-try:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
-    print("raised")
-except ValueError as error:
-    print(error)
-with open("big", "wb") as handle:  # Python ignores SIGXFSZ, so the write fails with EFBIG
-    print(attempt(lambda: handle.write(bytes(2 << 20))))
-print(os.path.getsize("big") <= 1 << 20)
-handles = []
-print(attempt(lambda: [handles.append(open("main.py")) for _ in range(64)]))
-print(len(handles) < 32)
-""", limits)
-    assert result.ok, result.stderr
-    assert lines == ["not allowed to raise maximum limit", "EFBIG", "True", "EMFILE", "True"]
-
-
-async def test_sleep_ignoring_signals_stops_at_the_wall_time_limit(sandbox):
-    result, lines = await _attack(sandbox, """
-import signal, time
+async def test_no_process_outlives_the_run(sandbox):
+    """Clear the parent-death signal, try to leave the session and process group, ignore
+    signals, double fork (where fork is allowed): the host kills the namespace's init and
+    with it every process of the run, so nothing is left alive and no pipe stays open."""
+    runner = sandbox_with("seccomp" if sandbox.seccomp else "namespaces",
+                          SandboxLimits(wall_seconds=5.0))
+    with OrphansComeHere() as orphans:
+        result, lines = await attack(runner, """
+import ctypes, signal, time
+libc = ctypes.CDLL(None, use_errno=True)
 for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(number, signal.SIG_IGN)
-print("sleeping", flush=True)
+print(libc.prctl(1, 0, 0, 0, 0))  # PR_SET_PDEATHSIG 0: no signal when the parent dies
+print(attempt(os.setsid), attempt(lambda: os.setpgid(0, 0)))
+
+def escape():  # the grandchild leaves the session and clears its death signal too
+    if os.fork() == 0:
+        try:
+            os.setsid()
+            if os.fork() == 0:
+                libc.prctl(1, 0, 0, 0, 0)
+                time.sleep(1000)
+        finally:
+            os._exit(0)
+    os.wait()
+    return "forked"
+print(attempt(escape), flush=True)
 time.sleep(1000)
-""", SandboxLimits(wall_seconds=5.0))  # room to start on a loaded machine
-    assert result.error == "wall_time" and result.exit_code is None
-    assert lines == ["sleeping"]
+""")
+        assert result.error == "wall_time", result.stderr
+        # the code leaves bubblewrap's session (and so its process group): no help
+        assert lines == ["0", "allowed None EPERM", _refused(sandbox, "allowed 'forked'")]
+        assert orphans.left_behind() == []
 
 
-async def test_signals_reach_no_other_process(sandbox):
-    """The code may signal itself; its parent, its process group, every process (-1), a host
-    process it was told the pid of, and the test runner all stay untouched."""
+SHM_MARKER = b"host-secret"
+IPC_CREAT, IPC_EXCL, IPC_RMID, IPC_STAT = 0o1000, 0o2000, 0, 2
+
+
+def _sysv_keys() -> set[int]:
+    keys = set()
+    for kind in ("shm", "sem", "msg"):
+        with open(f"/proc/sysvipc/{kind}") as table:
+            keys.update(int(line.split()[0]) for line in list(table)[1:])
+    return keys
+
+
+async def test_host_sysv_ipc_is_out_of_reach_and_nothing_is_left_behind(sandbox):
+    """A host shared-memory segment, semaphore set and message queue (by key and by id) are
+    not there for the code; what the code creates dies with its IPC namespace."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    key = random.randrange(1 << 20, 1 << 30)
+    shm_id = libc.shmget(key, 4096, IPC_CREAT | IPC_EXCL | 0o600)
+    sem_id = libc.semget(key, 1, IPC_CREAT | IPC_EXCL | 0o600)
+    msg_id = libc.msgget(key, IPC_CREAT | IPC_EXCL | 0o600)
+    assert min(shm_id, sem_id, msg_id) >= 0
+    try:
+        address = libc.shmat(shm_id, None, 0)
+        ctypes.memmove(address, SHM_MARKER, len(SHM_MARKER))
+        libc.shmdt(ctypes.c_void_p(address))
+        result, lines = await attack(sandbox, f"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+buffer = ctypes.create_string_buffer(512)
+def call(function, *args, failed=-1):
+    return errno.errorcode[ctypes.get_errno()] if function(*args) == failed else "allowed"
+print(call(libc.shmget, {key}, 0, 0), call(libc.shmat, {shm_id}, None, 0, failed=2**64 - 1),
+      call(libc.shmctl, {shm_id}, {IPC_STAT}, buffer))
+print(call(libc.semget, {key}, 0, 0), call(libc.semctl, {sem_id}, 0, 12))  # GETVAL
+print(call(libc.msgget, {key}, 0), call(libc.msgctl, {msg_id}, {IPC_STAT}, buffer))
+left = {key + 1}  # leftovers, if the host saw them
+print(call(libc.shmget, left, 1 << 20, {IPC_CREAT | 0o600}),
+      call(libc.semget, left, 1, {IPC_CREAT | 0o600}), call(libc.msgget, left, {IPC_CREAT | 0o600}))
+""")
+        assert result.ok, result.stderr
+        if sandbox.seccomp:
+            assert lines == ["EPERM EPERM EPERM", "EPERM EPERM", "EPERM EPERM",
+                             "EPERM EPERM EPERM"]
+        else:  # a fresh IPC namespace: no such key or id; its own objects die with it
+            assert lines == ["ENOENT EINVAL EINVAL", "ENOENT EINVAL", "ENOENT EINVAL",
+                             "allowed allowed allowed"]
+        assert key + 1 not in _sysv_keys()
+        address = libc.shmat(shm_id, None, 0)
+        assert ctypes.string_at(address, len(SHM_MARKER)) == SHM_MARKER
+        libc.shmdt(ctypes.c_void_p(address))
+    finally:
+        libc.shmctl(shm_id, IPC_RMID, None)
+        libc.semctl(sem_id, 0, IPC_RMID)
+        libc.msgctl(msg_id, IPC_RMID, None)
+
+
+def _metadata(path: str) -> tuple:
+    status = os.stat(path)
+    try:
+        attributes = tuple(os.listxattr(path))
+    except OSError:
+        attributes = ()
+    return (status.st_mode, status.st_uid, status.st_gid, status.st_size, status.st_mtime_ns,
+            attributes)
+
+
+async def test_host_file_metadata_cannot_change(sandbox):
+    """chmod, utime, setxattr, chown and truncate: a host file outside the view is not there,
+    and a runtime file in the view sits on a read-only bind (EROFS), root in the sandbox or
+    not. Applied to the view's file the calls would change nothing even if they passed."""
+    hidden = HOST_DIR / f".escape-metadata-{uuid.uuid4().hex}"
+    hidden.write_text("x")
+    runtime_file = os.__file__  # the stdlib's os.py: the same path inside and out
+    before = [_metadata(str(hidden)), _metadata(runtime_file)]
+    try:
+        result, lines = await attack(sandbox, f"""
+for path in ({str(hidden)!r}, os.__file__):
+    mode, times, owner, size = 0o777, (0, 0), (1234, 1234), 0  # for the file it cannot see
+    if os.path.exists(path):
+        st = os.stat(path)
+        mode, times, owner, size = (st.st_mode & 0o7777, (st.st_atime_ns, st.st_mtime_ns),
+                                    (st.st_uid, st.st_gid), st.st_size)
+    print(attempt(lambda: os.chmod(path, mode)), attempt(lambda: os.utime(path, ns=times)),
+          attempt(lambda: os.setxattr(path, "user.tandem", b"x")),
+          attempt(lambda: os.chown(path, *owner)), attempt(lambda: os.truncate(path, size)))
+""")
+        after = [_metadata(str(hidden)), _metadata(runtime_file)]
+    finally:
+        hidden.unlink()
+    assert result.ok, result.stderr
+    assert lines == [" ".join(["ENOENT"] * 5), " ".join(["EROFS"] * 5)]
+    assert after == before
+
+
+async def test_host_unix_sockets_are_unreachable(sandbox, tmp_path):
+    """A stream and a datagram socket in a host folder the test controls, and an abstract
+    one: not visible (mount namespace) or not the same namespace (network namespace)."""
+    stream_path, datagram_path = str(tmp_path / "host.sock"), str(tmp_path / "host-dgram.sock")
+    abstract = f"\0tandem-escape-{uuid.uuid4().hex}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stream, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as datagram, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as hidden:
+        stream.bind(stream_path)
+        stream.listen(8)
+        datagram.bind(datagram_path)
+        hidden.bind(abstract)
+        hidden.listen(8)
+        result, lines = await attack(sandbox, f"""
+import socket
+print(os.path.exists({stream_path!r}), os.path.exists({datagram_path!r}))
+print(attempt(lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).connect({stream_path!r})))
+print(attempt(lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b"x", {datagram_path!r})))
+print(attempt(lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).connect({abstract!r})))
+""")
+        assert result.ok, result.stderr
+        assert lines == ["False False", _refused(sandbox, "ENOENT"), _refused(sandbox, "ENOENT"),
+                         _refused(sandbox, "ECONNREFUSED")]
+        assert all(_nothing_arrived(listener) for listener in (stream, datagram, hidden))
+
+
+def _toward_view(path: str, view: tuple[str, ...]) -> set[str] | None:
+    """The names a stub folder on the way to the view's paths holds; None if it is not one."""
+    names = {os.path.relpath(target, path).split(os.sep)[0] for target in
+             (*view, SANDBOX_DIR, "/dev/null") if target.startswith(os.path.join(path, ""))}
+    return names or None
+
+
+async def test_host_paths_cannot_even_be_stat(sandbox, tmp_path):
+    """Nothing outside the view exists for the code: the test's own tmp dir, /root, /etc/shadow,
+    /proc, the checkout. The folders leading to the view's paths are empty stand-ins made by
+    bubblewrap, not the host's (another inode, holding only the way to the view)."""
+    paths = [str(tmp_path), "/root", "/etc", "/etc/shadow", "/home", "/proc/1", "/sys/kernel",
+             "/run", "/tmp", "/dev/shm", "/var", str(HOST_DIR), str(HOST_DIR.parents[1])]
+    result, lines = await attack(sandbox, f"""
+seen = {{}}
+for path in {paths!r}:
+    try:
+        st = os.lstat(path)
+        seen[path] = [st.st_dev, st.st_ino, sorted(os.listdir(path))]
+    except OSError as error:
+        seen[path] = errno.errorcode[error.errno]
+print(json.dumps(seen))
+""")
+    assert result.ok, result.stderr
+    for path, seen in json.loads(lines[0]).items():
+        if seen == "ENOENT":
+            continue
+        stand_in = _toward_view(path, sandbox.view)
+        assert stand_in is not None, f"{path} is visible in the sandbox: {seen}"
+        host = os.lstat(path)
+        assert (seen[0], seen[1]) != (host.st_dev, host.st_ino) and set(seen[2]) == stand_in
+    assert json.loads(lines[0])["/etc/shadow"] == "ENOENT"
+
+
+async def test_no_host_filesystem_can_be_filled(sandbox):
+    """The only writable place is the private tmpfs, capped at work_bytes (ENOSPC); the root,
+    /dev, the bootstrap and the runtime are read-only binds; host /tmp and /dev/shm are not
+    there; memfd (memory outside every limit) is refused by seccomp."""
+    marker = f"fill-{uuid.uuid4().hex}"
+    runner = sandbox_with("seccomp" if sandbox.seccomp else "namespaces",
+                          SandboxLimits(wall_seconds=8.0, work_bytes=8 << 20))
+    result, lines = await attack(runner, f"""
+total, last = 0, "none"
+for n in range(64):
+    try:
+        with open("{marker}-" + str(n), "wb") as handle:
+            handle.write(b"x" * (1 << 20))
+        total += 1 << 20
+    except OSError as error:
+        last = errno.errorcode[error.errno]
+        break
+print(total <= 8 << 20, last)
+folders = ["/", "/dev", "{SANDBOX_DIR}", "{SANDBOX_DIR}/boot", os.path.dirname(os.__file__),
+           sys.prefix, "/tmp", "/dev/shm", "/var/tmp"]
+print(json.dumps([attempt(lambda: open(os.path.join(f, "{marker}"), "wb").close()) for f in folders]))
+print(attempt(lambda: os.memfd_create("fill") and "a memfd"))
+""")
+    assert result.ok, result.stderr
+    assert lines[0] == "True ENOSPC"
+    assert set(json.loads(lines[1])) <= {"EROFS", "ENOENT"}
+    if sandbox.seccomp:
+        assert lines[2] == "EPERM"
+    for folder in (tempfile.gettempdir(), "/", "/dev/shm", "/var/tmp"):
+        assert not [name for name in os.listdir(folder) if name.startswith(marker)]
+
+
+async def test_signals_reach_no_host_process(sandbox):
+    """The code may signal itself; a host process it was told the pid of, the test runner,
+    its parent, its process group and -1 leave every host process untouched."""
     victim = subprocess.Popen(["sleep", "60"])
     try:
-        result, lines = await _attack(sandbox, f"""
+        result, lines = await attack(sandbox, f"""
 import signal
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # kill(0) and kill(-1) would reach the code too
 received = []
 signal.signal(signal.SIGUSR1, lambda number, frame: received.append(number))
 print(attempt(lambda: os.kill(os.getpid(), signal.SIGUSR1)), received == [signal.SIGUSR1])
@@ -304,68 +294,47 @@ for pid in ({victim.pid}, {os.getpid()}, os.getppid(), 0, -1):
         victim.kill()
         victim.wait()
     assert result.ok, result.stderr
-    assert lines == ["allowed None True"] + ["EPERM"] * 5
+    # without seccomp: host pids do not exist in the PID namespace; its PID 1 is bubblewrap's
+    # init (which ignores the signal), the group is the code alone, and -1 finds no one else
+    assert lines == ["allowed None True"] + [_refused(sandbox, "ESRCH")] * 2 \
+        + [_refused(sandbox, "allowed None")] * 2 + [_refused(sandbox, "ESRCH")]
 
 
-async def test_ctypes_raw_syscalls_are_refused(sandbox):
-    """Native calls bypass every Python-level check; the seccomp filter sees them anyway."""
-    result, lines = await _attack(sandbox, """
-import ctypes
-libc = ctypes.CDLL(None, use_errno=True)
-libc.syscall.restype = ctypes.c_long
-def raw(*args):
-    value = libc.syscall(*args)
-    if value == 0 and args[0] in (56, 57, 58):
-        libc.syscall(231, 0)  # a child that did get made exits at once
-    return value, errno.errorcode.get(ctypes.get_errno(), "0") if value < 0 else "-"
-print(raw(57))                              # fork
-print(raw(56, 0x11, 0, 0, 0, 0))            # clone(SIGCHLD)
-print(raw(41, 1, 1, 0))                     # socket(AF_UNIX, SOCK_STREAM)
-print(raw(272, 0x10000000))                 # unshare(CLONE_NEWUSER)
-print(raw(101, 0, 0, 0, 0))                 # ptrace(PTRACE_TRACEME)
-print(raw(310, 1, 0, 0, 0, 0, 0))           # process_vm_readv(1, ...)
-print(raw(425, 8, ctypes.create_string_buffer(120)))  # io_uring_setup
-print(raw(59, b"/bin/sh", None, None))      # execve
+async def test_host_files_outside_the_view_are_unreadable(sandbox):
+    secret = HOST_DIR / f".escape-secret-{uuid.uuid4().hex}"
+    secret.write_text("hunter2")
+    try:
+        result, lines = await attack(sandbox, f"""
+for path in ("/etc/passwd", "/etc/shadow", {str(secret)!r}, "/usr/lib/../../etc/passwd",
+             "/proc/self/environ"):
+    print(attempt(lambda: open(path).read()))
+os.symlink({str(secret)!r}, "link")
+print(attempt(lambda: open("link").read()))
+print(json.dumps(sorted(os.listdir("/"))))
 """)
+    finally:
+        secret.unlink()
     assert result.ok, result.stderr
-    assert lines == ["(-1, 'EPERM')"] * 8
+    assert lines[:6] == ["ENOENT"] * 6 and "hunter2" not in result.stdout
+    assert set(json.loads(lines[6])) == _toward_view("/", sandbox.view)
 
 
-def _run_bpf(program: list[tuple[int, int, int, int]], nr: int, arch: int = AUDIT_ARCH_X86_64,
-             arg0: int = 0) -> int:
-    """Evaluate the filter's four instruction kinds on one struct seccomp_data."""
-    words = {0: nr, 4: arch, 16: arg0 & 0xFFFFFFFF, 20: arg0 >> 32}
-    accumulator, pc = 0, 0
-    while True:
-        code, jt, jf, k = program[pc]
-        if code == 0x06:
-            return k
-        if code == 0x20:
-            accumulator, pc = words[k], pc + 1
-        else:
-            taken = accumulator == k if code == 0x15 else accumulator >= k
-            pc += 1 + (jt if taken else jf)
+async def test_no_network_to_the_host_or_beyond(sandbox):
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        result, lines = await attack(sandbox, f"""
+import socket
+print(attempt(lambda: socket.create_connection(("127.0.0.1", {port}), 2)))
+print(attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("8.8.8.8", 53))))
+""")
+        assert result.ok, result.stderr
+        # without seccomp: the network namespace's own loopback, and no route anywhere else
+        assert lines == [_refused(sandbox, "ECONNREFUSED"), _refused(sandbox, "ENETUNREACH")]
+        assert _nothing_arrived(listener)
 
 
-def test_filter_refuses_other_architectures_and_foreign_pids():
-    program = build_program(own_pid=1)
-    eperm = RET_ERRNO | errno.EPERM
-    assert _run_bpf(program, 0) == RET_ALLOW  # read
-    assert _run_bpf(program, 0, arch=0x40000003) == RET_KILL_PROCESS  # i386 via int 0x80
-    assert _run_bpf(program, 0 | X32_SYSCALL_BIT) == eperm  # the x32 ABI
-    assert all(_run_bpf(program, nr) == eperm for nr in DENIED_SYSCALLS.values())
-    assert _run_bpf(program, 62, arg0=1) == RET_ALLOW  # kill(self)
-    assert _run_bpf(program, 62, arg0=2) == eperm
-    assert _run_bpf(program, 62, arg0=(1 << 32) | 1) == eperm  # high word must be zero
-    assert _run_bpf(program, 234, arg0=1) == RET_ALLOW  # tgkill(self, ...)
-    assert _run_bpf(program, 234, arg0=0xFFFFFFFF) == eperm
-
-
-def test_strict_mode_names_the_missing_layer():
-    isolation = {"namespaces": "mntns+netns+pidns", "mounts": "tmpfs over /tmp",
-                 "landlock": "abi7", "capabilities": "none",
-                 "seccomp": "unavailable: [Errno 38] the sandbox's seccomp filter is written "
-                            "for x86_64, this machine is aarch64"}
-    with pytest.raises(SandboxUnavailableError, match=r"missing: seccomp \(unavailable: .*"
-                                                      r"aarch64\).*strict=False"):
-        PythonSandbox(LIMITS)._check_setup(97, isolation, "")
+def test_the_stand_in_rule_knows_the_view():
+    view = ("/root/.pyenv/versions/3.11.7/lib/python3.11", "/usr/lib")
+    assert _toward_view("/root", view) == {".pyenv"}
+    assert _toward_view("/", view) == {"root", "usr", "sandbox", "dev"}
+    assert _toward_view("/etc", view) is None

@@ -84,6 +84,7 @@ class PythonSandbox:
                 "nothing runs, in strict mode or not.")
         self.limits = limits
         self.strict = strict
+        self.seccomp = seccomp
         self.max_concurrent = max_concurrent or max(2, os.cpu_count() or 2)
         self.command = BubblewrapCommand(bwrap, python, tuple(runtime_view(python)),
                                          limits.work_bytes)
@@ -110,27 +111,8 @@ class PythonSandbox:
         finally:
             os.close(code_fd)
         isolation, stderr = _split_report(done.stderr.decode("utf-8", "replace"))
-        self._check_setup(done.returncode, isolation, stderr)
+        _check_setup(self.strict, done.returncode, isolation, stderr)
         return {**self.command.report(), **isolation}
-
-    def _check_setup(self, exit_code: int | None, isolation: dict[str, str] | None,
-                     stderr: str) -> None:
-        if isolation is None and exit_code not in (None, 0):
-            # bubblewrap's own errors ("bwrap: ...") come before the bootstrap ever runs
-            words = stderr.strip()[-2000:]
-            if words.startswith("bwrap:"):
-                raise SandboxUnavailableError(f"bubblewrap could not build the sandbox: {words}")
-            raise RuntimeError(f"the sandbox bootstrap failed before running any code "
-                               f"(exit {exit_code}): {words}")
-        missing = [layer for layer, state in (isolation or {}).items()
-                   if state.startswith("unavailable")]
-        # only the bootstrap exits this way with a layer missing; the code's own exit 97 cannot
-        if self.strict and exit_code == EXIT_SETUP_FAILED and missing:
-            raise SandboxUnavailableError(
-                "the Python sandbox needs its seccomp filter; missing: "
-                + "; ".join(f"{layer} ({isolation[layer]})" for layer in missing)
-                + ". Run on an x86_64 Linux kernel with seccomp, or accept weaker isolation "
-                "explicitly with PythonSandbox(strict=False).")
 
     def _semaphore(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -194,15 +176,40 @@ class PythonSandbox:
                                "was killed") from error
         isolation, stderr = _split_report(raw_stderr)
         exit_code = None if timed_out else _exit_code(process.returncode)
-        self._check_setup(exit_code, isolation, stderr)
+        _check_setup(self.strict, exit_code, isolation, stderr)
         error = _classify(timed_out, exit_code, stderr)
         if error == "wall_time":
             stderr += f"\nkilled after {self.limits.wall_seconds:g} s of wall time"
         elif error == "cpu_limit":
             stderr += f"\nkilled after {self.limits.cpu_seconds} s of CPU time"
+        elif error == "killed":  # SIGXCPU ignored: the hard limit a second later is SIGKILL
+            stderr += (f"\nkilled by SIGKILL: {self.limits.cpu_seconds + 1} s of CPU time "
+                       "(the hard limit) or the kernel")
         return SandboxResult(ok=error is None, stdout=stdout, stderr=stderr, exit_code=exit_code,
                              error=error, duration_s=time.monotonic() - start,
                              isolation={**self.command.report(), **(isolation or {})})
+
+
+def _check_setup(strict: bool, exit_code: int | None, isolation: dict[str, str] | None,
+                 stderr: str) -> None:
+    """Raise when the sandbox was not built: bubblewrap's own error, a bootstrap that died
+    before its report, or (strict) a layer the bootstrap reported missing."""
+    if isolation is None and exit_code not in (None, 0):
+        # bubblewrap's own errors ("bwrap: ...") come before the bootstrap ever runs
+        words = stderr.strip()[-2000:]
+        if stderr.startswith("bwrap:"):
+            raise SandboxUnavailableError(f"bubblewrap could not build the sandbox: {words}")
+        raise RuntimeError(f"the sandbox bootstrap failed before running any code "
+                           f"(exit {exit_code}): {words}")
+    missing = [layer for layer, state in (isolation or {}).items()
+               if state.startswith("unavailable")]
+    # only the bootstrap exits this way with a layer missing; the code's own exit 97 cannot
+    if strict and exit_code == EXIT_SETUP_FAILED and missing:
+        raise SandboxUnavailableError(
+            "the Python sandbox needs its seccomp filter; missing: "
+            + "; ".join(f"{layer} ({isolation[layer]})" for layer in missing)
+            + ". Run on an x86_64 Linux kernel with seccomp, or accept weaker isolation "
+            "explicitly with PythonSandbox(strict=False).")
 
 
 def _code_file(code: str) -> int:

@@ -107,8 +107,8 @@ def main() -> None:
     except BaseException as error:  # report the user's frames only, as plain python would
         frames = [frame for frame in traceback.extract_tb(error.__traceback__)
                   if frame.filename != __file__]
-        sys.stderr.write("Traceback (most recent call last):\n"
-                         + "".join(traceback.format_list(frames))
+        header = "Traceback (most recent call last):\n" if frames else ""  # none: SyntaxError
+        sys.stderr.write(header + "".join(traceback.format_list(frames))
                          + "".join(traceback.format_exception_only(type(error), error)))
         sys.exit(1)
 
