@@ -23,10 +23,9 @@ import weakref
 from dataclasses import dataclass, field
 
 from tandem.tools.sandbox_boot import EXIT_SETUP_FAILED, REPORT_PREFIX
-from tandem.tools.sandbox_bwrap import (INSTALL_HINT, WORK_DIR, BubblewrapCommand,
-                                        find_bubblewrap, runtime_view)
-
-OUTPUT_GRACE_SECONDS = 10.0  # after the kill, for the pipes to close (they close at once)
+from tandem.tools.sandbox_bwrap import (END_SECONDS, INSTALL_HINT, WORK_DIR,
+                                        BubblewrapCommand, code_file, end_run, find_bubblewrap,
+                                        open_namespace_init, runtime_view)
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -103,7 +102,7 @@ class PythonSandbox:
 
     def probe(self) -> dict[str, str]:
         """Run an empty program synchronously; return the isolation report or raise."""
-        code_fd = _code_file("pass\n")
+        code_fd = code_file("pass\n")
         try:
             done = subprocess.run(self.command.argv(code_fd, self._settings),
                                   env=self._environment(), capture_output=True, timeout=60,
@@ -143,7 +142,7 @@ class PythonSandbox:
 
     async def _run_in_slot(self, code: str) -> SandboxResult:
         start = time.monotonic()
-        code_fd = _code_file(code)
+        code_fd = code_file(code)
         info_read, info_write = os.pipe()
         try:
             process = await asyncio.create_subprocess_exec(
@@ -156,22 +155,19 @@ class PythonSandbox:
             os.close(info_write)
         readers = [asyncio.create_task(_read_capped(stream, self.limits.output_bytes))
                    for stream in (process.stdout, process.stderr)]
-        namespace_init = asyncio.create_task(_open_namespace_init(info_read, process.pid))
+        namespace_init = asyncio.create_task(open_namespace_init(info_read, process.pid))
         timed_out = False
         try:
             await asyncio.wait_for(process.wait(), self.limits.wall_seconds)
         except asyncio.TimeoutError:
             timed_out = True
         finally:
-            try:  # bubblewrap tells the init's pid milliseconds after it starts
-                await asyncio.wait({namespace_init}, timeout=OUTPUT_GRACE_SECONDS)
-            finally:
-                _kill(namespace_init, process.pid)  # every process of the run dies with its init
-                await process.wait()
+            await end_run(namespace_init, process)  # every process of the run dies with its init
         try:
-            stdout, raw_stderr = await asyncio.wait_for(asyncio.gather(*readers),
-                                                        OUTPUT_GRACE_SECONDS)
+            stdout, raw_stderr = await asyncio.wait_for(asyncio.gather(*readers), END_SECONDS)
         except asyncio.TimeoutError as error:
+            for reader in readers:
+                reader.cancel()
             raise RuntimeError("the sandbox's output pipes stayed open after its namespace "
                                "was killed") from error
         isolation, stderr = _split_report(raw_stderr)
@@ -210,58 +206,6 @@ def _check_setup(strict: bool, exit_code: int | None, isolation: dict[str, str] 
             + "; ".join(f"{layer} ({isolation[layer]})" for layer in missing)
             + ". Run on an x86_64 Linux kernel with seccomp, or accept weaker isolation "
             "explicitly with PythonSandbox(strict=False).")
-
-
-def _code_file(code: str) -> int:
-    """An anonymous in-memory file holding the code; bubblewrap copies it to WORK_DIR/main.py."""
-    fd = os.memfd_create("main.py", 0)
-    os.write(fd, code.encode("utf-8", "surrogatepass"))
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
-async def _open_namespace_init(info_fd: int, bwrap_pid: int) -> int | None:
-    """A pidfd for the sandbox's PID 1 (bubblewrap's child, named in its info JSON); None when
-    there is none (bubblewrap failed before cloning, or the namespace is gone already)."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
-                                                os.fdopen(info_fd, "rb"))
-    try:
-        info = await reader.read()
-    finally:
-        transport.close()
-    if not info:
-        return None
-    pid = json.loads(info)["child-pid"]
-    try:
-        pidfd = os.pidfd_open(pid)
-        with open(f"/proc/{pid}/stat") as handle:  # still bubblewrap's child, not a reused pid
-            parent = int(handle.read().rpartition(")")[2].split()[1])
-    except (ProcessLookupError, FileNotFoundError):
-        return None
-    if parent != bwrap_pid:
-        os.close(pidfd)
-        return None
-    return pidfd
-
-
-def _kill(namespace_init: asyncio.Task, bwrap_pid: int) -> None:
-    """SIGKILL the namespace's init (the kernel then kills everything in it) and bubblewrap."""
-    if not namespace_init.done():
-        namespace_init.cancel()
-    elif not namespace_init.cancelled() and namespace_init.exception() is None \
-            and namespace_init.result() is not None:
-        pidfd = namespace_init.result()
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.close(pidfd)
-    try:
-        os.killpg(bwrap_pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _exit_code(returncode: int | None) -> int | None:

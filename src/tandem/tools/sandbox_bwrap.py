@@ -9,9 +9,11 @@ kills every process of the run, and it dies by itself when bwrap or bwrap's pare
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ BOOT_FILES = ("sandbox_boot.py", "sandbox_seccomp.py")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
 LIBRARY_DIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib")
 NAMESPACES = ("user", "pid", "ipc", "net", "uts", "mount")
+END_SECONDS = 10.0  # for bubblewrap to name its init, and for the run to end once it is killed
 INSTALL_HINT = ("install it with `apt-get install -y bubblewrap` (`make test` does; other "
                 "distributions call the package bubblewrap too)")
 
@@ -118,3 +121,79 @@ class BubblewrapCommand:
                 "view": "read-only " + ",".join(self.view),
                 "work_dir": f"private tmpfs {WORK_DIR}, {self.work_bytes >> 20} MiB",
                 "capabilities": "all dropped"}
+
+
+def code_file(code: str) -> int:
+    """An anonymous in-memory file holding the code; bubblewrap copies it to WORK_DIR/main.py."""
+    fd = os.memfd_create("main.py", 0)
+    os.write(fd, code.encode("utf-8", "surrogatepass"))
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+async def open_namespace_init(info_fd: int, bwrap_pid: int) -> int | None:
+    """A pidfd for the sandbox's PID 1 (bubblewrap's child, named in its info JSON); None when
+    there is none (bubblewrap failed before cloning, or the namespace is gone already)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                os.fdopen(info_fd, "rb"))
+    try:
+        info = await reader.read()
+    finally:
+        transport.close()
+    if not info:
+        return None
+    pid = json.loads(info)["child-pid"]
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as handle:  # still bubblewrap's child, not a reused pid
+            parent = int(handle.read().rpartition(")")[2].split()[1])
+    except FileNotFoundError:
+        parent = None
+    if parent != bwrap_pid:
+        os.close(pidfd)
+        return None
+    return pidfd
+
+
+async def end_run(namespace_init: asyncio.Task, process: asyncio.subprocess.Process) -> None:
+    """SIGKILL the namespace's init and wait for it to exit, which the kernel lets it do only
+    once every process of its namespace is gone; bubblewrap then exits by itself (and is
+    killed if it does not). Bounded by END_SECONDS at each step."""
+    try:
+        await asyncio.wait({namespace_init}, timeout=END_SECONDS)  # known ms after the start
+        if namespace_init.done() and not namespace_init.cancelled() \
+                and namespace_init.exception() is None and namespace_init.result() is not None:
+            pidfd = namespace_init.result()
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                await _exited(pidfd)
+            except ProcessLookupError:
+                pass
+            finally:
+                os.close(pidfd)
+        await asyncio.wait_for(process.wait(), END_SECONDS)  # asyncio waits for the pipes too
+    except asyncio.TimeoutError:
+        pass
+    finally:
+        namespace_init.cancel()
+        if process.returncode is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+async def _exited(pidfd: int) -> None:
+    """Wait (at most END_SECONDS) until the process behind a pidfd has exited."""
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    try:
+        await asyncio.wait_for(exited, END_SECONDS)
+    finally:
+        loop.remove_reader(pidfd)
