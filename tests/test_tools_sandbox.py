@@ -111,7 +111,8 @@ async def test_host_carries_on_after_hostile_code(sandbox):
     hostile = ["import os\nos.system('ls')", "import subprocess\nsubprocess.run(['ls'])",
                "import _posixsubprocess\n_posixsubprocess.fork_exec(*[None] * 23)",
                "import os\nos.fork()", "import ctypes\nctypes.CDLL('libc.so.6')",
-               "raise SystemExit(97)", "print('y' * 10**6)", "def f(:\n    pass"]
+               "raise SystemExit(97)", "print('y' * 10**6)", "def f(:\n    pass",
+               "print('\ud800')"]
     results = await asyncio.gather(*(sandbox.run(code) for code in hostile))
     for result in results[:5]:
         assert not result.ok and "PermissionError: sandbox:" in result.stderr
@@ -120,6 +121,8 @@ async def test_host_carries_on_after_hostile_code(sandbox):
     assert "bytes dropped" in results[6].stdout
     assert results[7].error == "exception" and results[7].stderr.startswith(
         '  File "main.py", line 1') and "SyntaxError" in results[7].stderr
+    # a lone surrogate from the model: the code's own error, not a failed session
+    assert results[8].error == "exception" and "SyntaxError" in results[8].stderr
     assert (await sandbox.run("print(6 * 7)")).stdout == "42\n"
 
 

@@ -150,6 +150,9 @@ class PythonSandbox:
                 env=self._environment(), stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 start_new_session=True, pass_fds=(code_fd, info_write))
+        except BaseException:
+            os.close(info_read)
+            raise
         finally:
             os.close(code_fd)
             os.close(info_write)

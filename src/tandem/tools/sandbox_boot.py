@@ -1,7 +1,7 @@
 """The inner side of the Python sandbox: set the limits and the seccomp filter, then run main.py.
 
-Run as `python -I -B /sandbox/sandbox_boot.py SETTINGS_JSON` inside bubblewrap (sandbox_bwrap.py),
-with cwd = the private tmpfs holding main.py. Self-contained on purpose (stdlib only, no tandem
+Run as `python -I -B /sandbox/boot/sandbox_boot.py SETTINGS_JSON` inside bubblewrap
+(sandbox_bwrap.py), with cwd = the private tmpfs holding main.py. Self-contained on purpose (stdlib only, no tandem
 import, its one sibling loaded by path): it must work in any interpreter. Resource limits, then
 the seccomp filter (sandbox_seccomp.py), then an optional Python audit hook that only words
 the errors better. The first stderr line reports which of these layers hold.
@@ -84,8 +84,8 @@ def main() -> None:
     settings = json.loads(sys.argv[1])
     sys.dont_write_bytecode = True
     work_dir = os.getcwd()
-    with open(os.path.join(work_dir, "main.py"), encoding="utf-8") as handle:
-        source = handle.read()
+    with open(os.path.join(work_dir, "main.py"), "rb") as handle:
+        source = handle.read()  # bytes: invalid UTF-8 is the code's SyntaxError, not ours
     report = {"limits": set_limits(settings["memory_bytes"], settings["cpu_seconds"],
                                    settings["file_bytes"], settings["open_files"]),
               "seccomp": _seccomp_layer(settings["seccomp"])}
