@@ -85,8 +85,8 @@ class PythonSandbox:
         self.strict = strict
         self.seccomp = seccomp
         self.max_concurrent = max_concurrent or max(2, os.cpu_count() or 2)
-        self.command = BubblewrapCommand(bwrap, python, tuple(runtime_view(python)),
-                                         limits.work_bytes)
+        executable, view = runtime_view(python)
+        self.command = BubblewrapCommand(bwrap, executable, tuple(view), limits.work_bytes)
         self.view = self.command.view  # the host paths the code can read (and nothing else)
         self._settings = json.dumps({
             "strict": strict, "python_guards": python_guards, "seccomp": seccomp,

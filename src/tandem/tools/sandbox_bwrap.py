@@ -34,7 +34,8 @@ RUNTIME_QUERY = """
 import json, sys, sysconfig
 paths = sysconfig.get_paths()
 shared = sysconfig.get_config_var("Py_ENABLE_SHARED")
-print(json.dumps({"prefix": sys.prefix, "base_prefix": sys.base_prefix,
+print(json.dumps({"executable": sys.executable, "prefix": sys.prefix,
+                  "base_prefix": sys.base_prefix,
                   "dirs": [paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")],
                   "libdir": sysconfig.get_config_var("LIBDIR") if shared else None}))
 """
@@ -66,14 +67,15 @@ def _outermost(paths: list[str]) -> list[str]:
     return kept
 
 
-def runtime_view(python: str) -> list[str]:
-    """The host paths the interpreter needs to start and import its packages, read-only."""
+def runtime_view(python: str) -> tuple[str, list[str]]:
+    """The interpreter's own executable (a launcher such as a pyenv shim is not run in the
+    sandbox) and the host paths it needs to start and import its packages, read-only."""
     query = subprocess.run([python, "-I", "-c", RUNTIME_QUERY], capture_output=True, text=True,
                            timeout=60, stdin=subprocess.DEVNULL)
     if query.returncode != 0:
         raise RuntimeError(f"cannot ask {python} where its runtime lives: {query.stderr[-500:]}")
     runtime = json.loads(query.stdout)
-    paths = [*_symlink_hops(python), *runtime["dirs"], *LIBRARY_DIRS]
+    paths = [*_symlink_hops(runtime["executable"]), *runtime["dirs"], *LIBRARY_DIRS]
     if runtime["prefix"] != runtime["base_prefix"]:  # a venv: python reads pyvenv.cfg first
         paths.append(os.path.join(runtime["prefix"], "pyvenv.cfg"))
     if runtime["libdir"]:
@@ -84,7 +86,7 @@ def runtime_view(python: str) -> list[str]:
     if clashes:
         raise RuntimeError(f"the interpreter's runtime {clashes} overlaps {SANDBOX_DIR}, where "
                            "the sandbox keeps its own files: install Python elsewhere")
-    return view
+    return runtime["executable"], view
 
 
 @dataclass(frozen=True)
