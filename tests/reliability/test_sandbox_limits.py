@@ -108,7 +108,7 @@ async def test_the_wait_for_a_slot_is_counted_apart_and_bounded():
     first, second = await asyncio.gather(holder, waiter)
     assert first.error == second.error == "wall_time"
     assert second.queue_s >= 2.0 and second.duration_s >= 2.0  # waited, then ran its own 2 s
-    assert busy.error == "busy" and busy.stdout == "" and busy.queue_s >= 1.0
+    assert busy.error == "busy" and busy.stdout == "" and busy.queue_s > 0.99
     assert "no sandbox slot was free within 1 s" in busy.stderr
 
 
