@@ -76,30 +76,43 @@ def run_native(path: Path, prompts: list[list[int]], budgets: list[int], device:
 
     rollout = NativeRollout.create(path, RolloutConfig(kv_cache_memory_bytes=2 << 30), dtype,
                                    device)
+    return asyncio.run(time_native(rollout, prompts, budgets))
 
-    async def go() -> float:
-        await rollout.generate("warmup", prompts[0][:8], {"max_tokens": 4})
-        await rollout.clear_kv_cache()
-        start = time.perf_counter()
-        outs = await asyncio.gather(*(
-            rollout.generate(f"r{i}", prompt, {"temperature": 1.0, "max_tokens": budget,
-                                              "logprobs": True, "ignore_eos": True})
-            for i, (prompt, budget) in enumerate(zip(prompts, budgets))))
-        elapsed = time.perf_counter() - start
-        assert [len(out.log_probs) for out in outs] == budgets
-        print(f"    native stats: {rollout.stats()}")
-        return elapsed
 
-    return asyncio.run(go())
+async def time_native(rollout, prompts: list[list[int]], budgets: list[int]) -> float:
+    """Seconds for one workload on a built native rollout (warmed up, prefix cache cleared)."""
+    await rollout.generate("warmup", prompts[0][:8], {"max_tokens": 4})
+    await rollout.clear_kv_cache()
+    start = time.perf_counter()
+    outs = await asyncio.gather(*(
+        rollout.generate(f"r{i}", prompt, {"temperature": 1.0, "max_tokens": budget,
+                                          "logprobs": True, "ignore_eos": True})
+        for i, (prompt, budget) in enumerate(zip(prompts, budgets))))
+    elapsed = time.perf_counter() - start
+    assert [len(out.log_probs) for out in outs] == budgets
+    print(f"    native stats: {rollout.stats()}")
+    return elapsed
 
 
 # ---- HF generate ---------------------------------------------------------------------------
 def run_hf(path: Path, prompts: list[list[int]], budgets: list[int], cache: str,
            device: str, dtype: str) -> float:
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    return time_hf(load_hf(path, device, dtype), prompts, budgets, cache)
+
+
+def load_hf(path: Path, device: str, dtype: str):
+    """The HF model in eval mode on `device`, weights in `dtype`."""
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    model = model.to(device).eval()
+    return model.to(device).eval()
+
+
+def time_hf(model, prompts: list[list[int]], budgets: list[int], cache: str) -> float:
+    """Seconds for one workload through `model.generate` (all rows at once, left-padded)."""
+    from transformers import GenerationConfig
+
+    device = model.device
     pad = model.config.pad_token_id or 0
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)

@@ -13,7 +13,12 @@ its own core, as the trainer places a training worker and a rollout server on th
 
     .venv/bin/python bench/sync.py                       # 100 MB, 500 MB, 2 GB
     .venv/bin/python bench/sync.py --sizes 100 --repeats 2
-Last line: RATIO <shm GiB/s / memcpy GiB/s> shm cross-process, 500 MB
+    python3 bench/sync.py --device cuda --sizes 1000 --engines naive,shm   # one GPU (docs/gpu.md)
+
+`--device cuda`: every tensor, the receiver's parameters and the shm buffers (CUDA IPC handles
+instead of /dev/shm files) live on the one GPU, and memcpy is a device-to-device copy; gloo and
+delta stay CPU transports here and are refused.
+Last line: RATIO <shm GiB/s / memcpy GiB/s> shm cross-process, <the size closest to 500 MB>
 """
 
 from __future__ import annotations
@@ -31,27 +36,31 @@ from tandem.weight_sync.registry import get_checkpoint_engine_class
 GIB = 1 << 30
 
 
-def make_state(total_megabytes: int, tensor_megabytes: int) -> dict[str, torch.Tensor]:
+def make_state(total_megabytes: int, tensor_megabytes: int,
+               device: str = "cpu") -> dict[str, torch.Tensor]:
     """fp32 tensors adding up to total_megabytes (10**6 bytes), each at most tensor_megabytes."""
     remaining, state, index = total_megabytes * 10**6 // 4, {}, 0
     per_tensor = tensor_megabytes * 10**6 // 4
     while remaining:
         count = min(per_tensor, remaining)
-        state[f"layers.{index}.weight"] = torch.randn(count)
+        state[f"layers.{index}.weight"] = torch.randn(count, device=device)
         remaining -= count
         index += 1
     return state
 
 
-def receiver_main(conn, threads: int) -> None:
+def receiver_main(conn, threads: int, device: str) -> None:
     """The rollout side: holds parameters, joins each sync it is sent, copies what arrives."""
     torch.set_num_threads(threads)
     params: dict[str, torch.Tensor] = {}
     while (message := conn.recv()) is not None:
         kind, payload = message
         if kind == "allocate":
-            params = {name: torch.zeros(numel) for name, numel in payload.items()}
+            params = {name: torch.zeros(numel, device=device) for name, numel in payload.items()}
             conn.send("ok")
+            continue
+        if kind == "checksum":  # the bits that arrived, to compare with the sender's
+            conn.send(_checksum(params))
             continue
         engine_name, kwargs, plan, version = payload
         if engine_name == "delta":
@@ -61,18 +70,26 @@ def receiver_main(conn, threads: int) -> None:
             engine.init_process_group(plan, 1)
             for name, tensor in engine.receive_weights():
                 params[name].copy_(tensor)
+            if device == "cuda":
+                torch.cuda.synchronize()
         finally:
             engine.finalize()
         conn.send("ok")
 
 
+def _checksum(state: dict[str, torch.Tensor]) -> list[int]:
+    """Per tensor, the sum of its bits as int32 words: equal bits give equal sums."""
+    return [int(state[name].view(torch.int32).sum(dtype=torch.int64)) for name in sorted(state)]
+
+
 class Receiver:
     """A spawned receiver process driven over a pipe."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, device: str = "cpu") -> None:
         context = mp.get_context("spawn")
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=receiver_main, args=(child, threads), daemon=True)
+        self.process = context.Process(target=receiver_main, args=(child, threads, device),
+                                       daemon=True)
         self.process.start()
 
     def call(self, kind: str, payload) -> None:
@@ -81,6 +98,10 @@ class Receiver:
     def wait(self) -> None:
         if self.conn.recv() != "ok":
             raise RuntimeError("receiver failed")
+
+    def checksum(self) -> list[int]:
+        self.call("checksum", None)
+        return self.conn.recv()
 
     def close(self) -> None:
         self.conn.send(None)
@@ -94,8 +115,14 @@ def time_memcpy(state: dict[str, torch.Tensor], destination: dict[str, torch.Ten
         started = time.perf_counter()
         for name, tensor in state.items():
             destination[name].copy_(tensor)
+        _synchronize(tensor)
         best = min(best, time.perf_counter() - started)
     return best
+
+
+def _synchronize(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:  # CUDA copies are asynchronous: time them to completion
+        torch.cuda.synchronize()
 
 
 class CopyingRollout:
@@ -107,6 +134,7 @@ class CopyingRollout:
     async def update_weights(self, named_tensors, version: int) -> None:
         for name, tensor in named_tensors:
             self.destination[name].copy_(tensor)
+        _synchronize(tensor)
 
 
 def time_naive(state, destination, repeats: int, bucket_megabytes: int) -> float:
@@ -173,25 +201,41 @@ def main() -> None:
                         help="delta runs over shm, delta-gloo over gloo")
     parser.add_argument("--peer-threads", type=int, default=1,
                         help="torch threads of each side of a cross-process sync")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU, CUDA IPC)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="--sizes 4 --tensor-megabytes 1 --bucket-megabytes 1 --repeats 1")
     args = parser.parse_args()
+    if args.tiny:
+        args.sizes, args.tensor_megabytes, args.bucket_megabytes, args.repeats = "4", 1, 1, 1
     engines = args.engines.split(",")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("sync.py: --device cuda but torch sees no CUDA device")
+        if set(engines) - {"naive", "shm"}:
+            raise SystemExit(f"sync.py: --device cuda takes --engines naive,shm, not "
+                             f"{','.join(sorted(set(engines) - {'naive', 'shm'}))}")
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, bucket {args.bucket_megabytes} MiB, "
           f"tensors of {args.tensor_megabytes} MB, best of {args.repeats}, "
-          f"{args.peer_threads} thread(s) per side of a cross-process sync")
-    receiver = Receiver(args.peer_threads)
-    shm_ratio_500 = None
-    kwargs = {"bucket_megabytes": args.bucket_megabytes, "timeout_s": 600.0}
+          f"{args.peer_threads} thread(s) per side of a cross-process sync, device {args.device}")
+    if "shm" in engines:
+        print("shm between processes through " + ("CUDA IPC handles of two device buffers"
+              if args.device == "cuda" else "/dev/shm files (CUDA IPC needs --device cuda)"))
+    receiver = Receiver(args.peer_threads, args.device)
+    shm_ratios: dict[int, float] = {}
+    kwargs = {"bucket_megabytes": args.bucket_megabytes, "timeout_s": 600.0,
+              **({"device": "cuda"} if args.device == "cuda" else {})}
     for size in (int(s) for s in args.sizes.split(",")):
-        state = make_state(size, args.tensor_megabytes)
+        state = make_state(size, args.tensor_megabytes, args.device)
         nbytes = sum(t.numel() * 4 for t in state.values())
         destination = {name: torch.zeros_like(t) for name, t in state.items()}
         receiver.call("allocate", {name: t.numel() for name, t in state.items()})
         receiver.wait()
         memcpy = time_memcpy(state, destination, args.repeats)
         memcpy_rate = nbytes / memcpy / GIB
-        print(f"{size} MB: memcpy {memcpy_rate:.2f} GiB/s ({memcpy * 1e3:.0f} ms)")
+        copy = "device-to-device copy" if args.device == "cuda" else "memcpy"
+        print(f"{size} MB: {copy} {memcpy_rate:.2f} GiB/s ({memcpy * 1e3:.0f} ms)")
 
         def report(label: str, seconds: float, extra: str = "") -> float:
             rate = nbytes / seconds / GIB
@@ -206,11 +250,14 @@ def main() -> None:
             elif engine in ("shm", "gloo"):
                 result = time_remote(engine, kwargs, state, receiver, args.repeats,
                                      threads=args.peer_threads)
-                rate = report(engine, result["send_s"], f"  (setup {result['setup_s'] * 1e3:.0f} ms)")
+                exact = receiver.checksum() == _checksum(state)
+                rate = report(engine, result["send_s"], f"  (setup {result['setup_s'] * 1e3:.0f} "
+                              f"ms, bits {'equal' if exact else 'DIFFER'})")
                 full_times[engine] = result["send_s"]
+                if not exact:
+                    raise SystemExit(f"sync.py: {engine} delivered other bits than were sent")
                 if engine == "shm":
-                    if size == 500:
-                        shm_ratio_500 = rate / memcpy_rate
+                    shm_ratios[size] = rate / memcpy_rate
             elif engine in ("delta", "delta-gloo"):
                 transport = "gloo" if engine == "delta-gloo" else "shm"
                 for fraction in (0.01, 0.10):
@@ -223,8 +270,9 @@ def main() -> None:
         del state, destination
     receiver.close()
     print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    if shm_ratio_500 is not None:
-        print(f"RATIO {shm_ratio_500:.2f} shm cross-process, 500 MB")
+    if shm_ratios:
+        size = min(shm_ratios, key=lambda s: abs(s - 500))
+        print(f"RATIO {shm_ratios[size]:.2f} shm cross-process, {size} MB, {args.device}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import copy
 import torch
 
 U = 2.0 ** -24  # float32 unit roundoff
+BF16_U = 2.0 ** -8  # bfloat16 unit roundoff (8 significand bits)
 # exp_nonpositive (csrc/cpu_kernels.cpp): Horner of degree 7 on |r| <= ln2/2 is within
 # gamma(14) * e^{2|r|} <= 28u of the series, the truncation is < 0.2u, the range reduction
 # < 0.5u; torch's own exp is within a few ulp. 32u covers both.
@@ -61,10 +62,15 @@ def log_softmax_bound(logits: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprob_bounds(model: torch.nn.Module, prompt: list[int], response: list[int],
-                         temperature: float = 1.0, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                         temperature: float = 1.0, top_k: int = 0, unit: float = U
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact (float64) log-probabilities of `response` after `prompt` under an HF causal LM
     (of logits / temperature restricted to the top_k, if given), and for each a first-order
-    bound on the error of any float32 forward of the same model.
+    bound on the error of any float32 forward of the same model; on the model's device.
+
+    `unit` is the unit roundoff of the format activations are stored in: U (float32, the
+    default) or BF16_U for a bfloat16 model whose kernels compute in float32 and round each
+    result to bfloat16 (CUDA's and oneDNN's); see `_storage_terms` for what that adds.
 
     Running-error analysis through autograd: a rounding error e_z in an intermediate z moves a
     log-prob l by (dl/dz) e_z to first order, so |err l| <= sum_z |dl/dz| bound(e_z), with the
@@ -77,10 +83,13 @@ def token_logprob_bounds(model: torch.nn.Module, prompt: list[int], response: li
           bound of the kernel test, with sum_d |q_d k_d| <= ||q|| ||k||, 6 extra roundings
           for the rotary embedding and room for a softmax merged from two parts
       temperature division, log-softmax  u |z / T|, log_softmax_bound
-    The second-order terms (products of two such errors, ~1e-10 here) are covered by a factor
-    1.01. A float32 implementation's error is within the bound whatever its summation order.
+    The second-order terms (products of two such errors) are at most the intermediates'
+    relative error times the first-order ones: ~1e-6 in float32, covered by a factor 1.01; in
+    bfloat16 up to ~0.3 (a few 2**-8 roundings per layer through 24 layers), covered by 2.
+    A float32 implementation's error is within the bound whatever its summation order.
     """
     exact = copy.deepcopy(model).double().eval()
+    device = next(exact.parameters()).device
     for parameter in exact.parameters():
         parameter.requires_grad_(False)
     records: list[tuple[str, torch.nn.Module, torch.Tensor, torch.Tensor]] = []
@@ -97,7 +106,7 @@ def token_logprob_bounds(model: torch.nn.Module, prompt: list[int], response: li
         elif type(module).__name__.endswith("RMSNorm"):
             handles.append(module.register_forward_hook(keep("norm")))
     embeddings = exact.get_input_embeddings()
-    ids = torch.tensor([prompt + response])
+    ids = torch.tensor([prompt + response], device=device)
     inputs = embeddings(ids).detach().requires_grad_(True)
     try:
         logits = exact(inputs_embeds=inputs).logits[0, len(prompt) - 1:-1] / temperature
@@ -107,24 +116,43 @@ def token_logprob_bounds(model: torch.nn.Module, prompt: list[int], response: li
     processed = logits
     if top_k:
         processed = logits.masked_fill(logits < logits.topk(top_k).values[:, -1:], float("-inf"))
-    chosen = torch.tensor(response)[:, None]
+    chosen = torch.tensor(response, device=device)[:, None]
     picked = processed.log_softmax(-1).gather(-1, chosen)[:, 0]
     final = log_softmax_bound(processed.detach()).gather(-1, chosen)[:, 0]
-    local = _local_error_bounds(exact, records)
+    local = _local_error_bounds(exact, records, unit)
     # every token's gradients in one batched backward: row k of each is d picked[k] / d tensor
     weighed = [tensor for tensor, _ in local] + [logits]
-    grads = torch.autograd.grad(picked, weighed, grad_outputs=torch.eye(len(response), dtype=torch.float64),
-                                is_grads_batched=True)
+    rows = torch.eye(len(response), dtype=torch.float64, device=device)
+    grads = torch.autograd.grad(picked, weighed, grad_outputs=rows, is_grads_batched=True)
     total = final.clone()
     for grad, (_, bound) in zip(grads, local):
         total += (grad.abs() * bound).flatten(1).sum(1)
     if temperature != 1.0:
         total += U * (grads[-1].abs() * logits.detach().abs()).flatten(1).sum(1)
-    return picked.detach(), 1.01 * total.detach()
+    second_order = 1.01 if unit == U else 2.0
+    return picked.detach(), second_order * total.detach()
 
 
-def _local_error_bounds(model, records) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(tensor whose gradient weighs it, local rounding-error bound of that tensor)."""
+def _storage_terms(unit: float) -> tuple[float, float]:
+    """(store, split) for activations stored with unit roundoff `unit` but computed in float32:
+    `store` is the one extra rounding of each result to the narrower format (0 in float32, where
+    the computation's own last rounding is the result); `split` allows for bfloat16 matrix
+    products that add their split-K partial sums in bfloat16 (torch's default
+    allow_bf16_reduced_precision_reduction), two more roundings of at most sum |w x|."""
+    if unit == U:
+        return 0.0, 0.0
+    return unit, 2 * unit
+
+
+def _local_error_bounds(model, records, unit: float = U) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor whose gradient weighs it, local rounding-error bound of that tensor); `unit`
+    as in token_logprob_bounds. With a narrower storage format each op adds its result's
+    rounding (`store`): linear outputs one (+ `split`), RMSNorm two (the cast back and the
+    weight product), a residual sum its own unit, silu * up two, the rotary embedding up to
+    5 sqrt(2) of |q| and |k| each (bf16 cos/sin, two products, a sum) and a materialised score
+    two (score and scale) in the attention's score bound, and the attention core two of
+    max |v| (the probabilities cast to bf16 before P V, the output cast)."""
+    store, split = _storage_terms(unit)
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -132,16 +160,17 @@ def _local_error_bounds(model, records) -> list[tuple[torch.Tensor, torch.Tensor
     local = []
     for kind, module, x, y in records:
         if kind == "norm":
-            local.append((y, (gamma(y.shape[-1]) / 2 + 6 * U) * y.detach().abs()))
+            local.append((y, (gamma(y.shape[-1]) / 2 + 6 * U + 2 * store) * y.detach().abs()))
             if x.grad_fn is not None:  # a residual sum (not the embeddings, exact)
-                local.append((x, U * x.detach().abs()))
+                local.append((x, max(unit, U) * x.detach().abs()))
             continue
         bias = module.bias.abs() if module.bias is not None else 0.0
-        local.append((y, gamma(module.in_features + 1) * (x.detach().abs() @ module.weight.abs().T + bias)))
+        local.append((y, (gamma(module.in_features + 1) + store + split)
+                      * (x.detach().abs() @ module.weight.abs().T + bias)))
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         down_input = next(x for kind, module, x, y in records if module is mlp.down_proj)
-        local.append((down_input, (EXP_RELATIVE + 5 * U) * down_input.detach().abs()))
+        local.append((down_input, (EXP_RELATIVE + 5 * U + 2 * store) * down_input.detach().abs()))
         o_input = next(x for kind, module, x, y in records if module is attention.o_proj)
         q = outputs[id(getattr(attention, "q_norm", None))] if hasattr(attention, "q_norm") \
             else outputs[id(attention.q_proj)]
@@ -161,7 +190,8 @@ def _local_error_bounds(model, records) -> list[tuple[torch.Tensor, torch.Tensor
         # + 2 EXP_RELATIVE + 4u: a softmax split in two parts merged by their log-sum-exps
         # (cascade attention over a shared prefix) rescales each part once
         eta = gamma(head_dim + 8) * magnitude + U * 2 * magnitude + 3 * EXP_RELATIVE + 4 * U
-        lengths = torch.arange(1, tokens + 1, dtype=torch.float64)[:, None, None]
-        bound = (2 * eta[..., None] + 2 * gamma(lengths) + 3 * U) * v_max
+        eta = eta + (2 * 5 * 2 ** 0.5 + 2) * store * magnitude  # rotary of q and k, the score
+        lengths = torch.arange(1, tokens + 1, dtype=torch.float64, device=v.device)[:, None, None]
+        bound = (2 * eta[..., None] + 2 * gamma(lengths) + 3 * U + 2 * store) * v_max
         local.append((o_input, bound.reshape(1, tokens, heads * head_dim)))
     return local

