@@ -5,8 +5,10 @@
 # its own time limit (they add up to 6 minutes) and writes every step's command, output tail and
 # exit status, then the targets, to one results file. --dry-run (no GPU needed) checks that every
 # file a step runs and every wheel of bench/gpu_wheels.txt is there, and writes the plan.
+# --steps runs some steps only (keys: device,install,build,engine,train,handoff,tests; a fresh
+# machine needs install, and build before engine or train).
 #
-#   bash bench/gpu_check.sh --out FILE [--wheels DIR]
+#   bash bench/gpu_check.sh --out FILE [--wheels DIR] [--steps KEY,...]
 #   bash bench/gpu_check.sh --dry-run [--out FILE] [--wheels DIR]
 set -uo pipefail
 
@@ -14,12 +16,15 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="$ROOT/bench/gpu_check_results.md"
 WHEELS="$ROOT/.gpu-wheels"
 DRY_RUN=0
+ONLY=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY_RUN=1 ;;
         --out) OUT="$2"; shift ;;
         --wheels) WHEELS="$2"; shift ;;
-        *) echo "gpu_check.sh: unknown argument $1 (use --dry-run, --out FILE, --wheels DIR)" >&2
+        --steps) ONLY=",$2,"; shift ;;
+        *) echo "gpu_check.sh: unknown argument $1 (use --dry-run, --out FILE, --wheels DIR," \
+                "--steps KEY,...)" >&2
            exit 2 ;;
     esac
     shift
@@ -35,15 +40,15 @@ GPU_TESTS="$(grep -rl --include='*.py' 'mark\.gpu' tests | sed 's#/conftest\.py$
 # the machine's own pytest plugins stay out: only the carried pytest-asyncio and pytest-timeout
 PYTEST="PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $PYTHON -m pytest -p pytest_asyncio.plugin -p pytest_timeout"
 
-# name | time limit (s) | command
+# key | name | time limit (s) | command
 STEPS=(
-    "device|15|nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader && $PYTHON -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, \"CUDA\", torch.version.cuda, \"transformers\", transformers.__version__)'"
-    "install the carried wheels|30|rm -rf $SITE && $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE $WHEELS/*.whl && $PYTHON -c 'import tensordict, omegaconf, pytest_asyncio; print(\"tensordict\", tensordict.__version__)'"
-    "build the 0.5B-shape model (random weights)|45|$PYTHON -c 'import sys; sys.path[:0] = [\"bench\", \"src\"]; import engine; from tandem.models import build_tiny_model; print(build_tiny_model(engine.MODELS[\"0.5b\"]))'"
-    "engine: native vs HF generate, bf16 and fp32|100|$PYTHON bench/gpu_engine.py --device cuda"
-    "training step: packed vs padded, forward + backward + optimizer|55|$PYTHON bench/gpu_train_step.py --device cuda"
-    "weight handoff: shm over CUDA IPC between two processes|35|$PYTHON bench/sync.py --device cuda --sizes 1000 --engines naive,shm"
-    "gpu-marked tests (none needs Ray, vLLM or SGLang; those skip)|80|$PYTEST -q -rs -m gpu $GPU_TESTS"
+    "device|device|10|nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader && $PYTHON -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, \"CUDA\", torch.version.cuda, \"transformers\", transformers.__version__)'"
+    "install|install the carried wheels|20|rm -rf $SITE && $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE $WHEELS/*.whl && $PYTHON -c 'import tensordict, omegaconf, pytest_asyncio; print(\"tensordict\", tensordict.__version__)'"
+    "build|build the 0.5B-shape model (random weights)|30|$PYTHON -c 'import sys; sys.path[:0] = [\"bench\", \"src\"]; import engine; from tandem.models import build_tiny_model; print(build_tiny_model(engine.MODELS[\"0.5b\"]))'"
+    "engine|engine: native vs HF generate, bf16 and fp32|135|$PYTHON bench/gpu_engine.py --device cuda"
+    "train|training step: packed vs padded, forward + backward + optimizer|55|$PYTHON bench/gpu_train_step.py --device cuda"
+    "handoff|weight handoff: shm over CUDA IPC between two processes|30|$PYTHON bench/sync.py --device cuda --sizes 1000 --engines naive,shm"
+    "tests|gpu-marked tests (none needs Ray, vLLM or SGLang; those skip)|80|$PYTEST -q -rs -m gpu $GPU_TESTS"
 )
 
 # the files a command names (bench/..., tests/...): each must exist
@@ -68,9 +73,13 @@ printf '# gpu_check %s\n\ncommit %s, %s\n' "$(date -u +%FT%TZ)" \
 problems=()
 command -v "$PYTHON" > /dev/null || problems+=("no $PYTHON on PATH")
 for entry in "${STEPS[@]}"; do
+    rest="${entry#*|}"
     for file in $(named_files "${entry##*|}"); do
-        [ -e "$file" ] || problems+=("step '${entry%%|*}' runs $file, which does not exist")
+        [ -e "$file" ] || problems+=("step '${rest%%|*}' runs $file, which does not exist")
     done
+done
+for key in ${ONLY//,/ }; do
+    printf '%s\n' "${STEPS[@]}" | grep -q "^$key|" || problems+=("no step $key (--steps)")
 done
 for wheel in $(missing_wheels); do
     problems+=("wheel $wheel is not in $WHEELS (run: make gpu-wheels)")
@@ -81,7 +90,7 @@ if [ ${#problems[@]} -gt 0 ]; then
     exit 2
 fi
 total_limit=0
-for entry in "${STEPS[@]}"; do rest="${entry#*|}"; total_limit=$((total_limit + ${rest%%|*})); done
+for entry in "${STEPS[@]}"; do rest="${entry#*|*|}"; total_limit=$((total_limit + ${rest%%|*})); done
 printf '\ncarried wheels: %s files, %s bytes in %s; gpu tests: %s; step limits add up to %s s\n' \
     "$(ls "$WHEELS"/*.whl | wc -l)" "$(cat "$WHEELS"/*.whl | wc -c)" "${WHEELS#"$ROOT"/}" \
     "$GPU_TESTS" "$total_limit" >> "$OUT"
@@ -94,7 +103,9 @@ fi
 FAILED=0
 SUMMARY=()
 for entry in "${STEPS[@]}"; do
-    name="${entry%%|*}"; rest="${entry#*|}"; limit="${rest%%|*}"; command="${rest#*|}"
+    key="${entry%%|*}"; rest="${entry#*|}"; name="${rest%%|*}"; rest="${rest#*|}"
+    limit="${rest%%|*}"; command="${rest#*|}"
+    [ -z "$ONLY" ] || [[ "$ONLY" == *",$key,"* ]] || continue
     printf '\n## %s\n\n```\n$ %s\n' "$name" "$command" >> "$OUT"
     if [ "$DRY_RUN" = 1 ]; then
         printf '(dry run: not executed; limit %s s)\n```\n' "$limit" >> "$OUT"

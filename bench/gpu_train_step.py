@@ -135,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny shape, 2 prompts x 2 samples")
-    parser.add_argument("--bound-samples", type=int, default=4,
+    parser.add_argument("--bound-samples", type=int, default=2,
                         help="samples checked against float64 (each a float64 forward and "
                              "backward of the model)")
     args = parser.parse_args()

