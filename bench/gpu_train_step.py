@@ -22,6 +22,7 @@ import gc
 import random
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "bench")]
 
 import engine as engine_bench  # noqa: E402  (bench/engine.py: the model shapes)
-from float_bounds import BF16_U, U, token_logprob_bounds  # noqa: E402
+from float_bounds import BF16_U, U, max_ratio, token_logprob_bounds  # noqa: E402
 from tandem.batch.jagged import make_field, trajectories_to_batch  # noqa: E402
 from tandem.batch.trajectory import Trajectory  # noqa: E402
 from tandem.config.schema import OptimConfig, TandemConfig  # noqa: E402
@@ -76,9 +77,9 @@ def peak_memory(device: str) -> str:
     return f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
 
 
-def compare_paths(path: Path, dtype: str, batch, args) -> tuple[float, object]:
-    """Packed vs padded log-probs of one dtype against float64; returns the worst
-    |packed - padded| / (2 bound) and the packed engine (trainable)."""
+def check_dtype(path: Path, dtype: str, batch, args) -> tuple[float, bool]:
+    """Packed vs padded log-probs of one dtype, in bf16 the optimizer step, then both paths
+    against float64; returns the worst |packed - padded| / (2 bound) and the step's verdict."""
     packed = TrainingEngine(load(path, dtype, packed_attention.register()), "actor", 1 << 14,
                             use_remove_padding=True, optim=OptimConfig(lr=1e-4),
                             device=args.device)
@@ -87,6 +88,9 @@ def compare_paths(path: Path, dtype: str, batch, args) -> tuple[float, object]:
     packed_lp = [row.cpu() for row in packed.compute_log_prob(batch).field("log_probs").unbind()]
     padded_lp = [row.cpu() for row in padded.compute_log_prob(batch).field("log_probs").unbind()]
     gap = max(float((a - b).abs().max()) for a, b in zip(packed_lp, padded_lp))
+    print(f"  {dtype}: max |packed - padded| {gap:.3e} over {sum(map(len, packed_lp))} tokens")
+    stepped = train_step(packed, batch.clone(), args.device) if dtype == "bfloat16" else True
+    del packed
     worst = {"packed": 0.0, "padded": 0.0, "between": 0.0}
     bounds = []
     for index in range(min(args.bound_samples, len(packed_lp))):
@@ -94,17 +98,16 @@ def compare_paths(path: Path, dtype: str, batch, args) -> tuple[float, object]:
             padded.model, batch["prompts"][index].tolist(), batch["responses"][index].tolist(),
             unit=UNITS[dtype]))
         bounds.append(bound)
-        for name, values in (("packed", packed_lp[index]), ("padded", padded_lp[index])):
-            worst[name] = max(worst[name], float(((values.double() - exact).abs() / bound).max()))
-        between = (packed_lp[index].double() - padded_lp[index].double()).abs() / (2 * bound)
-        worst["between"] = max(worst["between"], float(between.max()))
+        for name, actual, expected, allowed in (("packed", packed_lp[index], exact, bound),
+                                                ("padded", padded_lp[index], exact, bound),
+                                                ("between", packed_lp[index], padded_lp[index],
+                                                 2 * bound)):
+            worst[name] = max(worst[name], max_ratio(actual, expected, allowed))
     median = float(torch.cat(bounds).median())
-    print(f"  {dtype}: max |packed - padded| {gap:.3e} over {sum(map(len, packed_lp))} tokens; "
-          f"error / bound (<= 1 is within) packed {worst['packed']:.2e}, padded "
-          f"{worst['padded']:.2e}, packed - padded {worst['between']:.2e} "
+    print(f"  {dtype} vs float64, error / bound (<= 1 is within): packed {worst['packed']:.2e}, "
+          f"padded {worst['padded']:.2e}, packed - padded {worst['between']:.2e} "
           f"({len(bounds)} samples, median bound {median:.2e})")
-    del padded
-    return worst["between"], packed
+    return worst["between"], stepped
 
 
 def train_step(engine: TrainingEngine, batch, device: str) -> bool:
@@ -152,19 +155,22 @@ def main() -> None:
     ok = True
     ratios = {}
     for dtype in ("bfloat16", "float32"):
-        ratios[dtype], packed = compare_paths(path, dtype, batch, args)
-        ok &= ratios[dtype] <= 1
-        if dtype == "bfloat16":
-            ok &= train_step(packed, batch.clone(), args.device)
-        del packed
+        try:
+            ratios[dtype], stepped = check_dtype(path, dtype, batch, args)
+            ok &= ratios[dtype] <= 1 and stepped
+        except Exception:  # reported; the other dtype still runs
+            traceback.print_exc()
+            print(f"  the {dtype} run FAILED")
+            ok = False
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    verdict = "met" if ok else "MISSED"
-    print(f"TARGET packed log-probs equal to padded within the bound (bf16 {ratios['bfloat16']:.2e}"
-          f", fp32 {ratios['float32']:.2e} of it) and a finite step that moves them: {verdict}")
-    print(f"RATIO {ratios['bfloat16']:.2e} max |packed - padded| / (2 x bf16 bound), {model} "
-          f"shape, {args.device}")
+    shown = ", ".join(f"{d} {r:.2e}" for d, r in ratios.items()) or "not measured"
+    print(f"TARGET packed log-probs equal to padded within the bound ({shown} of it) and a finite "
+          f"step that moves them: {'met' if ok else 'MISSED'}")
+    if "bfloat16" in ratios:
+        print(f"RATIO {ratios['bfloat16']:.2e} max |packed - padded| / (2 x bf16 bound), {model} "
+              f"shape, {args.device}")
     sys.exit(0 if ok else 1)
 
 
