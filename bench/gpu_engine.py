@@ -4,9 +4,9 @@
     python3 bench/gpu_engine.py --device cpu --tiny   # the same code on CPU, tiny shape
 
 Per dtype, on bench/engine.py's models (built here from a seed) and workloads:
-- greedy: 8 prompts x 32 new tokens (eos ignored; --tiny: 4 x 8) from the native engine and from HF `generate`
-  one prompt at a time, compared in fp32 (at a mismatch HF's top-2 logit margin is printed: a
-  near-tie of random weights, or a bug);
+- greedy: 8 prompts x 32 new tokens (eos ignored; --tiny: 4 x 8) from the native engine and
+  from HF `generate` one prompt at a time, compared in fp32 (at a mismatch HF's top-2 logit
+  margin is printed: a near-tie of random weights, or a bug);
 - log-probs: the native engine's greedy tokens scored by HF's teacher-forced forward (the gap),
   and both against the float64 log-probs of the same weights, as a fraction of the derived
   rounding bound (tests/float_bounds.py; bf16 storage for bf16) on the first `--bound-prompts`;

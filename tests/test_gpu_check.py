@@ -28,7 +28,8 @@ GPU_MARK = "mark." + "gpu"  # spelled apart: the script runs every file that hol
 
 
 def wheel_lines() -> list[tuple[str, str]]:
-    lines = [line.split("#")[0].strip() for line in (ROOT / "bench" / "gpu_wheels.txt").read_text().splitlines()]
+    text = (ROOT / "bench" / "gpu_wheels.txt").read_text()
+    lines = [line.split("#")[0].strip() for line in text.splitlines()]
     return [tuple(line.split("==")) for line in lines if line]
 
 
@@ -83,7 +84,8 @@ def test_dry_run_names_a_step_file_that_does_not_exist(tmp_path):
     (tmp_path / "tests").mkdir()
     shutil.copy(SCRIPT, tmp_path / "bench" / "gpu_check.sh")
     shutil.copy(ROOT / "bench" / "gpu_wheels.txt", tmp_path / "bench" / "gpu_wheels.txt")
-    (tmp_path / "tests" / "test_x.py").write_text(f"import pytest\npytestmark = pytest.{GPU_MARK}\n")
+    marked = f"import pytest\npytestmark = pytest.{GPU_MARK}\n"
+    (tmp_path / "tests" / "test_x.py").write_text(marked)
     done = run("--dry-run", "--out", str(tmp_path / "results.md"), "--wheels",
                str(fake_wheels(tmp_path / "wheels")), script=tmp_path / "bench" / "gpu_check.sh")
     assert done.returncode == 2
@@ -99,7 +101,8 @@ def test_bad_argument_is_refused():
 
 def test_steps_runs_the_named_steps_only(tmp_path):
     out, wheels = tmp_path / "results.md", str(fake_wheels(tmp_path / "wheels"))
-    assert run("--dry-run", "--out", str(out), "--wheels", wheels, "--steps", "engine,train").returncode == 0
+    done = run("--dry-run", "--out", str(out), "--wheels", wheels, "--steps", "engine,train")
+    assert done.returncode == 0, done.stderr
     assert re.findall(r"^## (.+)$", out.read_text(), flags=re.M) == [STEPS[3], STEPS[4], "Summary"]
     done = run("--dry-run", "--out", str(out), "--wheels", wheels, "--steps", "engine,speed")
     assert done.returncode == 2 and "no step speed (--steps)" in done.stderr
@@ -147,7 +150,8 @@ def test_the_absent_packages_do_not_import(without_gpu_machine_packages):
 
 @pytest.mark.slow
 def test_engine_step_runs_on_cpu(without_gpu_machine_packages):
-    out = step(without_gpu_machine_packages, "bench/gpu_engine.py", "--device", "cpu", "--tiny").stdout
+    out = step(without_gpu_machine_packages, "bench/gpu_engine.py", "--device", "cpu",
+               "--tiny").stdout
     pairs = re.findall(r"native ([\d.e+-]+), HF ([\d.e+-]+) \(", out)  # error / bound per dtype
     assert len(pairs) == 2 and max(float(x) for pair in pairs for x in pair) <= 1
     assert "greedy tokens equal to HF generate: 4/4 prompts" in out
@@ -157,7 +161,8 @@ def test_engine_step_runs_on_cpu(without_gpu_machine_packages):
 
 @pytest.mark.slow
 def test_training_step_runs_on_cpu(without_gpu_machine_packages):
-    out = step(without_gpu_machine_packages, "bench/gpu_train_step.py", "--device", "cpu", "--tiny").stdout
+    out = step(without_gpu_machine_packages, "bench/gpu_train_step.py", "--device", "cpu",
+               "--tiny").stdout
     assert re.search(r"train step: .* log-probs moved by up to \S+: ok", out)
     assert re.search(r"^TARGET packed log-probs equal to padded .*: met$", out, flags=re.M)
     assert out.splitlines()[-1].startswith("RATIO ")
@@ -172,8 +177,9 @@ def test_handoff_step_runs_on_cpu(without_gpu_machine_packages):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-@pytest.mark.parametrize("script", ["bench/sync.py", pytest.param("bench/gpu_engine.py", marks=pytest.mark.slow),
-                                    pytest.param("bench/gpu_train_step.py", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("script", [
+    "bench/sync.py", pytest.param("bench/gpu_engine.py", marks=pytest.mark.slow),
+    pytest.param("bench/gpu_train_step.py", marks=pytest.mark.slow)])
 def test_cuda_steps_refuse_clearly_without_a_gpu(without_gpu_machine_packages, script):
     done = subprocess.run([sys.executable, script, "--device", "cuda"], capture_output=True,
                           text=True, timeout=300, cwd=ROOT, env=without_gpu_machine_packages)
