@@ -293,6 +293,14 @@ def validate(config: TandemConfig) -> None:
         _fail("trainer.async_rollout.buffer_groups", f"is {async_rollout.buffer_groups}, fewer than "
               f"data.train_batch_size={config.data.train_batch_size}: a step could never fill its "
               "batch. Raise it (or 0 for 2 x train_batch_size)")
+    usable = (async_rollout.max_staleness + 1) * config.data.train_batch_size
+    if async_rollout.buffer_groups > usable:
+        _fail("trainer.async_rollout.buffer_groups", f"is {async_rollout.buffer_groups}, but a step "
+              f"takes data.train_batch_size={config.data.train_batch_size} groups, so groups past "
+              f"(max_staleness + 1) x train_batch_size = {usable} would wait beyond "
+              f"trainer.async_rollout.max_staleness={async_rollout.max_staleness} versions and be "
+              f"generated only to go stale. Lower it to at most {usable} (or 0 for 2 x "
+              "train_batch_size), or raise max_staleness")
 
 
 def _check_memory_budget(config: TandemConfig) -> None:

@@ -1,6 +1,8 @@
 """The async modes' producer: submits prompt groups fire-and-forget, in dataset order, as the
 rollout buffer frees slots; regenerated rows go first. A group that fails is counted and its
-slot freed: one bad prompt never stops the run."""
+slot freed: one bad prompt never stops the run. At most as many groups generate at once as
+rollout.agent_concurrency has room for, so a large buffer never turns into a pile of waiting
+tasks (nor a loop that spins creating them)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ class RolloutProducer:
         self._regenerations = 0
         self._loop_task: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
+        rollout = trainer.config.rollout
+        # groups that can have a session running; more would only wait on the runner's semaphore
+        self.max_generating = max(1, -(-rollout.agent_concurrency // max(rollout.n, 1)))
+        self._generating = asyncio.Semaphore(self.max_generating)
 
     def start(self) -> None:
         """Begin submitting in the background."""
@@ -57,6 +63,11 @@ class RolloutProducer:
                 pending.extend(zip(rows, seeds))
                 self.next_batch += 1
             await self.buffer.reserve()
+            try:
+                await self._generating.acquire()
+            except asyncio.CancelledError:
+                self.buffer.cancel()
+                raise
             row, seed = self._regenerate.popleft() if self._regenerate else pending.popleft()
             task = asyncio.create_task(self._run_group(row, seed, self.trainer.step))
             self._groups.add(task)
@@ -72,4 +83,6 @@ class RolloutProducer:
             logger.exception("prompt %s failed; its group is skipped", row.uid)
             self.buffer.cancel(failed=True)
             return
+        finally:
+            self._generating.release()
         self.buffer.put(RolloutGroup(row, trajectories, version))
