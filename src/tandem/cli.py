@@ -130,9 +130,10 @@ def _serve(config_path: str, overrides: list[str]) -> None:
             await trainer.sync_weights()
             recorder = ChatRecorder(trainer.client(), ChatFormat(trainer.tokenizer), config.rollout)
             server = EndpointServer(create_app(recorder, settings.served_model_name,
-                                               settings.api_key), settings.host, settings.port)
-            print(f"serving {settings.served_model_name!r} at {await server.start()}", flush=True)
-            await server.wait()
+                                               settings.api_key, settings.max_request_bytes),
+                                    settings.host, settings.port)
+            await server.serve_until_signal(lambda url: print(
+                f"serving {settings.served_model_name!r} at {url}", flush=True))
         finally:
             await trainer.stop()
 
@@ -197,6 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("tandem.trainer.startup").setLevel(logging.INFO)  # its one summary line
     try:
         _run(args)
+    except KeyboardInterrupt:  # Ctrl-C before `tandem serve` serves, or during train/eval
+        print(f"tandem {args.command}: interrupted", file=sys.stderr)
+        sys.exit(130)
     except Exception as error:  # one message per error; the traceback only on request
         if args.debug:
             raise

@@ -43,6 +43,7 @@ RANGES: dict[str, str] = {
     "rollout.checkpoint_engine.update_weights_bucket_megabytes": "[1, inf)",
     "rollout.checkpoint_engine.timeout_s": "(0, inf)",  # the deadline of every wait of a weight sync
     "rollout.openai_agent.port": "[0, 65535]",  # 0: a free port
+    "rollout.openai_agent.max_request_bytes": "[1024, inf)",
     "rollout.multi_turn.max_assistant_turns": "[1, inf)",
     "rollout.multi_turn.max_user_turns": "[1, inf)",
     "rollout.multi_turn.max_tool_response_length": "[1, inf)",
