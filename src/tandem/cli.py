@@ -28,13 +28,24 @@ def checked_config(config_path: str, overrides: list[str], command: str) -> Any:
     from tandem.config.load import ConfigError, load_config
     from tandem.rewards import reward_input_problem
 
+    from tandem.config.kv_budget import hf_config
+    from tandem.config.model_check import checkpoint_model_problem, latest_checkpoint
+
     config = load_config(config_path, overrides)
+    trainer = config.trainer
+    output = Path(trainer.output_dir)
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"trainer.output_dir: {output} is a file; a run writes its metrics, "
+                          "checkpoints and config into a directory there. Choose another path")
     splits = ["train"] + (["val"] if config.data.val_files else [])
     for split in splits:
-        PromptDataset.from_config(config.data, split, check_row=lambda row: reward_input_problem(
+        rows = PromptDataset.from_config(config.data, split, check_row=lambda row: reward_input_problem(
             row.data_source, row.ground_truth))
-    trainer = config.trainer
-    checkpoints = Path(trainer.output_dir) / "checkpoints"
+        if split == "train" and command == "train" and len(rows) < config.data.train_batch_size:
+            raise ConfigError(f"data.train_batch_size: is {config.data.train_batch_size}, more "
+                              f"than the {len(rows)} rows of data.train_files; lower it or add "
+                              "rows")
+    checkpoints = output / "checkpoints"
     if trainer.resume and not has_checkpoint(checkpoints):
         problem = (f"trainer.resume=true but {checkpoints} holds no checkpoint (no `latest`, no "
                    "step_* directory)")
@@ -46,6 +57,13 @@ def checked_config(config_path: str, overrides: list[str], command: str) -> Any:
                               "(or trainer.resume_missing=warn) to start from step 0")
         logger.warning("%s: starting from step 0 (trainer.resume_missing=fail makes this an "
                        "error)", problem)
+    step = latest_checkpoint(checkpoints) if trainer.resume else None
+    model = hf_config(config.model.path)
+    if model is not None and config.model.path.startswith("tiny:"):
+        model.pop("vocab_size")  # the spec's is an upper bound, not the built model's
+    problem = step and checkpoint_model_problem(step / "actor" / "config.json", model)
+    if problem:
+        raise ConfigError(problem)
     return config
 
 
