@@ -215,3 +215,22 @@ def test_sigint_stops_the_server_cleanly(tmp_path):
         process.kill()
     assert process.returncode == 0 and "Traceback" not in err, err
     assert out.strip() == "stopped"
+
+
+async def test_connections_reused_just_before_the_clients_expiry_still_work(tokenizer):
+    """bench/stack.py's failing HTTP rounds: the openai client (httpx) keeps an idle connection
+    for 5 s, and uvicorn's default keep-alive closed it after 5 s too, so requests sent ~5 s
+    after a round raced the close (APIConnectionError). The endpoint keeps connections longer."""
+    import openai
+
+    async with Endpoint(tokenizer) as endpoint:
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key="x", max_retries=0)
+        try:
+            for gap in (0.0, 4.9, 4.95):
+                await asyncio.sleep(gap)
+                replies = await asyncio.gather(*(client.chat.completions.create(
+                    model="tiny", messages=QUESTION, seed=i, user=f"{gap}-{i}") for i in range(64)),
+                    return_exceptions=True)
+                assert not [reply for reply in replies if isinstance(reply, Exception)], gap
+        finally:
+            await client.close()

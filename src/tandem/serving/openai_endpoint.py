@@ -33,6 +33,11 @@ MAX_SESSION_ID_CHARS = 256
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_STOP_CHARS = 256
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+# An idle connection stays open this long: well past clients' own idle expiry (httpx and so
+# the openai client: 5 s), so a client never reuses a connection the server is closing (with
+# uvicorn's 5 s default, a request sent ~5 s after the last one raced the close and failed
+# with APIConnectionError: bench/stack.py's HTTP rounds after a ~5 s direct round).
+KEEP_ALIVE_S = 75
 INT64 = 2**63 - 1
 
 
@@ -248,7 +253,8 @@ class EndpointServer:
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    lifespan="off", access_log=False))
+                                                    lifespan="off", access_log=False,
+                                                    timeout_keep_alive=KEEP_ALIVE_S))
         self.host = host
         self.port = port
         self._task: asyncio.Task | None = None
