@@ -62,11 +62,11 @@ class RolloutProducer:
                 seeds = self.trainer.seeds(self.next_batch, len(rows), validate=False)
                 pending.extend(zip(rows, seeds))
                 self.next_batch += 1
-            await self.buffer.reserve()
+            await self._generating.acquire()
             try:
-                await self._generating.acquire()
+                await self.buffer.reserve()
             except asyncio.CancelledError:
-                self.buffer.cancel()
+                self._generating.release()
                 raise
             row, seed = self._regenerate.popleft() if self._regenerate else pending.popleft()
             task = asyncio.create_task(self._run_group(row, seed, self.trainer.step))
