@@ -71,18 +71,20 @@ class RolloutProducer:
             row, seed = self._regenerate.popleft() if self._regenerate else pending.popleft()
             task = asyncio.create_task(self._run_group(row, seed, self.trainer.step))
             self._groups.add(task)
-            task.add_done_callback(self._groups.discard)
+            task.add_done_callback(self._group_done)
+
+    def _group_done(self, task: asyncio.Task) -> None:
+        # here, not in _run_group: a task cancelled before it ever ran holds its slots too
+        self._groups.discard(task)
+        self._generating.release()
+        if task.cancelled():
+            self.buffer.cancel()
 
     async def _run_group(self, row: DatasetRow, seed: int, version: int) -> None:
         try:
             trajectories = await self.trainer.runner.run_prompt(row, seed=seed)
-        except asyncio.CancelledError:
-            self.buffer.cancel()
-            raise
         except Exception:  # one prompt's failure is that prompt's, never the run's
             logger.exception("prompt %s failed; its group is skipped", row.uid)
             self.buffer.cancel(failed=True)
             return
-        finally:
-            self._generating.release()
         self.buffer.put(RolloutGroup(row, trajectories, version))
