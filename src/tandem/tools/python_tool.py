@@ -26,11 +26,6 @@ class PythonTool:
 
     async def execute(self, arguments: dict[str, Any], context: dict[str, Any]) -> ToolResult:
         """Run arguments["code"]; a failing program is an error result for the model."""
-        try:
-            arguments["code"].encode("utf-8")
-        except UnicodeEncodeError as error:
-            return ToolResult(f"Error: the code is not valid text ({error}); a Python source "
-                              "file must be UTF-8", ok=False)
         result = await self.sandbox.run(arguments["code"])
         if result.ok:
             return ToolResult(result.stdout)
