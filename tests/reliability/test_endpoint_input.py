@@ -234,3 +234,16 @@ async def test_connections_reused_just_before_the_clients_expiry_still_work(toke
                 assert not [reply for reply in replies if isinstance(reply, Exception)], gap
         finally:
             await client.close()
+
+
+def test_ctrl_c_outside_serving_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """Ctrl-C while `tandem serve` starts (or during train/eval): exit 130 and one line."""
+    from tandem import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_run", interrupted)
+    with pytest.raises(SystemExit) as exit_status:
+        cli.main(["serve", "config.yaml"])
+    assert exit_status.value.code == 130
+    assert capsys.readouterr().err == "tandem serve: interrupted\n"
