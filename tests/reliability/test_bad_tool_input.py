@@ -153,3 +153,67 @@ def test_a_step_whose_sessions_all_fail_is_skipped(tmp_path, ray_cluster, caplog
                        "weight_version": 1}
     [trained] = [r for r in records if "time/generate" in r]
     assert trained["step"] == 2 and trained["weight_version"] == 2
+
+
+async def test_fit_sync_skips_a_step_whose_sessions_all_fail(tmp_path, caplog):
+    """The sync loop's order with a trainer whose step 1 generation fails entirely: the step is
+    skipped (RLTrainer.skip_step: warning, version moves on with a sync, metrics), the others
+    train; no exception ends the run."""
+    from tandem.agent.runner import AllSessionsFailed, SessionFailure
+    from tandem.config.load import load_config
+    from tandem.trainer.metrics import MetricsLogger, PhaseTimer, read_metrics
+    from tandem.trainer.rl_trainer import RLTrainer
+    from tandem.trainer.sync import fit_sync
+
+    class Trainer:
+        skip_step = RLTrainer.skip_step
+        algorithm_name = "GRPO"
+
+        def __init__(self) -> None:
+            self.config = load_config(overrides=["trainer.total_steps=3", "trainer.progress=false"])
+            self.step = self.skipped_steps = 0
+            self.metrics = MetricsLogger(tmp_path, tensorboard=False)
+            self.log: list[str] = []
+            failures = [SessionFailure("u", 0, RuntimeError("reward service down"))]
+            self.runner = type("Runner", (), {"take_failures": lambda _: failures})()
+
+        async def begin(self, on_validation):
+            return {}
+
+        def train_rows(self, step):
+            return [step]
+
+        async def generate(self, rows, step):
+            if step == 1:
+                raise AllSessionsFailed("all 1 sessions failed; the first (u-0): RuntimeError: "
+                                        "reward service down", [])
+            return ["trajectory"]
+
+        async def sleep_rollout(self):
+            pass
+
+        async def train_on(self, trajectories, timer: PhaseTimer):
+            self.log.append(f"train {self.step}")
+            return None, {}
+
+        async def sync_weights(self):
+            self.log.append(f"sync {self.step}")
+            return {}
+
+        async def finish_step(self, trajectories, batch, metrics, timer, on_validation):
+            self.metrics.log(self.step, {"trained": 1.0})
+            return metrics
+
+        async def end(self, on_validation, validation):
+            return validation
+
+    trainer = Trainer()
+    with caplog.at_level(logging.WARNING):
+        await fit_sync(trainer)
+    assert trainer.step == 3
+    assert trainer.log == ["train 0", "sync 1", "sync 2", "train 2", "sync 3"]
+    assert "step 1 skipped: all 1 sessions failed" in caplog.text
+    assert read_metrics(tmp_path / "metrics.jsonl") == [
+        {"step": 1, "trained": 1.0},
+        {"step": 2, "rollout/skipped_steps": 1.0, "rollout/failed_sessions": 1.0, "weight_version": 2},
+        {"step": 3, "trained": 1.0}]
