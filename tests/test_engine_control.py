@@ -153,7 +153,7 @@ async def test_update_weights_accepts_tied_lm_head_and_rejects_bad_tensors(model
     rollout = make(model_path)
     embed = rollout.engine.runner.model.get_input_embeddings().weight
     new_embed = torch.randn_like(embed)
-    await rollout.update_weights([("lm_head.weight", new_embed)], version=1)
+    await rollout.update_weights([("lm_head.weight", new_embed)], version=1, partial=True)
     assert torch.equal(embed, new_embed)
     with pytest.raises(ValueError, match="unknown weight"):
         await rollout.update_weights([("model.no_such.weight", new_embed)], version=2)
@@ -197,10 +197,10 @@ async def test_sleep_weights_on_cpu_drops_them_until_refilled(model_path):
     with pytest.raises(RuntimeError, match="update_weights"):
         await rollout.generate("x", [5, 6], GREEDY)
     items = list(state.items())
-    await rollout.update_weights(items[:3], version=1)  # partial: still not servable
+    await rollout.update_weights(items[:3], version=1, partial=True)  # still not servable
     with pytest.raises(RuntimeError, match="not refilled"):
         await rollout.generate("x", [5, 6], GREEDY)
-    await rollout.update_weights(items[3:], version=1)
+    await rollout.update_weights(items[3:], version=1, partial=True)
     assert rollout.memory_bytes()["weights"] > 0
     assert await greedy_all(rollout, prefix="back") == before
 

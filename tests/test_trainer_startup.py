@@ -109,6 +109,7 @@ def test_local_cluster_start_drops_only_rays_token_auth_notice(monkeypatch, capl
         logger.warning("something else")
 
     monkeypatch.setattr(placement.ray, "init", init)
+    monkeypatch.setattr(placement, "check_reachable", lambda address: None)  # no probe of 10.0.0.5
     monkeypatch.setattr(placement.ray, "is_initialized", lambda: False)  # the suite's cluster may be up
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with caplog.at_level(logging.WARNING, logger=placement.TOKEN_AUTH_LOGGER):

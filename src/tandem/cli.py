@@ -28,13 +28,24 @@ def checked_config(config_path: str, overrides: list[str], command: str) -> Any:
     from tandem.config.load import ConfigError, load_config
     from tandem.rewards import reward_input_problem
 
+    from tandem.config.kv_budget import hf_config
+    from tandem.config.model_check import checkpoint_model_problem, latest_checkpoint
+
     config = load_config(config_path, overrides)
+    trainer = config.trainer
+    output = Path(trainer.output_dir)
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"trainer.output_dir: {output} is a file; a run writes its metrics, "
+                          "checkpoints and config into a directory there. Choose another path")
     splits = ["train"] + (["val"] if config.data.val_files else [])
     for split in splits:
-        PromptDataset.from_config(config.data, split, check_row=lambda row: reward_input_problem(
+        rows = PromptDataset.from_config(config.data, split, check_row=lambda row: reward_input_problem(
             row.data_source, row.ground_truth))
-    trainer = config.trainer
-    checkpoints = Path(trainer.output_dir) / "checkpoints"
+        if split == "train" and command == "train" and len(rows) < config.data.train_batch_size:
+            raise ConfigError(f"data.train_batch_size: is {config.data.train_batch_size}, more "
+                              f"than the {len(rows)} rows of data.train_files; lower it or add "
+                              "rows")
+    checkpoints = output / "checkpoints"
     if trainer.resume and not has_checkpoint(checkpoints):
         problem = (f"trainer.resume=true but {checkpoints} holds no checkpoint (no `latest`, no "
                    "step_* directory)")
@@ -46,6 +57,13 @@ def checked_config(config_path: str, overrides: list[str], command: str) -> Any:
                               "(or trainer.resume_missing=warn) to start from step 0")
         logger.warning("%s: starting from step 0 (trainer.resume_missing=fail makes this an "
                        "error)", problem)
+    step = latest_checkpoint(checkpoints) if trainer.resume else None
+    model = hf_config(config.model.path)
+    if model is not None and config.model.path.startswith("tiny:"):
+        model.pop("vocab_size")  # the spec's is an upper bound, not the built model's
+    problem = step and checkpoint_model_problem(step / "actor" / "config.json", model)
+    if problem:
+        raise ConfigError(problem)
     return config
 
 
@@ -130,9 +148,10 @@ def _serve(config_path: str, overrides: list[str]) -> None:
             await trainer.sync_weights()
             recorder = ChatRecorder(trainer.client(), ChatFormat(trainer.tokenizer), config.rollout)
             server = EndpointServer(create_app(recorder, settings.served_model_name,
-                                               settings.api_key), settings.host, settings.port)
-            print(f"serving {settings.served_model_name!r} at {await server.start()}", flush=True)
-            await server.wait()
+                                               settings.api_key, settings.max_request_bytes),
+                                    settings.host, settings.port)
+            await server.serve_until_signal(lambda url: print(
+                f"serving {settings.served_model_name!r} at {url}", flush=True))
         finally:
             await trainer.stop()
 
@@ -197,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("tandem.trainer.startup").setLevel(logging.INFO)  # its one summary line
     try:
         _run(args)
+    except KeyboardInterrupt:  # Ctrl-C before `tandem serve` serves, or during train/eval
+        print(f"tandem {args.command}: interrupted", file=sys.stderr)
+        sys.exit(130)
     except Exception as error:  # one message per error; the traceback only on request
         if args.debug:
             raise

@@ -360,3 +360,19 @@ def test_a_rank_without_an_rng_file_in_the_checkpoint_is_refused(saved, tiny_pat
     with pytest.raises(CheckpointError, match=r"rng_rank1\.pt: not part of this checkpoint .* "
                                               "saved with another number of ranks"):
         engine.load_checkpoint(saved)
+
+
+def test_a_checkpoint_of_another_model_names_the_file_and_the_shapes(saved, tiny_path) -> None:
+    """Same weight names, other shapes (a wider MLP): the error says which file and how."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_path)
+    config.intermediate_size *= 2
+    engine = TrainingEngine(AutoModelForCausalLM.from_config(config), "actor", 4096,
+                            optim=OptimConfig(lr=1e-2), total_steps=10)
+    with pytest.raises(CheckpointError) as error:
+        engine.load_checkpoint(saved)
+    message = str(error.value)
+    assert str(saved / "model.safetensors") in message and "holds weights of another model" in message
+    assert f"model.layers.0.mlp.down_proj.weight (64, {config.intermediate_size // 2}) " \
+           f"(model (64, {config.intermediate_size}))" in message

@@ -109,9 +109,11 @@ def test_a_response_longer_than_the_kv_cache_fails_at_load():
 
 
 def test_the_kv_check_reads_an_hf_directory(tmp_path):
-    (tmp_path / "config.json").write_text('{"num_hidden_layers": 4, "num_attention_heads": 8, '
-                                          '"num_key_value_heads": 2, "hidden_size": 256, '
-                                          '"max_position_embeddings": 4096}')
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "num_hidden_layers": 4, '
+                                          '"num_attention_heads": 8, "num_key_value_heads": 2, '
+                                          '"hidden_size": 256, "max_position_embeddings": 4096}')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # no tensors
     # 2 x 4 layers x 16 tokens x 2 heads x 32 dims x 4 bytes = 32 KiB per block; 768 tokens: 48 blocks
     with pytest.raises(ConfigError, match="need 48 KV blocks"):
         load_config(overrides=[f"model.path={tmp_path}", f"rollout.kv_cache_memory_bytes={47 * 32768}"])

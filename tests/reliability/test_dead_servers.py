@@ -101,7 +101,7 @@ async def test_requests_on_a_dead_server_are_retried_and_it_gets_no_more(scripte
     assert status.dead_servers == ["replica-1"] and status.retried_requests == 10
     assert status.in_flight() == {"replica-0": 0, "replica-2": 0}
     assert status.removed_in_flight == 0
-    assert await manager.fault_metrics() == {"serving/dead_servers": 1.0,
+    assert await manager.fault_metrics() == {"serving/dead_servers": 1.0, "serving/stalled_servers": 0.0,
                                              "serving/retried_requests": 10.0,
                                              "serving/servers": 2.0}
 

@@ -11,7 +11,7 @@ from typing import Any
 
 _MODULES = {
     "ChatFormat": "chat_format", "DatasetRow": "dataset", "PromptDataset": "dataset",
-    "read_records": "dataset", "row_from_record": "dataset", "AgentLoopRunner": "runner",
+    "read_records": "dataset", "row_from_record": "dataset", "AgentLoopRunner": "runner", "AllSessionsFailed": "runner",
     "RewardFn": "runner", "SessionFailure": "runner", "remaining_budget": "sampling",
     "sampling_params": "sampling", "Session": "session", "TokenClient": "session",
     "SingleTurnLoop": "single_turn", "ToolAgentLoop": "tool_loop",

@@ -5,6 +5,8 @@ to a fixed dummy conversation with and without the tool messages, and the tokens
 assistant's end-of-turn token are taken. So boundary tokens the template puts between turns
 ("\\n", separators, the next "<|im_start|>assistant\\n") land in the stream exactly as the
 template would write them, and the model's own tokens are never decoded and encoded again.
+Special tokens come from the template only: text in the messages is tokenized as text
+(agent/special_tokens.py), so a tool result cannot forge a turn.
 """
 
 from __future__ import annotations
@@ -12,15 +14,10 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any, Iterable, Sequence
 
+from tandem.agent.special_tokens import PlainTextRenderer
+
 # A fixed conversation the tool turn is rendered after; its content never reaches the stream.
 _DUMMY_HISTORY = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
-
-
-def _as_ids(rendered: Any) -> list[int]:
-    """apply_chat_template may return a list or (transformers 5) a BatchEncoding."""
-    if isinstance(rendered, list):
-        return [int(token) for token in rendered]
-    return [int(token) for token in rendered["input_ids"]]
 
 
 class ChatFormat:
@@ -35,12 +32,19 @@ class ChatFormat:
                              "where an assistant turn ends")
         self.tokenizer = tokenizer
         self.stop_token_ids = frozenset([tokenizer.eos_token_id, *stop_token_ids])
+        self._plain = {prompt: PlainTextRenderer(tokenizer, self._text_renderer(prompt))
+                       for prompt in (False, True)}
+
+    def _text_renderer(self, add_generation_prompt: bool) -> Any:
+        def render(messages: list[dict[str, Any]], tools: list[dict] | None) -> str:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                tokenize=False)
+        return render
 
     def _render(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None,
                 add_generation_prompt: bool) -> list[int]:
-        return _as_ids(self.tokenizer.apply_chat_template(
-            list(messages), tools=tools or None, add_generation_prompt=add_generation_prompt,
-            tokenize=True, return_dict=False))
+        return self._plain[add_generation_prompt].render(list(messages), tools or None)
 
     def prompt_ids(self, messages: Sequence[dict[str, Any]],
                    tools: list[dict] | None = None) -> list[int]:
@@ -85,8 +89,8 @@ class ChatFormat:
         return text
 
     def encode_text(self, text: str) -> list[int]:
-        """Plain text -> ids without special tokens (used to measure and cut tool output)."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """Plain text -> ids, special-token text kept as text (to measure and cut tool output)."""
+        return self._plain[True].encode_plain(text)
 
     def decode_text(self, token_ids: Sequence[int]) -> str:
         """Inverse of encode_text."""

@@ -68,7 +68,8 @@ class OpenAIAgentLoop:
         async with self._starting:
             if self._server is None:
                 settings = self.config.openai_agent
-                app = create_app(self.recorder, settings.served_model_name, settings.api_key)
+                app = create_app(self.recorder, settings.served_model_name, settings.api_key,
+                                 settings.max_request_bytes)
                 server = EndpointServer(app, settings.host, settings.port)
                 await server.start()
                 self._server = server

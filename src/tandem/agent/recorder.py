@@ -136,6 +136,7 @@ class SessionRecorder:
         self.branches: list[Branch] = []
         self.forks = 0
         self.lock = asyncio.Lock()
+        self.active = 0  # calls in progress (a session no call succeeded in is dropped)
 
     def find_branch(self, messages: list[dict[str, Any]], tools: list[dict] | None
                     ) -> Branch | None:
@@ -210,39 +211,53 @@ class ChatRecorder:
         """Forget a session and return its trajectories."""
         return self.sessions.pop(key).trajectories()
 
-    def _session(self, key: str) -> SessionRecorder:
+    def _enter(self, key: str) -> SessionRecorder:
+        """The session of a call, created if new (kept only if the call succeeds, see _leave)."""
         session = self.sessions.get(key)
         if session is None:  # an ad-hoc caller (tandem serve): keep the newest max_sessions
-            adhoc = [k for k, s in self.sessions.items() if not s.registered]
-            for old in adhoc[:max(0, len(adhoc) + 1 - self.max_sessions)]:
+            idle = [k for k, s in self.sessions.items() if not s.registered and not s.active]
+            for old in idle[:max(0, len(idle) + 1 - self.max_sessions)]:
                 del self.sessions[old]
             session = SessionRecorder(key, SessionSettings(uid=key), registered=False)
             self.sessions[key] = session
+        session.active += 1
         return session
 
-    def _new_branch(self, session: SessionRecorder, messages: list[dict[str, Any]],
-                    tools: list[dict] | None) -> tuple[Branch, list[int]]:
-        prompt = self.chat_format.prompt_ids(messages, tools)
+    def _leave(self, session: SessionRecorder) -> None:
+        session.active -= 1
+        if (not session.registered and not session.branches and not session.active
+                and self.sessions.get(session.key) is session):
+            del self.sessions[session.key]  # no call of it succeeded: it never existed
+
+    def _prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        """The rendered prompt of a new branch; RequestError when it cannot be rendered or is
+        longer than rollout.prompt_length."""
+        try:
+            prompt = self.chat_format.prompt_ids(messages, tools)
+        except Exception as error:  # the template met input it cannot render
+            raise RequestError(400, f"the chat template cannot render these messages: "
+                               f"{type(error).__name__}: {error}", param="messages") from None
         if len(prompt) > self.config.prompt_length:
             raise RequestError(400, f"the messages render to {len(prompt)} tokens, more than the "
                                f"prompt limit rollout.prompt_length={self.config.prompt_length}",
                                code="context_length_exceeded", param="messages")
-        if session.branches:
-            session.forks += 1
-            self.forks += 1
-        branch = Branch(messages=list(messages), tools=tools,
-                        builder=ResponseBuilder(prompt, self.config.calculate_log_probs))
-        session.branches.append(branch)
-        return branch, prompt
+        return prompt
 
-    def _extend(self, branch: Branch, messages: list[dict[str, Any]]) -> list[int]:
+    def _delta(self, branch: Branch, messages: list[dict[str, Any]]) -> list[int]:
+        """The template's tokens for the messages a call adds to a branch."""
+        try:
+            return self.chat_format.tool_turn_ids(messages[len(branch.messages):],
+                                                  after_stop_token=branch.ended_with_stop_token)
+        except Exception as error:
+            raise RequestError(400, f"the chat template cannot render the new messages: "
+                               f"{type(error).__name__}: {error}", param="messages") from None
+
+    def _extend(self, branch: Branch, messages: list[dict[str, Any]], delta: list[int]) -> list[int]:
         builder = branch.builder
         if branch.stop_reason == "length":
             raise RequestError(400, "this session has used its whole token budget "
                                f"(rollout.response_length={self.config.response_length})",
                                code="context_length_exceeded", param="messages")
-        new = messages[len(branch.messages):]
-        delta = self.chat_format.tool_turn_ids(new, after_stop_token=branch.ended_with_stop_token)
         room = self.config.response_length - len(builder)
         builder.add_context_tokens(delta[:room])
         branch.messages = list(messages)
@@ -272,34 +287,62 @@ class ChatRecorder:
         """Run one chat call of session `key`: n choices, each recorded on its branch.
 
         request: n, max_tokens, temperature, top_p, seed and stop (a list of strings).
+        Rendering runs in a thread; the session changes only once the call has its replies
+        (a failed or cancelled call leaves it as it was, a new session is not kept), except
+        that messages overflowing the token budget are recorded as the branch's end.
         """
-        session = self._session(key)
         normalized = [normalize(message) for message in messages]
         if not normalized:
             raise RequestError(400, "messages must not be empty", param="messages")
-        async with session.lock:
-            branch = session.find_branch(normalized, tools)
-            if branch is None:
-                branch, prompt = self._new_branch(session, normalized, tools)
-            else:
-                prompt = self._extend(branch, normalized)
-            builder = branch.builder
-            budget = remaining_budget(self.config, len(builder.prompt_ids), len(builder))
-            if budget <= 0:
-                branch.stop_reason = "length"
-                raise RequestError(400, "this session has used its whole token budget "
-                                   f"(rollout.response_length={self.config.response_length})",
-                                   code="context_length_exceeded", param="messages")
-            if request.get("max_tokens") is not None:
-                budget = min(budget, int(request["max_tokens"]))
-            n = int(request.get("n") or 1)
-            branches = [branch] + [copy.deepcopy(branch) for _ in range(n - 1)]
-            session.branches.extend(branches[1:])
-            outputs = await asyncio.gather(*(self.client.generate(
-                key, list(prompt), self._params(session.settings, branch.assistant_turns, i,
-                                                budget, request)) for i in range(n)))
-            return [self._record(b, output, budget, request.get("stop") or [], len(prompt))
-                    for b, output in zip(branches, outputs)]
+        session = self._enter(key)
+        try:
+            async with session.lock:
+                return await self._complete(session, normalized, tools, request)
+        finally:
+            self._leave(session)
+
+    async def _complete(self, session: SessionRecorder, normalized: list[dict[str, Any]],
+                        tools: list[dict] | None, request: dict[str, Any]) -> list[Completion]:
+        extended = session.find_branch(normalized, tools)
+        if extended is None:
+            prompt = await asyncio.to_thread(self._prompt, normalized, tools)
+            branch = Branch(messages=list(normalized), tools=tools,
+                            builder=ResponseBuilder(prompt, self.config.calculate_log_probs))
+        else:
+            delta = await asyncio.to_thread(self._delta, extended, normalized)
+            branch = copy.deepcopy(extended)
+            try:
+                prompt = self._extend(branch, normalized, delta)
+            except RequestError:
+                if branch.stop_reason == "length":  # the cut tool turn ends the trajectory
+                    session.branches[session.branches.index(extended)] = branch
+                raise
+        builder = branch.builder
+        budget = remaining_budget(self.config, len(builder.prompt_ids), len(builder))
+        if budget <= 0:
+            raise RequestError(400, "this session has used its whole token budget "
+                               f"(rollout.response_length={self.config.response_length})",
+                               code="context_length_exceeded", param="messages")
+        if request.get("max_tokens") is not None:
+            budget = min(budget, int(request["max_tokens"]))
+        n = int(request.get("n") or 1)
+        branches = [branch] + [copy.deepcopy(branch) for _ in range(n - 1)]
+        outputs = await asyncio.gather(*(self.client.generate(
+            session.key, list(prompt), self._params(session.settings, branch.assistant_turns, i,
+                                                    budget, request)) for i in range(n)))
+        stops = request.get("stop") or []
+        completions = await asyncio.to_thread(lambda: [
+            self._record(b, output, budget, stops, len(prompt))
+            for b, output in zip(branches, outputs)])
+        if extended is None:
+            if session.branches:
+                session.forks += 1
+                self.forks += 1
+            session.branches.append(branch)
+        else:
+            session.branches[session.branches.index(extended)] = branch
+        session.branches.extend(branches[1:])
+        return completions
 
     def _record(self, branch: Branch, output: TokenOutput, budget: int, stops: list[str],
                 prompt_tokens: int) -> Completion:

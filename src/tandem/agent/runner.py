@@ -7,7 +7,7 @@ of a session ("<uid>-<session_id>") is the same on every turn, so routing stays 
 
 A session that raises (a broken tool, a client error, a reward function that throws) fails
 alone: it is left out of the result and recorded in `failures`, so its group trains on the
-sessions that finished; only a call in which every session fails raises.
+sessions that finished; only a call in which every session fails raises (AllSessionsFailed).
 """
 
 from __future__ import annotations
@@ -45,6 +45,14 @@ class SessionFailure:
     uid: str
     session_id: int
     error: BaseException
+
+
+class AllSessionsFailed(RuntimeError):
+    """Every session of a run() or run_prompt() call failed; the trainer skips such a step."""
+
+    def __init__(self, message: str, failures: list[SessionFailure]) -> None:
+        super().__init__(message)
+        self.failures = failures
 
 
 class AgentLoopRunner:
@@ -149,7 +157,7 @@ class AgentLoopRunner:
     async def run_prompt(self, row: DatasetRow, validate: bool = False, seed: int | None = None,
                          on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
         """The finished sessions of one prompt (one GRPO group), ordered by session_id; failed
-        ones are left out (see `failures`), and if all fail, RuntimeError. With a seed, session s
+        ones are left out (see `failures`), and if all fail, AllSessionsFailed. With a seed, session s
         samples turn t with seed + s * 1000 + t, so a rerun draws the same tokens."""
         return _finished(await self._run_prompt(row, validate, seed, on_trajectory))
 
@@ -172,7 +180,7 @@ class AgentLoopRunner:
                   seeds: Sequence[int] | None = None,
                   on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
         """Every finished session of every row, concurrently; ordered by row, then session_id.
-        Failed sessions are left out and recorded in `failures`; if all fail, RuntimeError.
+        Failed sessions are left out and recorded in `failures`; if all fail, AllSessionsFailed.
         seeds: one base sampling seed per row (see run_prompt), or None for unseeded sampling;
         on_trajectory: called as each session ends (e.g. a progress bar)."""
         if seeds is not None and len(seeds) != len(rows):
@@ -189,13 +197,13 @@ class AgentLoopRunner:
 
 
 def _finished(results: list[Trajectory | SessionFailure]) -> list[Trajectory]:
-    """The trajectories; RuntimeError (from the first failure) when every session failed."""
+    """The trajectories; AllSessionsFailed (from the first failure) when every session failed."""
     trajectories = [result for result in results if isinstance(result, Trajectory)]
     if results and not trajectories:
         first = results[0]
-        raise RuntimeError(f"all {len(results)} sessions failed; the first ({first.uid}-"
-                           f"{first.session_id}): {type(first.error).__name__}: {first.error}"
-                           ) from first.error
+        raise AllSessionsFailed(f"all {len(results)} sessions failed; the first ({first.uid}-"
+                                f"{first.session_id}): {type(first.error).__name__}: "
+                                f"{first.error}", list(results)) from first.error
     return trajectories
 
 

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from tandem.config.kv_budget import hf_config, kv_budget_problem
+from tandem.config.model_check import model_problem
 from tandem.config.ranges import out_of_range
 from tandem.config.schema import RolloutConfig, RolloutCorrectionConfig, TandemConfig
 from tandem.types import TEMPERATURE_FLOOR
@@ -158,7 +159,7 @@ def validate(config: TandemConfig) -> None:
     """Raise ConfigError on the first invalid field; return None when the config is usable."""
     from tandem.rollout.registry import rollout_backend_names
     from tandem.tools.registry import builtin_tool_names
-    from tandem.weight_sync.registry import checkpoint_engine_names
+    from tandem.weight_sync.registry import checkpoint_engine_names, engine_kwargs_problem
 
     problem = out_of_range(config)
     if problem:
@@ -176,7 +177,7 @@ def validate(config: TandemConfig) -> None:
     _check_sampling("rollout.val_kwargs", rollout.val_kwargs.temperature, rollout.val_kwargs.top_p,
                     rollout.val_kwargs.top_k)
     _choice("rollout.logprobs_mode", rollout.logprobs_mode, LOGPROBS_MODES)
-    problem = kv_budget_problem(config)
+    problem = model_problem(config) or kv_budget_problem(config)
     if problem:
         raise ConfigError(problem)
 
@@ -192,6 +193,14 @@ def validate(config: TandemConfig) -> None:
 
     ckpt = rollout.checkpoint_engine
     _choice("rollout.checkpoint_engine.backend", ckpt.backend, checkpoint_engine_names())
+    problem = engine_kwargs_problem(ckpt.backend, dict(ckpt.engine_kwargs))
+    if problem:
+        _fail("rollout.checkpoint_engine.engine_kwargs", problem)
+    transport = ckpt.engine_kwargs.get("transport") if ckpt.backend == "delta" else ckpt.backend
+    if transport == "nccl" and not config.model.device.startswith("cuda"):
+        _fail("rollout.checkpoint_engine.backend", f"{ckpt.backend!r} moves weights over NCCL, "
+              f"which needs CUDA devices, but model.device={config.model.device!r}; use shm or "
+              "gloo on CPU (or model.device=cuda)")
 
     turns = rollout.multi_turn
     _choice("rollout.multi_turn.tool_response_truncate_side", turns.tool_response_truncate_side,
@@ -293,6 +302,14 @@ def validate(config: TandemConfig) -> None:
         _fail("trainer.async_rollout.buffer_groups", f"is {async_rollout.buffer_groups}, fewer than "
               f"data.train_batch_size={config.data.train_batch_size}: a step could never fill its "
               "batch. Raise it (or 0 for 2 x train_batch_size)")
+    usable = (async_rollout.max_staleness + 1) * config.data.train_batch_size
+    if async_rollout.buffer_groups > usable:
+        _fail("trainer.async_rollout.buffer_groups", f"is {async_rollout.buffer_groups}, but a step "
+              f"takes data.train_batch_size={config.data.train_batch_size} groups, so groups past "
+              f"(max_staleness + 1) x train_batch_size = {usable} would wait beyond "
+              f"trainer.async_rollout.max_staleness={async_rollout.max_staleness} versions and be "
+              f"generated only to go stale. Lower it to at most {usable} (or 0 for 2 x "
+              "train_batch_size), or raise max_staleness")
 
 
 def _check_memory_budget(config: TandemConfig) -> None:

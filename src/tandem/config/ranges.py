@@ -27,7 +27,7 @@ RANGES: dict[str, str] = {
     "rollout.gpu_memory_utilization": "(0, 1]",
     "rollout.kv_cache_memory_bytes": "[0, inf)",
     "rollout.block_size": "[1, inf)",
-    "rollout.seed": "[0, inf)",
+    "rollout.seed": "[0, 9223372036854775807]",  # an int64: torch and numpy seeds
     "rollout.agent_concurrency": "[1, inf)",
     "rollout.torch_threads": "[0, inf)",  # 0: auto
     "rollout.nnodes": "[0, inf)",
@@ -43,6 +43,7 @@ RANGES: dict[str, str] = {
     "rollout.checkpoint_engine.update_weights_bucket_megabytes": "[1, inf)",
     "rollout.checkpoint_engine.timeout_s": "(0, inf)",  # the deadline of every wait of a weight sync
     "rollout.openai_agent.port": "[0, 65535]",  # 0: a free port
+    "rollout.openai_agent.max_request_bytes": "[1024, inf)",
     "rollout.multi_turn.max_assistant_turns": "[1, inf)",
     "rollout.multi_turn.max_user_turns": "[1, inf)",
     "rollout.multi_turn.max_tool_response_length": "[1, inf)",
@@ -62,7 +63,7 @@ RANGES: dict[str, str] = {
     "critic.ppo_epochs": "[1, inf)",
     "critic.cliprange_value": "(0, inf)",
     "data.train_batch_size": "[1, inf)",
-    "data.seed": "[0, inf)",
+    "data.seed": "[0, 9223372036854775807]",  # an int64: torch and numpy seeds
     "algorithm.gamma": "[0, 1]",
     "algorithm.lam": "[0, 1]",
     "algorithm.kl_ctrl.kl_coef": "[0, inf)",
@@ -75,7 +76,7 @@ RANGES: dict[str, str] = {
     "trainer.total_steps": "[0, inf)",
     "trainer.test_freq": "[0, inf)",
     "trainer.save_freq": "[0, inf)",
-    "trainer.seed": "[0, inf)",
+    "trainer.seed": "[0, 9223372036854775807]",  # an int64: torch and numpy seeds
     "trainer.n_devices": "[1, inf)",
     "trainer.separate_async.parameter_sync_step": "[1, inf)",
     "trainer.separate_async.spill_below_groups": "[0, inf)",  # 0: actor.ppo_mini_batch_size
@@ -112,7 +113,7 @@ def out_of_range(config: Any) -> str | None:
         for item in values:
             if not _inside(item, interval):
                 where = "every element " if isinstance(value, (list, tuple)) else ""
-                finite = "" if math.isfinite(item) else "finite and "
+                finite = "" if _finite(item) else "finite and "
                 return f"{path}: is {value}; {where}must be {finite}{describe(interval)}"
         if path.endswith(".betas") and len(values) != 2:
             return f"{path}: is {value}; give two values [beta1, beta2]"
@@ -124,19 +125,31 @@ def describe(interval: str) -> str:
     low, high = _bounds(interval)
     if high == math.inf:
         return f"{'>' if interval[0] == '(' else '>='} {low:g}"
+    if isinstance(high, int) and high > 10**6:
+        return f"an integer in [{low:g}, 2**63 - 1]" if high == 2**63 - 1 else f"in {interval}"
     return f"in {interval}"
 
 
 def _bounds(interval: str) -> tuple[float, float]:
     low, high = interval[1:-1].split(",")
-    return float(low), float(high)
+    return _number(low), _number(high)
+
+
+def _number(text: str) -> float:
+    """An int bound stays an int, so 2**63 - 1 compares exactly (as a float it is 2**63)."""
+    text = text.strip()
+    return int(text) if text.lstrip("-").isdigit() else float(text)
 
 
 def _inside(value: Any, interval: str) -> bool:
     low, high = _bounds(interval)
     above = value > low if interval[0] == "(" else value >= low
     below = value < high if interval[-1] == ")" else value <= high
-    return bool(above and below) and math.isfinite(value)
+    return bool(above and below) and _finite(value)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int) or math.isfinite(value)  # a huge int overflows isfinite
 
 
 def _get(config: Any, path: str) -> Any:

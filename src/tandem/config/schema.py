@@ -62,6 +62,7 @@ class OpenAIAgentConfig:
     port: int = 0  # 0: a free port
     api_key: str = ""  # bearer token the endpoint requires; empty: none
     served_model_name: str = "tandem"  # the `model` callers must name
+    max_request_bytes: int = 8 << 20  # a larger request body is answered 413
 
 
 @dataclass

@@ -7,6 +7,7 @@ All methods are async: a backend may run its engine loop in the background.
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Mapping
@@ -46,6 +47,33 @@ def check_tags(tags: Iterable[str]) -> list[str]:
     if unknown:
         raise ValueError(f"unknown memory tags {unknown}; valid tags: {list(MEMORY_TAGS)}")
     return tags
+
+
+def checked_version(version: Any, current: int) -> int:
+    """`version` as an int, refused when it is not an integer or older than `current`."""
+    if isinstance(version, bool) or not hasattr(version, "__index__"):
+        raise TypeError(f"update_weights: version {version!r} is not an integer; weight versions "
+                        "are the trainer's step counts")
+    version = operator.index(version)
+    if version < current:
+        raise ValueError(f"update_weights: version {version} is older than the served version "
+                         f"{current}; versions only increase (a stale sync must not overwrite "
+                         "newer weights)")
+    return version
+
+
+def check_coverage(staged: Mapping[str, Any], shapes: Mapping[str, torch.Size], partial: bool,
+                   version: int) -> None:
+    """An update must hold a tensor, and every weight of the model unless `partial` (an update
+    that knowingly changes some weights only, e.g. an adapter's)."""
+    if not staged:
+        raise ValueError(f"update_weights: the stream held no tensor; stamping version {version} "
+                         "on the old weights would claim an update that never happened")
+    missing = sorted(set(shapes) - set(staged))
+    if missing and not partial:
+        raise ValueError(f"update_weights: the stream holds {len(staged)} of the model's "
+                         f"{len(shapes)} weights (missing e.g. {missing[:3]}); send all of them, "
+                         "or declare the update partial (update_weights(..., partial=True))")
 
 
 class BaseRollout(ABC):
@@ -93,18 +121,21 @@ class BaseRollout(ABC):
 
     @abstractmethod
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int) -> None:
+                             version: int, partial: bool = False) -> None:
         """Load HF-named tensors, invalidate the prefix cache, stamp `version` on tokens; all or
-        nothing: a stream that raises or holds a bad tensor leaves the previous version."""
+        nothing: a stream that raises or holds a bad tensor leaves the previous version. The
+        version is an integer never below the served one; the stream is not empty and holds
+        every weight unless `partial` (an update that changes some weights only, e.g. an
+        adapter's; a delta sync sends every weight and is not partial)."""
 
     def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Any:
         """Receive and check a whole stream without touching the engine (may run in another
         thread); commit_weights() installs it. Default: copies of the tensors."""
         return [(name, tensor.detach().clone()) for name, tensor in named_tensors]
 
-    async def commit_weights(self, staged: Any, version: int) -> None:
+    async def commit_weights(self, staged: Any, version: int, partial: bool = False) -> None:
         """Install what stage_weights() returned and stamp `version` on later tokens."""
-        await self.update_weights(staged, version)
+        await self.update_weights(staged, version, partial)
 
     def current_weight(self, name: str) -> torch.Tensor:
         """The dense weight `name` now served (a delta sync applies its changes to it)."""

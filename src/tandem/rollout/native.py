@@ -49,8 +49,8 @@ class NativeRollout(BaseRollout):
         await self.engine.clear_kv_cache()
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int) -> None:
-        await self.engine.update_weights(named_tensors, version)
+                             version: int, partial: bool = False) -> None:
+        await self.engine.update_weights(named_tensors, version, partial)
 
     def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
                       ) -> dict[str, torch.Tensor]:
@@ -58,8 +58,9 @@ class NativeRollout(BaseRollout):
         event loop (commit_weights re-checks that the weights were not put to sleep meanwhile)."""
         return self.engine.stage_weights(named_tensors)
 
-    async def commit_weights(self, staged: dict[str, torch.Tensor], version: int) -> None:
-        await self.engine.commit_weights(staged, version)
+    async def commit_weights(self, staged: dict[str, torch.Tensor], version: int,
+                             partial: bool = False) -> None:
+        await self.engine.commit_weights(staged, version, partial)
 
     def current_weight(self, name: str) -> torch.Tensor:
         return self.engine.current_weight(name)

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from tandem.config.schema import RolloutConfig
-from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags
+from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags, checked_version
 from tandem.rollout.vllm import weight_buckets
 from tandem.types import SamplingParams, TokenOutput
 
@@ -175,12 +175,18 @@ class SGLangRollout(BaseRollout):
         return {tag: 0 if tag in self.asleep else self.sizes[tag] for tag in MEMORY_TAGS}
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int) -> None:
+                             version: int, partial: bool = False) -> None:
+        version = checked_version(version, self.version)
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
 
         # checked in full before the engine is touched: a bad tensor leaves the old version
-        for bucket in list(weight_buckets(named_tensors, self.shapes, SGLANG_BUCKET_BYTES)):
+        buckets = list(weight_buckets(named_tensors, self.shapes, SGLANG_BUCKET_BYTES))
+        if not buckets:
+            raise ValueError(f"update_weights: the stream held no tensor; stamping version "
+                             f"{version} on the old weights would claim an update that never "
+                             "happened")
+        for bucket in buckets:
             serialized = MultiprocessingSerializer.serialize(bucket)
             request = UpdateWeightsFromTensorReqInput(
                 serialized_named_tensors=[serialized] * self.tp_size, flush_cache=False)

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from tandem.config.schema import RolloutConfig
-from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags
+from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags, checked_version
 from tandem.types import SamplingParams, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -317,9 +317,14 @@ class VLLMRollout(BaseRollout):
 
     # ---- weights --------------------------------------------------------------------------
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int) -> None:
+                             version: int, partial: bool = False) -> None:
+        version = checked_version(version, self.version)
         # checked in full before the engine is touched: a bad tensor leaves the old version
         buckets = list(weight_buckets(named_tensors, self.shapes, VLLM_BUCKET_BYTES))
+        if not buckets:
+            raise ValueError(f"update_weights: the stream held no tensor; stamping version "
+                             f"{version} on the old weights would claim an update that never "
+                             "happened")
         # running requests stay queued; nothing computed with the old weights is reused
         await self.engine.pause_generation(mode="keep", clear_cache=False)
         try:

@@ -31,6 +31,7 @@ class BalancerStatus:
     removed_in_flight: int  # requests still running on servers removed while they ran
     dead_servers: list[str] = field(default_factory=list)  # removed because their actor died
     retried_requests: int = 0  # calls that found their server dead (each tried again elsewhere)
+    stalled_servers: list[str] = field(default_factory=list)  # removed: alive, answering nothing
 
     def in_flight(self) -> dict[str, int]:
         """server_id -> requests in flight."""
@@ -53,6 +54,7 @@ class LoadBalancer:
         self._sticky: OrderedDict[str, str] = OrderedDict()  # request_id -> server_id, LRU order
         self._removed_in_flight: dict[str, int] = {}  # removed server_id -> requests still out
         self._dead: list[str] = []
+        self._stalled: list[str] = []
         self._retried = 0
 
     def add_server(self, server_id: str, handle: Any = None) -> None:
@@ -80,15 +82,15 @@ class LoadBalancer:
         for request_id in [rid for rid, sid in self._sticky.items() if sid == server_id]:
             del self._sticky[request_id]
 
-    def report_dead(self, server_id: str, retried_requests: int = 1) -> bool:
-        """A call on server_id found its actor dead: stop routing to it (its sticky entries go)
-        and count the requests retried elsewhere. True if this report removed it (another may
-        have first)."""
+    def report_dead(self, server_id: str, retried_requests: int = 1, stalled: bool = False) -> bool:
+        """A call on server_id found its actor dead (or stalled: alive, answering nothing): stop
+        routing to it (its sticky entries go) and count the requests retried elsewhere. True if
+        this report removed it (another may have first)."""
         self._retried += retried_requests
         if server_id not in self._loads:
             return False
         self.remove_server(server_id)
-        self._dead.append(server_id)
+        (self._stalled if stalled else self._dead).append(server_id)
         return True
 
     def server_handle(self, server_id: str) -> Any:
@@ -133,11 +135,11 @@ class LoadBalancer:
 
     def status(self) -> BalancerStatus:
         """In-flight and total counts per server, sticky-map size, requests on removed servers,
-        dead servers and retried requests."""
+        dead and stalled servers and retried requests."""
         return BalancerStatus([ServerLoad(l.server_id, l.in_flight, l.requests)
                                for l in self._loads.values()], len(self._sticky),
                               sum(self._removed_in_flight.values()), list(self._dead),
-                              self._retried)
+                              self._retried, list(self._stalled))
 
 
 # Tiny and synchronous: no CPU reservation, so it never competes with servers for placement.

@@ -1,7 +1,10 @@
 """The client: the one token-in/token-out API an agent loop sees.
 
 Routing is sticky on the caller's request_id; every backend call gets a fresh id, so a second
-turn of one conversation never collides with the first inside the engine.
+turn of one conversation never collides with the first inside the engine. A server that dies,
+or stalls (alive but answering nothing, e.g. SIGSTOPped), leaves the balancer and the request
+runs again elsewhere from the same prompt: the server returned no token, so none is lost or
+generated twice.
 """
 
 from __future__ import annotations
@@ -20,6 +23,13 @@ logger = logging.getLogger(__name__)
 
 # The server process is gone (ActorDiedError and ActorUnavailableError subclass RayActorError).
 DEAD_SERVER_ERRORS = (RayActorError,)
+# While a request waits, its server must answer a cheap call (weight_version) within this long;
+# far above a busy engine step, so only a server that answers nothing at all is called stalled.
+STALL_TIMEOUT_S = 60.0
+
+
+class ServerStalled(RuntimeError):
+    """The server of a request answered no call within the client's stall_timeout_s."""
 
 
 class ServerClient:
@@ -30,11 +40,13 @@ class ServerClient:
     """
 
     def __init__(self, balancer: Any, servers: dict[str, Any] | None = None,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None,
+                 stall_timeout_s: float | None = STALL_TIMEOUT_S) -> None:
         self.balancer = balancer
         # Kept as given (not copied): a manager adding servers at run time updates it in place.
         self.servers: dict[str, Any] = servers if servers is not None else {}
         self.timeout_s = timeout_s  # per generate call; None waits as long as generation takes
+        self.stall_timeout_s = stall_timeout_s  # None: never probe the server
         self._pending_releases: set[asyncio.Future] = set()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -45,9 +57,10 @@ class ServerClient:
                        sampling_params: Mapping[str, Any]) -> TokenOutput:
         """Acquire a server, generate once with a fresh backend id, always release the server.
 
-        A call whose server actor died (DEAD_SERVER_ERRORS) reports it to the balancer, which
-        stops routing there, and runs again from the same prompt on another server: the dead
-        server returned no token, so none is lost or repeated. No server left: NoServerError.
+        A call whose server actor died (DEAD_SERVER_ERRORS) or stalled (no answer to a probe
+        within stall_timeout_s) reports it to the balancer, which stops routing there, and runs
+        again from the same prompt on another server: that server returned no token, so none
+        is lost or repeated. No server left: NoServerError.
         extra_fields gets min_global_steps / max_global_steps (both = global_steps) unless set.
         """
         while True:  # ends: each failure removes a server, which acquire() never returns again
@@ -56,11 +69,12 @@ class ServerClient:
                 output = await self._generate_on(server_id, request_id, prompt_ids,
                                                  sampling_params)
                 break
-            except DEAD_SERVER_ERRORS as error:
-                if await call(self.balancer, "report_dead", server_id):
-                    logger.warning("server %r died (%s); removed from the balancer, its requests "
+            except (*DEAD_SERVER_ERRORS, ServerStalled) as error:
+                stalled = isinstance(error, ServerStalled)
+                if await call(self.balancer, "report_dead", server_id, 1, stalled):
+                    logger.warning("server %r %s (%s); removed from the balancer, its requests "
                                    "are retried on the other servers", server_id,
-                                   type(error).__name__)
+                                   "stalled" if stalled else "died", error)
         steps = output.extra_fields["global_steps"]
         output.extra_fields.setdefault("min_global_steps", steps)
         output.extra_fields.setdefault("max_global_steps", steps)
@@ -71,15 +85,37 @@ class ServerClient:
         try:
             server = await self._server(server_id)
             backend_request_id = f"{request_id}-{uuid.uuid4().hex}"
-            return await resolve(
+            return await self._unless_stalled(server, server_id, resolve(
                 submit(server, "generate", backend_request_id, list(prompt_ids),
                        dict(sampling_params)),
-                self.timeout_s, f"generate({request_id!r}) on server {server_id!r}")
+                self.timeout_s, f"generate({request_id!r}) on server {server_id!r}"))
         finally:
             # Submitted before any await: the release happens even if we are cancelled here.
             release = asyncio.ensure_future(resolve(submit(self.balancer, "release", server_id),
                                                     cancel_remote=False))
             await asyncio.shield(release)
+
+    async def _unless_stalled(self, server: Any, server_id: str, work: Any) -> Any:
+        """Await `work`; every stall_timeout_s / 2 the server must answer weight_version()
+        within stall_timeout_s, else the work is cancelled and ServerStalled raised."""
+        if self.stall_timeout_s is None:
+            return await work
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.stall_timeout_s / 2)
+                if done:
+                    return task.result()
+                try:
+                    await resolve(submit(server, "weight_version"), self.stall_timeout_s,
+                                  f"weight_version() on server {server_id!r}")
+                except TimeoutError:
+                    raise ServerStalled(f"server {server_id!r} answered nothing within "
+                                        f"{self.stall_timeout_s:g} s") from None
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def _acquire(self, request_id: str) -> str:
         acquire = asyncio.ensure_future(resolve(submit(self.balancer, "acquire", request_id),

@@ -138,6 +138,7 @@ class ServerManager:
         """Counters for the trainer's metrics: servers found dead, requests retried elsewhere."""
         status = await self.status()
         return {"serving/dead_servers": float(len(status.dead_servers)),
+                "serving/stalled_servers": float(len(status.stalled_servers)),
                 "serving/retried_requests": float(status.retried_requests),
                 "serving/servers": float(len(status.servers))}
 

@@ -4,25 +4,41 @@ POST /v1/chat/completions and GET /v1/models. Calls go through a ChatRecorder (r
 the model's chat template, tool-call parsing, token-exact session recording) and its
 TokenClient (the serving client: balancer, sticky on the session id). The session id is the
 `X-Session-Id` header, else the request's `user` field, else a fresh id per call.
+
+Untrusted input stops at the door: a body over the size limit is a 413, malformed JSON, deep
+nesting, lone surrogates and out-of-range fields are a 400 naming the field (http_guard.py);
+parsing and rendering run off the event loop; a client that disconnects cancels its
+generation. Only a call that passes validation creates a session.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 import uuid
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tandem.agent.recorder import ChatRecorder, Completion, RequestError
+from tandem.serving.http_guard import BadBody, BodyTooLarge, RequestGuard, parse_json_body
 
 SESSION_HEADER = "x-session-id"
+MAX_SESSION_ID_CHARS = 256
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_STOP_CHARS = 256
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+# An idle connection stays open this long: well past clients' own idle expiry (httpx and so
+# the openai client: 5 s), so a client never reuses a connection the server is closing (with
+# uvicorn's 5 s default, a request sent ~5 s after the last one raced the close and failed
+# with APIConnectionError: bench/stack.py's HTTP rounds after a ~5 s direct round).
+KEEP_ALIVE_S = 75
+INT64 = 2**63 - 1
 
 
 class ChatRequest(BaseModel):
@@ -37,16 +53,46 @@ class ChatRequest(BaseModel):
     parallel_tool_calls: bool | None = None  # the model may emit several calls in one turn
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64)
     n: int = Field(default=1, ge=1, le=64)
     stop: str | list[str] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None  # only 0: the engine returns the sampled token's logprob
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64 - 1, le=INT64)
     user: str | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        if any(not text for text in stops):
+            raise ValueError("a stop string must not be empty (it would match at once)")
+        if any(len(text) > MAX_STOP_CHARS for text in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return stop
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not messages:
+            raise ValueError("must not be empty")
+        return messages
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for tool in tools or []:
+            function = tool.get("function")
+            if (tool.get("type", "function") != "function" or not isinstance(function, dict)
+                    or not isinstance(function.get("name"), str)):
+                raise ValueError("every tool must be {\"type\": \"function\", \"function\": "
+                                 "{\"name\": ..., \"parameters\": {...}}}")
+        return tools
 
 
 def error_response(status: int, message: str, code: str | None = None,
@@ -80,29 +126,20 @@ def _usage(completions: list[Completion]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": sampled, "total_tokens": prompt + sampled}
 
 
-def create_app(recorder: ChatRecorder, model_name: str, api_key: str = "") -> FastAPI:
-    """The FastAPI app serving `model_name` through `recorder` (bearer `api_key` if non-empty)."""
+def create_app(recorder: ChatRecorder, model_name: str, api_key: str = "",
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Any:
+    """The ASGI app serving `model_name` through `recorder`: bearer `api_key` if non-empty,
+    bodies up to max_request_bytes."""
     app = FastAPI(title="tandem OpenAI-compatible endpoint")
     token_text = recorder.chat_format.decode_text
-    expected_auth = f"Bearer {api_key}"
-
-    @app.middleware("http")
-    async def authorize(request: Request, call_next: Any) -> Any:
-        if api_key and request.headers.get("authorization") != expected_auth:
-            return error_response(401, "missing or wrong bearer token: send the endpoint's api "
-                                  "key as 'Authorization: Bearer <key>'", code="invalid_api_key")
-        return await call_next(request)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"] if part != "body")
-        return error_response(400, f"{where}: {first['msg']}", code="invalid_request",
-                              param=where or None)
 
     @app.exception_handler(RequestError)
     async def bad_request(request: Request, error: RequestError) -> JSONResponse:
         return error_response(error.status, error.message, error.code, error.param)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request: Request, error: BodyTooLarge) -> JSONResponse:
+        return error_response(413, str(error), code="request_too_large")
 
     @app.exception_handler(Exception)
     async def failed(request: Request, error: Exception) -> JSONResponse:
@@ -115,7 +152,8 @@ def create_app(recorder: ChatRecorder, model_name: str, api_key: str = "") -> Fa
                                             "owned_by": "tandem"}]}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request) -> Any:
+    async def chat(request: Request) -> Any:
+        body = await _chat_request(request)
         if body.model != model_name:
             raise RequestError(404, f"the model {body.model!r} does not exist; this endpoint "
                                f"serves {model_name!r}", code="model_not_found", param="model")
@@ -127,12 +165,18 @@ def create_app(recorder: ChatRecorder, model_name: str, api_key: str = "") -> Fa
                                "engine returns the sampled token's logprob only; use "
                                "logprobs=true without top_logprobs", param="top_logprobs")
         session = request.headers.get(SESSION_HEADER) or body.user or uuid.uuid4().hex
+        if len(session) > MAX_SESSION_ID_CHARS:
+            where = "X-Session-Id" if request.headers.get(SESSION_HEADER) else "user"
+            raise RequestError(413, f"{where}: the session id has {len(session)} characters; at "
+                               f"most {MAX_SESSION_ID_CHARS}", code="request_too_large", param=where)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         max_tokens = body.max_completion_tokens or body.max_tokens
-        completions = await recorder.complete(
+        completions = await _unless_disconnected(request, recorder.complete(
             session, body.messages, body.tools or None,
             {"n": body.n, "max_tokens": max_tokens, "temperature": body.temperature,
-             "top_p": body.top_p, "seed": body.seed, "stop": stop})
+             "top_p": body.top_p, "seed": body.seed, "stop": stop}))
+        if completions is None:  # the client is gone: nobody reads a response
+            return Response(status_code=499)
         response = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                     "created": int(time.time()), "model": model_name,
                     "choices": [{"index": index, "message": _message(completion),
@@ -146,7 +190,45 @@ def create_app(recorder: ChatRecorder, model_name: str, api_key: str = "") -> Fa
             return StreamingResponse(_stream(response, usage), media_type="text/event-stream")
         return response
 
-    return app
+    return RequestGuard(app, api_key, max_request_bytes)
+
+
+async def _chat_request(request: Request) -> ChatRequest:
+    """The validated body; RequestError 400 naming the field for anything malformed."""
+    raw = await request.body()
+    try:
+        return await asyncio.to_thread(lambda: ChatRequest.model_validate(parse_json_body(raw)))
+    except BadBody as error:
+        raise RequestError(400, str(error), code="invalid_request") from None
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise RequestError(400, f"{where}: {first['msg']}", code="invalid_request",
+                           param=where or None) from None
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Any:
+    """Await `work`, but cancel it (and return None) when the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself is cancelled (the server stops)
+        task.cancel()
+        gone.cancel()
+        raise
+    gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the ASGI server reports the client's disconnect (the body is read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _stream(response: dict[str, Any], include_usage: bool) -> Any:
@@ -169,9 +251,10 @@ async def _stream(response: dict[str, Any], include_usage: bool) -> Any:
 class EndpointServer:
     """Runs an app with uvicorn on the current event loop; port 0 picks a free port."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    lifespan="off", access_log=False))
+                                                    lifespan="off", access_log=False,
+                                                    timeout_keep_alive=KEEP_ALIVE_S))
         self.host = host
         self.port = port
         self._task: asyncio.Task | None = None
@@ -193,9 +276,26 @@ class EndpointServer:
         return self.base_url
 
     async def wait(self) -> None:
-        """Serve until the server exits (tandem serve: until interrupted)."""
+        """Serve until the server exits."""
         if self._task is not None:
             await self._task
+
+    async def serve_until_signal(self, on_start: Any = None) -> str:
+        """tandem serve: start, call on_start(base_url), serve until SIGINT or SIGTERM, then
+        stop cleanly (no KeyboardInterrupt): uvicorn re-raises the signal it caught once it
+        stops, and the handler here takes it. Returns base_url."""
+        def stop(signum: int, frame: Any) -> None:
+            self.server.should_exit = True
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            url = await self.start()
+            if on_start is not None:
+                on_start(url)
+            await self.wait()
+            return url
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     async def stop(self) -> None:
         """Stop accepting requests and wait for the server task to end."""

@@ -236,7 +236,14 @@ class RolloutReplica:
 
 
 async def resolve_ready(group: PlacementGroup, timeout_s: float, what: str) -> None:
-    """Wait for a placement group to be placed; a clear error instead of a silent hang."""
+    """Wait for a placement group to be placed; a clear error instead of a silent hang, at
+    once when the cluster's nodes can never hold it (serving/placement_fit.py)."""
+    from tandem.serving.placement_fit import alive_nodes, placement_problem
+
+    strategy = ray.util.placement_group_table(group).get("strategy", "PACK")
+    problem = placement_problem(group.bundle_specs, strategy, alive_nodes())
+    if problem:
+        raise RuntimeError(f"{what}: the placement group can never be placed: {problem}")
     try:
         await asyncio.wait_for(asyncio.wrap_future(group.ready().future()), timeout_s)
     except asyncio.TimeoutError:

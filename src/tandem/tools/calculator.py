@@ -3,7 +3,8 @@
 Integers stay exact; every intermediate integer is bounded (MAX_INT_BITS) and exponents and
 round()'s digits are checked before they are computed, so `9**9**9` and `round(1, -10**9)` are
 refused instead of hanging the host. Evaluation runs in a worker thread, off the event loop;
-since every step is this small, the agent loop's per-call deadline holds.
+since every step is this small, the agent loop's per-call deadline holds. Whatever the
+expression makes Python raise is an error result the model sees, never an exception.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _evaluate(node: ast.AST, depth: int = 0) -> Any:
         arguments = [_evaluate(argument, depth + 1) for argument in node.args]
         try:
             return _check_size(FUNCTIONS[node.func.id](*arguments))
-        except (ValueError, TypeError, OverflowError) as error:
+        except (ValueError, TypeError, OverflowError, ZeroDivisionError) as error:
             raise CalculatorError(f"{node.func.id}: {error}") from None
     raise CalculatorError(f"{type(node).__name__} is not allowed; use numbers, + - * / // % **, "
                           "parentheses, constants and the listed functions")
@@ -114,11 +115,18 @@ def evaluate_expression(expression: str) -> int | float:
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
+        expression.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CalculatorError("the expression is not valid text (it holds a lone UTF-16 "
+                              "surrogate); write it with ASCII digits and operators") from None
+    try:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as error:
         raise CalculatorError(f"syntax error: {error.msg}") from None
-    except RecursionError:
+    except (RecursionError, MemoryError):
         raise CalculatorError(f"expression nests deeper than {MAX_DEPTH} levels") from None
+    except ValueError as error:  # e.g. a null byte, on Python versions that raise ValueError
+        raise CalculatorError(f"syntax error: {error}") from None
     return _evaluate(tree)
 
 
@@ -141,9 +149,12 @@ class CalculatorTool:
                   "required": ["expression"], "additionalProperties": False}
 
     async def execute(self, arguments: dict[str, Any], context: dict[str, Any]) -> ToolResult:
-        """Evaluate arguments["expression"]; an invalid expression is an error result."""
+        """Evaluate arguments["expression"]; any failure of the evaluation is an error result."""
         try:
             value = await asyncio.to_thread(evaluate_expression, arguments["expression"])
             return ToolResult(format_number(value))
         except CalculatorError as error:
             return ToolResult(f"Error: {error}", ok=False)
+        except Exception as error:  # a case the checks above missed is still the model's input
+            return ToolResult(f"Error: the expression could not be evaluated "
+                              f"({type(error).__name__}: {error})", ok=False)

@@ -2,7 +2,8 @@
 
 A tool returns a ToolResult for anything the model got wrong (bad input, failing code); an
 exception from a tool means the host is broken and propagates (the agent loop fails that one
-session). A tool must not block the event loop: run blocking work in a thread or subprocess,
+session). A result's text is made valid UTF-8 here (lone surrogates escaped), so the tokenizer
+can always encode it. A tool must not block the event loop: run blocking work in a thread or subprocess,
 bounded, so the loop's per-call deadline (rollout.multi_turn.tool_timeout_seconds) holds.
 """
 
@@ -110,7 +111,17 @@ class ToolRegistry:
         problem = validate_arguments(tool.parameters, arguments)
         if problem:
             return ToolResult(f"Error: invalid arguments for {name}: {problem}", ok=False)
-        return await tool.execute(arguments, context or {})
+        result = await tool.execute(arguments, context or {})
+        return ToolResult(encodable(result.text), result.ok)
+
+
+def encodable(text: str) -> str:
+    """text with lone surrogates written as \\udXXXX escapes (tokenizers refuse them)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # name -> "module:class" of the built-in tools; imported only when built.

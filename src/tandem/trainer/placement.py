@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -18,6 +19,7 @@ from tandem.config.schema import TandemConfig
 
 logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 600.0
+CONNECT_TIMEOUT_S = 10.0  # Ray itself retries a dead address forever
 TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
 
@@ -48,10 +50,27 @@ def init_ray(config: TandemConfig) -> None:
         return
     kwargs = ray_init_kwargs(config)
     if "address" in kwargs:
+        check_reachable(kwargs["address"])
         ray.init(**kwargs)
         return
     with without_token_auth_notice():
         ray.init(**kwargs)
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """ConnectionError unless something accepts a TCP connection at a cluster address
+    ("host:port", "ray://host:port"; "auto" is Ray's to resolve) within timeout_s."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    host, port = (host, port) if port.isdigit() else (address.removeprefix("ray://"), "6379")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise ConnectionError(f"trainer.ray_address / RAY_ADDRESS={address!r}: nothing answers at "
+                              f"{host}:{port} within {timeout_s:g} s ({error}); start the cluster "
+                              "(`ray start --head`), fix the address, or leave it empty to start a "
+                              "local cluster") from None
 
 
 @contextmanager

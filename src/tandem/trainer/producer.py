@@ -1,6 +1,8 @@
 """The async modes' producer: submits prompt groups fire-and-forget, in dataset order, as the
 rollout buffer frees slots; regenerated rows go first. A group that fails is counted and its
-slot freed: one bad prompt never stops the run."""
+slot freed: one bad prompt never stops the run. At most as many groups generate at once as
+rollout.agent_concurrency has room for, so a large buffer never turns into a pile of waiting
+tasks (nor a loop that spins creating them)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ class RolloutProducer:
         self._regenerations = 0
         self._loop_task: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
+        rollout = trainer.config.rollout
+        # groups that can have a session running; more would only wait on the runner's semaphore
+        self.max_generating = max(1, -(-rollout.agent_concurrency // max(rollout.n, 1)))
+        self._generating = asyncio.Semaphore(self.max_generating)
 
     def start(self) -> None:
         """Begin submitting in the background."""
@@ -56,18 +62,27 @@ class RolloutProducer:
                 seeds = self.trainer.seeds(self.next_batch, len(rows), validate=False)
                 pending.extend(zip(rows, seeds))
                 self.next_batch += 1
-            await self.buffer.reserve()
+            await self._generating.acquire()
+            try:
+                await self.buffer.reserve()
+            except asyncio.CancelledError:
+                self._generating.release()
+                raise
             row, seed = self._regenerate.popleft() if self._regenerate else pending.popleft()
             task = asyncio.create_task(self._run_group(row, seed, self.trainer.step))
             self._groups.add(task)
-            task.add_done_callback(self._groups.discard)
+            task.add_done_callback(self._group_done)
+
+    def _group_done(self, task: asyncio.Task) -> None:
+        # here, not in _run_group: a task cancelled before it ever ran holds its slots too
+        self._groups.discard(task)
+        self._generating.release()
+        if task.cancelled():
+            self.buffer.cancel()
 
     async def _run_group(self, row: DatasetRow, seed: int, version: int) -> None:
         try:
             trajectories = await self.trainer.runner.run_prompt(row, seed=seed)
-        except asyncio.CancelledError:
-            self.buffer.cancel()
-            raise
         except Exception:  # one prompt's failure is that prompt's, never the run's
             logger.exception("prompt %s failed; its group is skipped", row.uid)
             self.buffer.cancel(failed=True)

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from tandem import algorithms
 from tandem.agent.dataset import DatasetRow, PromptDataset
-from tandem.agent.runner import AgentLoopRunner
+from tandem.agent.runner import AgentLoopRunner, AllSessionsFailed
 from tandem.batch.jagged import field_lengths, field_values, make_field, trajectories_to_batch
 from tandem.batch.balance import balance_batch, token_imbalance
 from tandem.batch.padding import drop_padding_samples, pad_for_data_parallel
@@ -71,6 +71,7 @@ class RLTrainer:
             self.metrics = MetricsLogger(self.output_dir, config.trainer.tensorboard)
         self.kl_controller = algorithms.kl_controller_from_config(config.algorithm.kl_ctrl)
         self.step = 0
+        self.skipped_steps = 0  # steps whose sessions all failed (skip_step)
         self.workers: list[Any] = []
         self.placement_group: PlacementGroup | None = None
         self.manager: ServerManager | None = None
@@ -329,7 +330,12 @@ class RLTrainer:
         if self.val_data is None:
             return {}
         rows = [self.val_data[i] for i in range(len(self.val_data))]
-        trajectories = await self.generate(rows, self.step, validate=True)
+        try:
+            trajectories = await self.generate(rows, self.step, validate=True)
+        except AllSessionsFailed as error:
+            logger.warning("validation at step %d: %s; no validation metrics this time",
+                           self.step, error)
+            return {"val/failed_sessions": float(len(self.runner.take_failures()))}
         if self.config.reward.placement == "after_sampling":
             self.compute_rewards(trajectories)
         return {**_trajectory_metrics(trajectories, "val"),
@@ -365,6 +371,18 @@ class RLTrainer:
             if validation:
                 self.metrics.log(self.step, validation)
         return validation
+
+    async def skip_step(self, error: AllSessionsFailed) -> None:
+        """A step whose sessions all failed: no update; its prompts count as used, the version
+        moves on (the same weights are synced under it, so engines and trainer agree), and the
+        step logs rollout/skipped_steps and rollout/failed_sessions."""
+        logger.warning("step %d skipped: %s", self.step, error)
+        self.skipped_steps += 1
+        self.step += 1
+        await self.sync_weights()
+        self.metrics.log(self.step, {"rollout/skipped_steps": float(self.skipped_steps),
+                                     "rollout/failed_sessions": float(len(self.runner.take_failures())),
+                                     "weight_version": self.step})
 
     async def finish_step(self, trajectories: list[Trajectory], batch: TensorDict | list[TensorDict],
                           metrics: dict[str, float], timer: PhaseTimer,

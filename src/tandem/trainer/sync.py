@@ -2,11 +2,13 @@
 
 The phase order is `fit_sync` below (seed §12.1): at start, sync weights into the rollout;
 each step: generate -> sleep rollout -> reward -> old_log_prob -> ref_log_prob -> values ->
-advantages -> update -> sync weights and wake (weights first, load, then KV cache).
+advantages -> update -> sync weights and wake (weights first, load, then KV cache). A step
+whose sessions all fail is skipped (RLTrainer.skip_step): no update, a warning and a metric.
 """
 
 from __future__ import annotations
 
+from tandem.agent.runner import AllSessionsFailed
 from tandem.progress import progress_bar
 from tandem.trainer.metrics import PhaseTimer
 from tandem.trainer.rl_trainer import RLTrainer, ValidationHook
@@ -21,8 +23,12 @@ async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = No
                initial=trainer.step, total=config.total_steps, disable=not config.progress)
     for _ in bar:
         timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{trainer.algorithm_name} [{phase}]"))
-        with timer.phase("generate"):
-            trajectories = await trainer.generate(trainer.train_rows(trainer.step), trainer.step)
+        try:
+            with timer.phase("generate"):
+                trajectories = await trainer.generate(trainer.train_rows(trainer.step), trainer.step)
+        except AllSessionsFailed as error:
+            await trainer.skip_step(error)
+            continue
         with timer.phase("sleep"):
             await trainer.sleep_rollout()
         batch, metrics = await trainer.train_on(trajectories, timer)

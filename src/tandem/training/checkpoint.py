@@ -97,6 +97,14 @@ def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
         missing, unexpected = sorted(expected - set(weights))[:5], sorted(set(weights) - expected)[:5]
         raise CheckpointError(f"load_checkpoint: weights in {directory / 'model.safetensors'} do "
                               f"not match the model: missing {missing}, unexpected {unexpected}")
+    shapes = {name: tuple(tensor.shape) for name, tensor in named_weights(model)}
+    wrong = [f"{name} {tuple(weights[name].shape)} (model {shapes[name]})" for name in sorted(shapes)
+             if tuple(weights[name].shape) != shapes[name]]
+    if wrong:
+        raise CheckpointError(f"load_checkpoint: {directory / 'model.safetensors'} holds weights "
+                              f"of another model: {', '.join(wrong[:3])}"
+                              f"{f' and {len(wrong) - 3} more' if len(wrong) > 3 else ''}; "
+                              "resume with the model it was trained from")
     bad = [name for name, tensor in weights.items() if not bool(torch.isfinite(tensor).all())]
     if bad:
         raise CheckpointError(f"{directory / 'model.safetensors'}: non-finite values in {bad[:5]}")

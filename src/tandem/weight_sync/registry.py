@@ -14,6 +14,32 @@ _CHECKPOINT_ENGINES: dict[str, str] = {
 }
 
 
+# engine_kwargs each built-in engine takes (rollout.checkpoint_engine.engine_kwargs), so a
+# misspelt one fails at load time; tests/reliability check the table against the constructors
+ENGINE_KWARGS: dict[str, tuple[str, ...]] = {
+    "naive": (), "gloo": ("master_addr",), "nccl": ("master_addr",),
+    "shm": ("device", "shm_dir"), "delta": ("transport", "dtype", "max_sparse_ratio")}
+DELTA_TRANSPORTS = ("shm", "gloo", "nccl")
+
+
+def engine_kwargs_problem(name: str, kwargs: dict) -> str | None:
+    """Why `kwargs` do not suit checkpoint engine `name` (unknown keys; delta: its inner
+    transport's keys count too), or None; engines registered from outside are not checked."""
+    if name not in ENGINE_KWARGS:
+        return None
+    accepted = set(ENGINE_KWARGS[name])
+    if name == "delta":
+        transport = kwargs.get("transport", "shm")
+        if transport not in DELTA_TRANSPORTS:
+            return f"transport={transport!r}: delta rides on one of {', '.join(DELTA_TRANSPORTS)}"
+        accepted |= set(ENGINE_KWARGS[transport])
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        return (f"{name} takes no {', '.join(map(repr, unknown))}; its options are "
+                f"{', '.join(sorted(accepted)) or 'none'}")
+    return None
+
+
 def checkpoint_engine_names() -> tuple[str, ...]:
     """Names accepted by `rollout.checkpoint_engine.backend` (an optional one may not import)."""
     return tuple(_CHECKPOINT_ENGINES)

@@ -29,6 +29,7 @@ from tandem.rollout.engine.model_runner import ModelRunner, torch_dtype
 from tandem.rollout.engine.sampler import sample
 from tandem.rollout.engine.scheduler import ScheduledSequence, Scheduler
 from tandem.rollout.engine.sequence import Sequence, SequenceStatus
+from tandem.rollout.base import check_coverage, checked_version
 from tandem.rollout.engine.weight_staging import stage_weights, weight_key
 from tandem.types import SamplingParams, TokenOutput
 
@@ -410,19 +411,24 @@ class AsyncEngine:
         not touched. Reads only the weight shapes, so it may run in another thread."""
         return stage_weights(self.runner, self._accepted_shapes(), named_tensors, self.version)
 
-    async def commit_weights(self, staged: Mapping[str, torch.Tensor], version: int) -> None:
-        """Swap staged tensors (stage_weights) in under the step lock and stamp `version`."""
+    async def commit_weights(self, staged: Mapping[str, torch.Tensor], version: int,
+                             partial: bool = False) -> None:
+        """Swap staged tensors (stage_weights) in under the step lock and stamp `version`
+        (an integer, never below the current one); the update must hold every weight unless
+        `partial`."""
         self._ensure_loop()
         async with self._lock:
             if self.weights_state != "loaded":
                 raise RuntimeError(self._weights_missing_message())
+            version = checked_version(version, self.version)
+            check_coverage(staged, self._accepted_shapes(), partial, version)
             # nothing computed with the old weights may be reused: running requests recompute
             self.scheduler.preempt_all()
             self.blocks.clear_prefix_cache()
             for key, tensor in staged.items():
                 self.runner.swap_weight(key, tensor)
             self.unfilled_weights.difference_update(staged)
-            self.version = int(version)
+            self.version = version
             self._work.set()
 
     def current_weight(self, name: str) -> torch.Tensor:
@@ -431,9 +437,11 @@ class AsyncEngine:
         return self.runner.dense_weight(key).to("cpu", copy=True)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int) -> None:
-        """All or nothing: stage and check the whole stream, then swap it in."""
-        await self.commit_weights(self.stage_weights(named_tensors), version)
+                             version: int, partial: bool = False) -> None:
+        """All or nothing: stage and check the whole stream, then swap it in (the version is
+        checked before the stream is read)."""
+        checked_version(version, self.version)
+        await self.commit_weights(self.stage_weights(named_tensors), version, partial)
 
     def stats(self) -> dict[str, int | float | None]:
         return {**self.counters, "first_token_time": self.first_token_time,

@@ -1,0 +1,49 @@
+"""Issue 28, "nothing pins them": constraints.txt records a version for every dependency (and
+every package they pull in) that `make` installs, so a new release cannot silently change what
+a fresh machine runs; the installed environment is the recorded one."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pins() -> dict[str, str]:
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    pairs = [line.split("==") for line in lines if line and not line.startswith("#")]
+    assert all(len(pair) == 2 for pair in pairs), "every line is name==version"
+    return {normalized(name): version for name, version in pairs}
+
+
+def requirement_names(requirements: list[str]) -> set[str]:
+    return {normalized(re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0])
+            for requirement in requirements}
+
+
+def test_every_direct_dependency_is_pinned():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = requirement_names(project["dependencies"] + project["optional-dependencies"]["dev"])
+    missing = names - set(pins())
+    assert not missing, f"add {sorted(missing)} to constraints.txt (make constraints)"
+
+
+def test_the_installed_environment_is_the_recorded_one():
+    """What the tests run with here: each pinned package installed at its pinned version
+    (torch's local label +cpu aside)."""
+    for name, version in pins().items():
+        installed = metadata.version(name).split("+")[0]
+        assert installed == version, f"{name} {installed} installed, {version} recorded"
+
+
+def test_the_makefile_installs_with_the_constraints():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "pip install -q -c constraints.txt -e '.[dev]'" in makefile
+    assert "cat pyproject.toml constraints.txt | sha1sum" in makefile  # a new pin reinstalls

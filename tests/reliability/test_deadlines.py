@@ -1,0 +1,148 @@
+"""Issue 28, "hangs with no deadline": a placement that no node layout can ever hold fails at
+once with a message (not after 600 s), a dead trainer.ray_address fails within a bounded time
+(Ray itself retries it forever), and a huge buffer_groups neither makes the producer spin nor
+piles up tasks in the driver."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import ray
+
+from tandem.agent.dataset import DatasetRow
+from tandem.config import ConfigError
+from tandem.config.load import load_config
+from tandem.serving.placement_fit import placement_problem
+from tandem.trainer import placement
+from tandem.trainer.producer import RolloutProducer
+from tandem.trainer.rollout_buffer import RolloutBuffer
+
+NODE = {"CPU": 4.0, "memory": 8e9, "node:10.0.0.1": 1.0}
+GPU_NODE = {"CPU": 8.0, "GPU": 2.0}
+
+
+@pytest.mark.parametrize("bundles, strategy, nodes, words", [
+    ([{"CPU": 1.0}] * 2, "STRICT_SPREAD", [NODE], "only 1 node(s) can take one"),
+    ([{"CPU": 1.0}] * 3, "STRICT_SPREAD", [NODE, GPU_NODE], "only 2 node(s)"),
+    ([{"CPU": 1.0}] * 5, "STRICT_PACK", [NODE, NODE], "needs one node with {'CPU': 5.0}"),
+    ([{"GPU": 1.0, "CPU": 1.0}], "PACK", [NODE], "no node can hold a bundle"),
+    ([{"CPU": 3.0}] * 3, "SPREAD", [NODE, NODE], "needs {'CPU': 9.0} in all"),
+])
+def test_impossible_placements_are_named(bundles, strategy, nodes, words):
+    assert words in placement_problem(bundles, strategy, nodes)
+
+
+@pytest.mark.parametrize("bundles, strategy, nodes", [
+    ([{"CPU": 1.0}] * 2, "STRICT_SPREAD", [NODE, NODE]),
+    ([{"CPU": 1.0}] * 4, "STRICT_PACK", [NODE]),
+    ([{"CPU": 3.0}] * 2, "SPREAD", [NODE, NODE]),  # busy now perhaps, but possible
+    ([{"GPU": 1.0, "CPU": 1.0}] * 2, "STRICT_PACK", [NODE, GPU_NODE]),
+])
+def test_possible_placements_pass(bundles, strategy, nodes):
+    assert placement_problem(bundles, strategy, nodes) is None
+
+
+async def test_strict_spread_over_more_nodes_than_exist_fails_at_once(ray_cluster):
+    config = load_config(overrides=["trainer.n_devices=2", "actor.fsdp_size=2",
+                                    "trainer.placement_strategy=STRICT_SPREAD"])
+    before = {pg_id for pg_id, entry in ray.util.placement_group_table().items()
+              if entry["state"] != "REMOVED"}
+    # the deadline (600 s) is far beyond the test's own timeout: only failing fast passes
+    with pytest.raises(RuntimeError, match="can never be placed: 2 bundle.*STRICT_SPREAD puts each "
+                                           "bundle on a node of its own, but only 1 node"):
+        await placement.reserve_devices(config)
+    after = {pg_id for pg_id, entry in ray.util.placement_group_table().items()
+             if entry["state"] != "REMOVED"}
+    assert after == before  # the pending group was removed, not left waiting
+
+
+def closed_port() -> int:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    return port
+
+
+def test_a_dead_cluster_address_fails_before_ray_init(monkeypatch):
+    port = closed_port()
+    config = load_config(overrides=[f"trainer.ray_address=127.0.0.1:{port}"])
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+    def never(**kwargs):
+        raise AssertionError("ray.init would retry a dead address forever")
+    monkeypatch.setattr(ray, "init", never)
+    with pytest.raises(ConnectionError, match=f"nothing answers at 127.0.0.1:{port} within 10 s"):
+        placement.init_ray(config)
+    with pytest.raises(ConnectionError, match=f"ray://127.0.0.1:{port}"):
+        placement.check_reachable(f"ray://127.0.0.1:{port}", timeout_s=1.0)
+    placement.check_reachable("auto")  # Ray's to resolve
+
+
+def test_a_live_address_passes_the_probe():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    try:
+        placement.check_reachable(f"127.0.0.1:{server.getsockname()[1]}", timeout_s=5.0)
+    finally:
+        server.close()
+
+
+class GatedRunner:
+    """run_prompt waits until released; counts calls."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.calls = 0
+
+    async def run_prompt(self, row, seed=None):
+        self.calls += 1
+        await self.gate.wait()
+        return []
+
+
+class FakeTrainer:
+    def __init__(self, config) -> None:
+        self.config = config
+        self.step = 0
+        self.runner = GatedRunner()
+        self.rows_drawn = 0
+
+    def train_rows(self, step):
+        self.rows_drawn += 1
+        return [DatasetRow(messages=[{"role": "user", "content": "?"}], uid=f"{step}-{i}")
+                for i in range(self.config.data.train_batch_size)]
+
+    def seeds(self, step, count, validate):
+        return list(range(count))
+
+
+async def test_a_huge_buffer_neither_spins_nor_piles_up_tasks():
+    config = load_config(overrides=["rollout.n=4", "rollout.agent_concurrency=8",
+                                    "data.train_batch_size=2", "actor.ppo_mini_batch_size=1"])
+    trainer = FakeTrainer(config)
+    buffer = RolloutBuffer(10**9)
+    producer = RolloutProducer(trainer, buffer, start_batch=0)
+    producer.start()
+    for _ in range(2000):  # a spinning producer would submit thousands of groups meanwhile
+        await asyncio.sleep(0)
+    assert producer.max_generating == 2  # 8 sessions in flight / 4 per group
+    assert trainer.runner.calls == 2 and buffer.in_flight == 2 and len(producer._groups) == 2
+    assert trainer.rows_drawn <= 2  # at most one batch drawn ahead
+    trainer.runner.gate.set()  # groups finish: the producer moves on, still two at a time
+    for _ in range(200):
+        await asyncio.sleep(0)
+    assert len(producer._groups) <= 2 and buffer.depth > 0
+    await producer.stop()
+    assert buffer.in_flight == 0
+
+
+def test_a_buffer_larger_than_staleness_allows_is_refused():
+    with pytest.raises(ConfigError, match=r"trainer.async_rollout.buffer_groups: is 1000000.*"
+                                          r"\(max_staleness \+ 1\) x train_batch_size = 16"):
+        load_config(overrides=["trainer.async_rollout.buffer_groups=1000000",
+                               "data.train_batch_size=8"])
+    load_config(overrides=["trainer.async_rollout.buffer_groups=16", "data.train_batch_size=8"])
