@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from tandem.config.schema import RolloutConfig  # noqa: E402
 from tandem.models import TinyModelSpec, build_tiny_model  # noqa: E402
+from tandem.types import GenerateRequest
 
 MODELS = {
     "tiny": TinyModelSpec(architecture="qwen2", hidden_size=256, num_hidden_layers=4,
@@ -81,12 +82,12 @@ def run_native(path: Path, prompts: list[list[int]], budgets: list[int], device:
 
 async def time_native(rollout, prompts: list[list[int]], budgets: list[int]) -> float:
     """Seconds for one workload on a built native rollout (warmed up, prefix cache cleared)."""
-    await rollout.generate("warmup", prompts[0][:8], {"max_tokens": 4})
+    await rollout.generate(GenerateRequest("warmup", prompts[0][:8], {"max_tokens": 4}))
     await rollout.clear_kv_cache()
     start = time.perf_counter()
     outs = await asyncio.gather(*(
-        rollout.generate(f"r{i}", prompt, {"temperature": 1.0, "max_tokens": budget,
-                                          "logprobs": True, "ignore_eos": True})
+        rollout.generate(GenerateRequest(f"r{i}", prompt, {"temperature": 1.0, "max_tokens": budget,
+                                          "logprobs": True, "ignore_eos": True}))
         for i, (prompt, budget) in enumerate(zip(prompts, budgets))))
     elapsed = time.perf_counter() - start
     assert [len(out.log_probs) for out in outs] == budgets
@@ -159,14 +160,14 @@ def run_vllm(path: Path, runs: list[tuple[list[list[int]], list[int]]], bind: st
     async def go() -> list[float]:
         times = []
         try:
-            await rollout.generate("warmup", runs[0][0][0][:8], {"max_tokens": 4})
+            await rollout.generate(GenerateRequest("warmup", runs[0][0][0][:8], {"max_tokens": 4}))
             for index, (prompts, budgets) in enumerate(runs):
                 await rollout.clear_kv_cache()
                 start = time.perf_counter()
                 outs = await asyncio.gather(*(
-                    rollout.generate(f"r{index}-{i}", prompt, {
+                    rollout.generate(GenerateRequest(f"r{index}-{i}", prompt, {
                         "temperature": 1.0, "max_tokens": budget, "logprobs": True,
-                        "ignore_eos": True})
+                        "ignore_eos": True}))
                     for i, (prompt, budget) in enumerate(zip(prompts, budgets))))
                 times.append(time.perf_counter() - start)
                 assert [len(out.log_probs) for out in outs] == budgets

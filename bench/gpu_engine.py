@@ -37,6 +37,7 @@ from float_bounds import BF16_U, U, max_ratio, token_logprob_bounds  # noqa: E40
 from tandem.config.schema import RolloutConfig  # noqa: E402
 from tandem.models import build_tiny_model  # noqa: E402
 from tandem.rollout.native import NativeRollout  # noqa: E402
+from tandem.types import GenerateRequest
 
 UNITS = {"bfloat16": BF16_U, "float32": U}
 TARGETS = {"uniform": 1.0, "rl": 3.0}  # native / HF tokens/s in bf16 on CUDA
@@ -87,8 +88,8 @@ def run_dtype(path: Path, dtype: str, args, prompts: list[list[int]],
 
     async def greedy():
         return await asyncio.gather(*(rollout.generate(
-            f"g{i}", prompt, {"temperature": 0, "max_tokens": args.new_tokens, "logprobs": True,
-                              "ignore_eos": True}) for i, prompt in enumerate(prompts)))
+            GenerateRequest(f"g{i}", prompt, {"temperature": 0, "max_tokens": args.new_tokens, "logprobs": True,
+                              "ignore_eos": True})) for i, prompt in enumerate(prompts)))
 
     outs = asyncio.run(greedy())
     native = {name: asyncio.run(engine_bench.time_native(rollout, *load))

@@ -32,6 +32,7 @@ from tandem.trainer.metrics import read_metrics
 from tandem.trainer.modes import fit
 from tandem.trainer.placement import without_token_auth_notice
 from tandem.trainer.rl_trainer import RLTrainer
+from tandem.types import GenerateRequest
 
 MODES = ("sync", "colocate_async", "separate_async")
 
@@ -53,11 +54,12 @@ class LongTailClient:
         draw = zlib.crc32(request_id.encode()) % 1000 / 1000
         return self.long if draw < self.long_fraction else self.short
 
-    async def generate(self, request_id, prompt_ids, sampling_params):
+    async def generate(self, request):
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
         left = max(1, self.budget(request_id) - self.used[request_id])
         params = {**sampling_params, "ignore_eos": True,
                   "max_tokens": min(sampling_params["max_tokens"], left)}
-        output = await self.inner.generate(request_id, prompt_ids, params)
+        output = await self.inner.generate(GenerateRequest(request_id, prompt_ids, params))
         self.used[request_id] += len(output.token_ids)
         return output
 

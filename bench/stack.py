@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from engine import MODELS  # noqa: E402  (bench/engine.py: the same two model shapes)
 from tandem.config.schema import RolloutConfig  # noqa: E402
 from tandem.models import build_tiny_model  # noqa: E402
+from tandem.types import GenerateRequest
 
 CONFIG = RolloutConfig(kv_cache_memory_bytes=2 << 30)
 
@@ -57,7 +58,7 @@ def sampling(budget: int) -> dict:
 async def timed(generate, requests: list[tuple[list[int], int]], tag: str) -> float:
     """Send every request at once; seconds until the last one is back."""
     start = time.perf_counter()
-    outputs = await asyncio.gather(*(generate(f"{tag}-{i}", prompt, sampling(budget))
+    outputs = await asyncio.gather(*(generate(GenerateRequest(f"{tag}-{i}", prompt, sampling(budget)))
                                      for i, (prompt, budget) in enumerate(requests)))
     elapsed = time.perf_counter() - start
     assert [len(out.log_probs) for out in outputs] == [budget for _, budget in requests]
@@ -78,7 +79,7 @@ async def http_rows(path: Path, manager, direct, rounds: int) -> list[float]:
     from tandem.agent.chat_format import ChatFormat
     from tandem.agent.recorder import ChatRecorder
     from tandem.agent.sampling import sampling_params
-    from tandem.serving.openai_endpoint import EndpointServer, create_app
+    from tandem.agent.openai_endpoint import EndpointServer, create_app
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     chat_format = ChatFormat(tokenizer)
@@ -97,7 +98,7 @@ async def http_rows(path: Path, manager, direct, rounds: int) -> list[float]:
 
     async def engine(tag: str) -> int:
         outputs = await asyncio.gather(*(direct.generate(
-            f"{tag}-{i}", prompt, {**sampling_params(config, False, None, budget), "seed": i})
+            GenerateRequest(f"{tag}-{i}", prompt, {**sampling_params(config, False, None, budget), "seed": i}))
             for i, (prompt, (_, budget)) in enumerate(zip(rendered, chats))))
         return sum(len(output.token_ids) for output in outputs)
 
@@ -107,7 +108,7 @@ async def http_rows(path: Path, manager, direct, rounds: int) -> list[float]:
         order = ["direct", "http"] if round_index % 2 == 0 else ["http", "direct"]
         speed = {}
         for name in order:
-            await (direct.clear_kv_cache() if name == "direct" else manager.clear_kv_cache())
+            await (direct.clear_kv_cache() if name == "direct" else manager.control("clear_kv_cache"))
             start = time.perf_counter()
             tokens = await (engine if name == "direct" else endpoint)(f"{name}{round_index}")
             speed[name] = tokens / (time.perf_counter() - start)

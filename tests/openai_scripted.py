@@ -30,8 +30,8 @@ class ScriptedEngine:
                     "</tool_call>" % (a, b))
         return f"The answer is {a + b}."
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling_params: dict) -> TokenOutput:
+    async def generate(self, request) -> TokenOutput:
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
         self.calls.append((request_id, list(prompt_ids), dict(sampling_params)))
         if self.delay:
             await asyncio.sleep(0.001 * (len(self.calls) % 3))

@@ -49,7 +49,8 @@ class TextClient:
         self.tokenizer, self.replies, self.with_eos = tokenizer, list(replies), with_eos
         self.prompts = []
 
-    async def generate(self, request_id, prompt_ids, sampling_params):
+    async def generate(self, request):
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
         self.prompts.append(list(prompt_ids))
         ids = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False)
         ids += [self.tokenizer.eos_token_id] if self.with_eos else []

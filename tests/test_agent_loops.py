@@ -24,7 +24,8 @@ class ScriptedClient:
         self.outputs = list(outputs)
         self.calls: list[tuple[str, list[int], dict]] = []
 
-    async def generate(self, request_id, prompt_ids, sampling_params):
+    async def generate(self, request):
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
         self.calls.append((request_id, list(prompt_ids), dict(sampling_params)))
         return self.outputs.pop(0)
 

@@ -72,7 +72,8 @@ class RandomTurnClient:
         self.outputs: list[TokenOutput] = []
         self.calls: list[tuple[list[int], dict]] = []
 
-    async def generate(self, request_id, prompt_ids, sampling_params):
+    async def generate(self, request):
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
         self.calls.append((list(prompt_ids), dict(sampling_params)))
         turn = self.turns.pop(0) if self.turns else {"plain": 2, "good": 0, "bad": 0,
                                                       "eos": True, "stop": "completed"}

@@ -8,7 +8,7 @@ from tandem.agent import AgentLoopRunner, DatasetRow, SingleTurnLoop, ToolAgentL
 from tandem.config.schema import MultiTurnConfig, RolloutConfig, ValKwargs
 from tandem.tools.calculator import CalculatorTool
 from tandem.tools.registry import ToolRegistry
-from tandem.types import TokenOutput
+from tandem.types import GenerateRequest, TokenOutput
 
 
 class Format:
@@ -34,7 +34,8 @@ class CountingClient:
         self.request_ids = []
         self.fail_on = fail_on
 
-    async def generate(self, request_id, prompt_ids, sampling_params):
+    async def generate(self, request):
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
         self.request_ids.append(request_id)
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
@@ -163,9 +164,10 @@ class RecordingClient(CountingClient):
         super().__init__()
         self.params = {}
 
-    async def generate(self, request_id, prompt_ids, sampling_params):
+    async def generate(self, request):
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
         self.params[request_id] = dict(sampling_params)
-        return await super().generate(request_id, prompt_ids, sampling_params)
+        return await super().generate(GenerateRequest(request_id, prompt_ids, sampling_params))
 
 
 async def test_seeds_per_session_and_progress_callback():

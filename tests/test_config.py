@@ -54,7 +54,7 @@ def test_seed_config_slice_fields_exist():
     (["rollout.name=trtllm"], "rollout.name", "native"),
     (["rollout.checkpoint_engine.backend=nixl"], "rollout.checkpoint_engine.backend", "naive"),
     (["trainer.trainer_mode=async"], "trainer.trainer_mode", "separate_async"),
-    (["rollout.disaggregation.enabled=true"], "rollout.disaggregation.enabled", "vllm"),
+    (["rollout.disaggregation.enabled=true"], "rollout.disaggregation.enabled", "not built"),
     (["rollout.top_p=0"], "rollout.top_p", "(0, 1]"),
     (["rollout.temperature=-1"], "rollout.temperature", ">= 0"),
     (["rollout.top_k=0"], "rollout.top_k", "-1"),
@@ -68,35 +68,12 @@ def test_invalid_values_name_the_field_and_fix(overrides, field, words):
     assert field in str(error.value) and words in str(error.value)
 
 
-def test_disaggregation_constraints(monkeypatch):
-    from tandem.rollout import registry
-
-    monkeypatch.setitem(registry._ROLLOUT_BACKENDS, "vllm", "tandem.rollout.vllm:VllmRollout")
+def test_disaggregation_is_refused_until_it_is_built():
     base = ["rollout.name=vllm", "rollout.disaggregation.enabled=true"]
-    load_config(overrides=base)
-    with pytest.raises(ConfigError, match="prefill_replicas"):
-        load_config(overrides=base + ["rollout.disaggregation.prefill_replicas=2"])
-    with pytest.raises(ConfigError, match="rollout.data_parallel_size"):
-        load_config(overrides=base + ["rollout.data_parallel_size=2"])
+    with pytest.raises(ConfigError, match="rollout.disaggregation.enabled: .* not built yet"):
+        load_config(overrides=base)
     with pytest.raises(ConfigError, match="pipeline_model_parallel_size"):
-        load_config(overrides=base + ["rollout.pipeline_model_parallel_size=2"])
-
-
-@pytest.mark.parametrize("where", ["override", "yaml"])
-def test_unknown_keys_are_errors(tmp_path, where):
-    if where == "override":
-        call = lambda: load_config(overrides=["rollout.temprature=0.5"])  # noqa: E731
-    else:
-        call = lambda: load_config(write(tmp_path, "rollout:\n  temprature: 0.5\n"))  # noqa: E731
-    with pytest.raises(ConfigError) as error:
-        call()
-    message = str(error.value)
-    assert "rollout.temprature" in message and "temperature" in message
-
-
-def test_wrong_type_names_the_field():
-    with pytest.raises(ConfigError, match="rollout.n"):
-        load_config(overrides=["rollout.n=many"])
+        load_config(overrides=["rollout.pipeline_model_parallel_size=2"])
 
 
 def test_malformed_override():

@@ -12,6 +12,7 @@ from tandem.config.schema import RolloutConfig
 from tandem.models import TinyModelSpec, build_tiny_model
 from tandem.rollout.engine.weight_staging import all_finite
 from tandem.rollout.native import NativeRollout
+from tandem.types import GenerateRequest
 
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
@@ -38,7 +39,7 @@ async def until_generated(rollout: NativeRollout, count: int, timeout_s: float =
 
 
 async def greedy_all(rollout: NativeRollout, prefix: str = "g") -> list[list[int]]:
-    outs = await asyncio.gather(*(rollout.generate(f"{prefix}{i}", p, GREEDY)
+    outs = await asyncio.gather(*(rollout.generate(GenerateRequest(f"{prefix}{i}", p, GREEDY))
                                   for i, p in enumerate(PROMPTS)))
     return [out.token_ids for out in outs]
 
@@ -52,10 +53,10 @@ def perturbed_state(model_path, seed: int = 1) -> dict[str, torch.Tensor]:
 
 async def test_abort_returns_partial_tokens_and_spares_others(model_path):
     rollout = make(model_path)
-    long = asyncio.create_task(rollout.generate("long", [5, 6, 7], {"temperature": 1.0,
+    long = asyncio.create_task(rollout.generate(GenerateRequest("long", [5, 6, 7], {"temperature": 1.0,
                                                                     "max_tokens": 1000,
-                                                                    "ignore_eos": True}))
-    other = asyncio.create_task(rollout.generate("other", [8, 9], GREEDY))
+                                                                    "ignore_eos": True})))
+    other = asyncio.create_task(rollout.generate(GenerateRequest("other", [8, 9], GREEDY)))
     await until_generated(rollout, 5)
     await rollout.abort("long")
     out = await long
@@ -68,21 +69,21 @@ async def test_abort_returns_partial_tokens_and_spares_others(model_path):
 
 async def test_abort_all_covers_running_and_waiting(model_path):
     rollout = make(model_path, max_num_seqs=2)
-    tasks = [asyncio.create_task(rollout.generate(f"r{i}", [5, 6, 7 + i], {"max_tokens": 500,
-                                                                           "ignore_eos": True}))
+    tasks = [asyncio.create_task(rollout.generate(GenerateRequest(f"r{i}", [5, 6, 7 + i], {"max_tokens": 500,
+                                                                           "ignore_eos": True})))
              for i in range(5)]
     await until_generated(rollout, 4)
     await rollout.abort_all()
     outs = await asyncio.gather(*tasks)
     assert all(out.stop_reason == "aborted" for out in outs)
     assert any(len(out.token_ids) == 0 for out in outs)  # never admitted
-    assert (await rollout.generate("after", [5, 6], GREEDY)).stop_reason == "length"
+    assert (await rollout.generate(GenerateRequest("after", [5, 6], GREEDY))).stop_reason == "length"
 
 
 async def test_cancelled_caller_frees_its_request(model_path):
     rollout = make(model_path)
-    task = asyncio.create_task(rollout.generate("c", [5, 6], {"max_tokens": 10_000,
-                                                              "ignore_eos": True}))
+    task = asyncio.create_task(rollout.generate(GenerateRequest("c", [5, 6], {"max_tokens": 10_000,
+                                                              "ignore_eos": True})))
     await until_generated(rollout, 3)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -105,7 +106,7 @@ async def test_many_concurrent_tasks_and_a_responsive_loop(model_path):
             await asyncio.sleep(0)
 
     tick_task = asyncio.create_task(ticker())
-    outs = await asyncio.gather(*(rollout.generate(f"m{i}", [5 + i % 50, 6, 7], {"max_tokens": 8})
+    outs = await asyncio.gather(*(rollout.generate(GenerateRequest(f"m{i}", [5 + i % 50, 6, 7], {"max_tokens": 8}))
                                   for i in range(100)))
     tick_task.cancel()
     assert all(out.log_probs is not None and len(out.log_probs) == len(out.token_ids)
@@ -133,14 +134,14 @@ async def test_update_weights_equals_a_fresh_engine_and_reuses_no_old_block(mode
     expected = await greedy_all(fresh)
     assert new == expected and new != old
     assert first_hits == fresh.stats()["prompt_tokens_cached"] - fresh_cached_before
-    out = await rollout.generate("v", [5, 6], GREEDY)
+    out = await rollout.generate(GenerateRequest("v", [5, 6], GREEDY))
     assert out.global_steps == 3
 
 
 async def test_update_weights_during_generation_recomputes_with_new_weights(model_path):
     rollout = make(model_path)
-    task = asyncio.create_task(rollout.generate("long", [5, 6, 7], {"max_tokens": 60,
-                                                                    "ignore_eos": True}))
+    task = asyncio.create_task(rollout.generate(GenerateRequest("long", [5, 6, 7], {"max_tokens": 60,
+                                                                    "ignore_eos": True})))
     await until_generated(rollout, 5)
     await rollout.update_weights(perturbed_state(model_path).items(), version=1)
     out = await task
@@ -162,7 +163,7 @@ async def test_update_weights_accepts_tied_lm_head_and_rejects_bad_tensors(model
     with pytest.raises(TypeError, match="dtype"):
         await rollout.update_weights([("model.embed_tokens.weight", new_embed.long())], version=2)
     assert rollout.weight_version == 1
-    assert (await rollout.generate("ok", [5, 6], GREEDY)).global_steps == 1
+    assert (await rollout.generate(GenerateRequest("ok", [5, 6], GREEDY))).global_steps == 1
 
 
 async def test_sleep_kv_cache_frees_it_and_wake_up_matches(model_path):
@@ -172,7 +173,7 @@ async def test_sleep_kv_cache_frees_it_and_wake_up_matches(model_path):
     await rollout.sleep(["kv_cache"])
     assert rollout.memory_bytes()["kv_cache"] == 0
     assert rollout.memory_bytes()["weights"] > 0
-    waiting = asyncio.create_task(rollout.generate("w", PROMPTS[0], GREEDY))  # waits for wake_up
+    waiting = asyncio.create_task(rollout.generate(GenerateRequest("w", PROMPTS[0], GREEDY)))  # waits for wake_up
     await asyncio.sleep(0.05)
     assert not waiting.done()
     await rollout.wake_up(["kv_cache"])
@@ -192,14 +193,14 @@ async def test_sleep_weights_on_cpu_drops_them_until_refilled(model_path):
     await rollout.sleep()
     assert rollout.memory_bytes() == {"weights": 0, "kv_cache": 0}
     with pytest.raises(RuntimeError, match="wake_up"):
-        await rollout.generate("x", [5, 6], GREEDY)
+        await rollout.generate(GenerateRequest("x", [5, 6], GREEDY))
     await rollout.wake_up()
     with pytest.raises(RuntimeError, match="update_weights"):
-        await rollout.generate("x", [5, 6], GREEDY)
+        await rollout.generate(GenerateRequest("x", [5, 6], GREEDY))
     items = list(state.items())
     await rollout.update_weights(items[:3], version=1, partial=True)  # still not servable
     with pytest.raises(RuntimeError, match="not refilled"):
-        await rollout.generate("x", [5, 6], GREEDY)
+        await rollout.generate(GenerateRequest("x", [5, 6], GREEDY))
     await rollout.update_weights(items[3:], version=1, partial=True)
     assert rollout.memory_bytes()["weights"] > 0
     assert await greedy_all(rollout, prefix="back") == before
@@ -228,7 +229,7 @@ def tight_kv_bytes(rollout: NativeRollout) -> int:
 
 async def test_bad_input_fails_only_that_request(model_path):
     rollout = make(model_path)
-    good = asyncio.create_task(rollout.generate("good", [5, 6, 7], GREEDY))
+    good = asyncio.create_task(rollout.generate(GenerateRequest("good", [5, 6, 7], GREEDY)))
     cases = [
         ([], GREEDY, "empty"),
         ([5, 6], {"temperature": 0, "bogus": 1}, "unknown sampling keys"),
@@ -238,14 +239,14 @@ async def test_bad_input_fails_only_that_request(model_path):
     ]
     for prompt, params, message in cases:
         with pytest.raises(ValueError, match=message):
-            await rollout.generate("bad", prompt, params)
+            await rollout.generate(GenerateRequest("bad", prompt, params))
     assert (await good).stop_reason == "length"
 
 
 async def test_kv_request_larger_than_cache_is_rejected(model_path):
     rollout = make(model_path, kv=tight_kv_bytes(make(model_path)) // 4)
     with pytest.raises(ValueError, match="KV"):
-        await rollout.generate("big", list(range(5, 60)), {"max_tokens": 200})
+        await rollout.generate(GenerateRequest("big", list(range(5, 60)), {"max_tokens": 200}))
 
 
 async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(model_path):
@@ -259,26 +260,26 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(mo
 
     runner.forward_layers = broken
     with pytest.raises(RuntimeError, match="step failed.*boom"):
-        await rollout.generate("x", [5, 6, 7], GREEDY)
+        await rollout.generate(GenerateRequest("x", [5, 6, 7], GREEDY))
     runner.forward_layers = real_forward
-    assert (await rollout.generate("y", [5, 6, 7], GREEDY)).stop_reason == "length"
+    assert (await rollout.generate(GenerateRequest("y", [5, 6, 7], GREEDY))).stop_reason == "length"
     assert rollout.stats()["failed_steps"] == 1
 
 
 async def test_duplicate_running_request_id_is_rejected(model_path):
     rollout = make(model_path)
-    first = asyncio.create_task(rollout.generate("dup", [5, 6], {"max_tokens": 50,
-                                                                 "ignore_eos": True}))
+    first = asyncio.create_task(rollout.generate(GenerateRequest("dup", [5, 6], {"max_tokens": 50,
+                                                                 "ignore_eos": True})))
     await asyncio.sleep(0)
     with pytest.raises(ValueError, match="already running"):
-        await rollout.generate("dup", [5, 6], GREEDY)
+        await rollout.generate(GenerateRequest("dup", [5, 6], GREEDY))
     assert len((await first).token_ids) == 50
 
 
 def test_engine_survives_a_new_event_loop(model_path):
     rollout = make(model_path)
-    first = asyncio.run(rollout.generate("a", [5, 6, 7], GREEDY))
-    second = asyncio.run(rollout.generate("a", [5, 6, 7], GREEDY))
+    first = asyncio.run(rollout.generate(GenerateRequest("a", [5, 6, 7], GREEDY)))
+    second = asyncio.run(rollout.generate(GenerateRequest("a", [5, 6, 7], GREEDY)))
     assert first.token_ids == second.token_ids
 
 
@@ -294,13 +295,13 @@ def test_registry_and_bad_config(model_path):
 
 async def test_shutdown_aborts_and_refuses_new_requests(model_path):
     rollout = make(model_path)
-    task = asyncio.create_task(rollout.generate("s", [5, 6], {"max_tokens": 10_000,
-                                                              "ignore_eos": True}))
+    task = asyncio.create_task(rollout.generate(GenerateRequest("s", [5, 6], {"max_tokens": 10_000,
+                                                              "ignore_eos": True})))
     await until_generated(rollout, 2)
     await rollout.shutdown()
     assert (await task).stop_reason == "aborted"
     with pytest.raises(RuntimeError, match="shut down"):
-        await rollout.generate("t", [5, 6], GREEDY)
+        await rollout.generate(GenerateRequest("t", [5, 6], GREEDY))
 
 
 async def test_a_long_step_yields_to_the_event_loop_between_layers(model_path, monkeypatch):
@@ -329,7 +330,7 @@ async def test_a_long_step_yields_to_the_event_loop_between_layers(model_path, m
             await asyncio.sleep(0)
 
     task = asyncio.create_task(ticker())
-    out = await rollout.generate("p", list(range(5, 45)), {"temperature": 0, "max_tokens": 1})
+    out = await rollout.generate(GenerateRequest("p", list(range(5, 45)), {"temperature": 0, "max_tokens": 1}))
     task.cancel()
     assert len(out.token_ids) == 1
     # the one step (prefill + sample) let other tasks run after each of its layers
@@ -343,16 +344,16 @@ def test_a_loop_that_ends_mid_step_leaves_no_half_written_prefix_blocks(monkeypa
     path = build_tiny_model(TinyModelSpec(num_hidden_layers=4))
     params = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
     prompt = [7, 300, 41, 599, 12, 512, 77, 3, 640, 88, 21, 450, 19, 700, 5, 62, 333, 101, 250]
-    expected = asyncio.run(make(path).generate("r", prompt, params))
+    expected = asyncio.run(make(path).generate(GenerateRequest("r", prompt, params)))
     rollout = make(path)
 
     async def torn() -> None:  # asyncio.run cancels the engine task at a layer boundary
-        asyncio.create_task(rollout.generate("a", prompt, params))
+        asyncio.create_task(rollout.generate(GenerateRequest("a", prompt, params)))
         for _ in range(3):
             await asyncio.sleep(0)
 
     asyncio.run(torn())
-    again = asyncio.run(rollout.generate("b", prompt, params))
+    again = asyncio.run(rollout.generate(GenerateRequest("b", prompt, params)))
     assert rollout.stats()["prompt_tokens_cached"] == 0  # nothing from the torn step was reused
     assert again.token_ids == expected.token_ids and again.log_probs == expected.log_probs
 
@@ -362,12 +363,12 @@ def test_stepping_in_another_thread_than_the_builder_warns_once(model_path, capl
 
     caplog.set_level("WARNING", logger="tandem.rollout.engine.async_engine")
     rollout = make(model_path)  # built in this (live) thread
-    asyncio.run(rollout.generate("same", [5, 6], GREEDY))
+    asyncio.run(rollout.generate(GenerateRequest("same", [5, 6], GREEDY)))
     assert "OpenMP" not in caplog.text
 
     def elsewhere() -> None:
         for index in range(2):
-            asyncio.run(rollout.generate(f"other{index}", [5, 6], GREEDY))
+            asyncio.run(rollout.generate(GenerateRequest(f"other{index}", [5, 6], GREEDY)))
 
     thread = threading.Thread(target=elsewhere)
     thread.start()

@@ -14,6 +14,7 @@ from tandem.models import TinyModelSpec, build_tiny_model
 from tandem.rollout.native import NativeRollout
 
 from float_bounds import assert_within, token_logprob_bounds
+from tandem.types import GenerateRequest
 
 SMALL_KV = 8 << 20
 
@@ -43,7 +44,7 @@ def random_prompts(count: int, vocab: int, low: int, high: int, seed: int = 0) -
 async def test_greedy_matches_hf_batch_1(model_path, hf_model):
     rollout = NativeRollout.create(model_path, RolloutConfig(kv_cache_memory_bytes=SMALL_KV))
     prompt = random_prompts(1, hf_model.config.vocab_size, 12, 12, seed=1)[0]
-    out = await rollout.generate("one", prompt, {"temperature": 0, "max_tokens": 24})
+    out = await rollout.generate(GenerateRequest("one", prompt, {"temperature": 0, "max_tokens": 24}))
     assert out.token_ids == hf_greedy(hf_model, prompt, 24)
     assert len(out.log_probs) == len(out.token_ids)
     assert out.extra_fields["global_steps"] == 0
@@ -59,8 +60,8 @@ async def test_greedy_matches_hf_16_staggered_prompts(model_path, hf_model):
 
     async def one(i):
         await asyncio.sleep(0.01 * i)
-        return await rollout.generate(f"r{i}", prompts[i], {"temperature": 0,
-                                                            "max_tokens": budgets[i]})
+        return await rollout.generate(GenerateRequest(f"r{i}", prompts[i], {"temperature": 0,
+                                                            "max_tokens": budgets[i]}))
 
     outs = await asyncio.gather(*(one(i) for i in range(16)))
     for prompt, budget, out in zip(prompts, budgets, outs):
@@ -73,7 +74,7 @@ async def test_logprobs_match_hf_forward(model_path, hf_model):
                                                              block_size=8))
     prompts = random_prompts(6, hf_model.config.vocab_size, 5, 40, seed=3)
     params = {"temperature": 1.0, "max_tokens": 30, "ignore_eos": True}
-    outs = await asyncio.gather(*(rollout.generate(f"s{i}", p, params)
+    outs = await asyncio.gather(*(rollout.generate(GenerateRequest(f"s{i}", p, params))
                                   for i, p in enumerate(prompts)))
     for prompt, out in zip(prompts, outs):
         assert len(out.token_ids) == len(out.log_probs) == 30
@@ -100,7 +101,7 @@ async def test_processed_logprobs_follow_the_sampled_distribution(model_path, hf
     rollout = NativeRollout.create(model_path, config)
     prompt = random_prompts(1, hf_model.config.vocab_size, 10, 10, seed=4)[0]
     params = {"temperature": 0.7, "top_k": 5, "max_tokens": 12, "ignore_eos": True}
-    out = await rollout.generate("p", prompt, params)
+    out = await rollout.generate(GenerateRequest("p", prompt, params))
     # log_softmax over the top 5 of logits / 0.7, exact, within the float32 error bound
     assert_within(torch.tensor(out.log_probs),
                   *token_logprob_bounds(hf_model, prompt, out.token_ids, temperature=0.7, top_k=5),
@@ -111,13 +112,13 @@ async def test_seeded_requests_reproduce_whatever_the_batch(model_path):
     rollout = NativeRollout.create(model_path, RolloutConfig(kv_cache_memory_bytes=SMALL_KV))
     prompt = [5, 6, 7, 8, 9]
     params = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 16, "seed": 123, "ignore_eos": True}
-    alone = await rollout.generate("a", prompt, params)
+    alone = await rollout.generate(GenerateRequest("a", prompt, params))
     crowd = await asyncio.gather(
-        rollout.generate("b", prompt, params),
-        *(rollout.generate(f"x{i}", [9, 8, 7, i + 10], {"temperature": 1.0, "max_tokens": 10})
+        rollout.generate(GenerateRequest("b", prompt, params)),
+        *(rollout.generate(GenerateRequest(f"x{i}", [9, 8, 7, i + 10], {"temperature": 1.0, "max_tokens": 10}))
           for i in range(5)))
     assert crowd[0].token_ids == alone.token_ids
-    other = await rollout.generate("c", prompt, {**params, "seed": 124})
+    other = await rollout.generate(GenerateRequest("c", prompt, {**params, "seed": 124}))
     assert other.token_ids != alone.token_ids
 
 
@@ -125,17 +126,17 @@ async def test_stops_eos_stop_tokens_max_tokens_and_context(model_path, hf_model
     spec_len = hf_model.config.max_position_embeddings
     rollout = NativeRollout.create(model_path, RolloutConfig(kv_cache_memory_bytes=SMALL_KV))
     prompt = [5, 6, 7, 8]
-    free = await rollout.generate("f", prompt, {"temperature": 0, "max_tokens": 6})
+    free = await rollout.generate(GenerateRequest("f", prompt, {"temperature": 0, "max_tokens": 6}))
     assert free.stop_reason == "length" and len(free.token_ids) == 6
     stop = free.token_ids[2]
     first = free.token_ids.index(stop)
-    stopped = await rollout.generate("s", prompt, {"temperature": 0, "max_tokens": 6,
-                                                   "stop_token_ids": [stop]})
+    stopped = await rollout.generate(GenerateRequest("s", prompt, {"temperature": 0, "max_tokens": 6,
+                                                   "stop_token_ids": [stop]}))
     assert stopped.token_ids == free.token_ids[:first + 1]
     assert stopped.stop_reason == "completed"
     near_limit = [5] * (spec_len - 3)
-    out = await rollout.generate("ctx", near_limit, {"temperature": 0, "max_tokens": 50,
-                                                     "ignore_eos": True})
+    out = await rollout.generate(GenerateRequest("ctx", near_limit, {"temperature": 0, "max_tokens": 50,
+                                                     "ignore_eos": True}))
     assert out.stop_reason == "length" and len(out.token_ids) == 3
 
 
@@ -151,10 +152,10 @@ async def test_eos_completes(model_path, hf_model):
     assert float(embed.norm(dim=1).max()) < 10 * float(hidden.norm())
     with torch.no_grad():
         embed[eos] = 10.0 * hidden
-    out = await rollout.generate("e", [5, 6, 7], {"temperature": 0, "max_tokens": 10})
+    out = await rollout.generate(GenerateRequest("e", [5, 6, 7], {"temperature": 0, "max_tokens": 10}))
     assert out.token_ids[-1] == eos and out.stop_reason == "completed"
-    ignored = await rollout.generate("i", [5, 6, 7], {"temperature": 0, "max_tokens": 4,
-                                                      "ignore_eos": True})
+    ignored = await rollout.generate(GenerateRequest("i", [5, 6, 7], {"temperature": 0, "max_tokens": 4,
+                                                      "ignore_eos": True}))
     assert len(ignored.token_ids) == 4 and ignored.stop_reason == "length"
 
 
@@ -164,7 +165,7 @@ async def test_cuda_greedy_and_logprobs_match_hf(model_path, hf_model):
     rollout = NativeRollout.create(model_path, RolloutConfig(kv_cache_memory_bytes=SMALL_KV),
                                    device="cuda")
     prompts = random_prompts(8, hf_model.config.vocab_size, 5, 40, seed=5)
-    outs = await asyncio.gather(*(rollout.generate(f"c{i}", p, {"temperature": 0, "max_tokens": 16})
+    outs = await asyncio.gather(*(rollout.generate(GenerateRequest(f"c{i}", p, {"temperature": 0, "max_tokens": 16}))
                                   for i, p in enumerate(prompts)))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf_model, prompt, 16)
@@ -173,7 +174,7 @@ async def test_cuda_greedy_and_logprobs_match_hf(model_path, hf_model):
     await rollout.sleep()
     assert rollout.memory_bytes() == {"weights": 0, "kv_cache": 0}
     await rollout.wake_up()
-    again = await rollout.generate("again", prompts[0], {"temperature": 0, "max_tokens": 16})
+    again = await rollout.generate(GenerateRequest("again", prompts[0], {"temperature": 0, "max_tokens": 16}))
     assert again.token_ids == outs[0].token_ids
 
 
@@ -189,8 +190,8 @@ async def test_qwen3_style_qk_norm_matches_hf(tmp_path):
     model.save_pretrained(tmp_path)
     rollout = NativeRollout.create(tmp_path, RolloutConfig(kv_cache_memory_bytes=SMALL_KV))
     prompt = [5, 6, 7, 8, 9, 10]
-    out = await rollout.generate("q3", prompt, {"temperature": 0, "max_tokens": 10,
-                                                "ignore_eos": True})
+    out = await rollout.generate(GenerateRequest("q3", prompt, {"temperature": 0, "max_tokens": 10,
+                                                "ignore_eos": True}))
     with torch.no_grad():
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
                                   eos_token_id=None)[0, len(prompt):].tolist()

@@ -19,6 +19,7 @@ from tandem.rollout.engine import cpu_kernels
 from tandem.rollout.native import NativeRollout
 
 from float_bounds import EXP_RELATIVE, U, assert_within, gamma, max_ratio, token_logprob_bounds
+from tandem.types import GenerateRequest
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +237,7 @@ async def _run_workload(model_path) -> tuple[NativeRollout, list]:
         prompt = workload_prompt(index)
         params = {"temperature": 0 if index % 2 else 1.0, "seed": index, "max_tokens": 12 + index,
                   "ignore_eos": True}
-        return await rollout.generate(f"r{index}", prompt, params)
+        return await rollout.generate(GenerateRequest(f"r{index}", prompt, params))
 
     return rollout, await asyncio.gather(*(one(i) for i in range(10)))
 
@@ -284,7 +285,7 @@ def test_unsupported_head_size_takes_the_torch_path(ops):
                                           num_key_value_heads=1))
     rollout = NativeRollout.create(path, RolloutConfig(kv_cache_memory_bytes=8 << 20))
     assert rollout.engine.runner.kernels is None
-    out = asyncio.run(rollout.generate("a", [5, 6, 7], {"temperature": 0, "max_tokens": 4}))
+    out = asyncio.run(rollout.generate(GenerateRequest("a", [5, 6, 7], {"temperature": 0, "max_tokens": 4})))
     assert len(out.token_ids) == 4
 
 

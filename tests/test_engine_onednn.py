@@ -17,6 +17,7 @@ from tandem.rollout.engine.model_runner import PackedLinear
 from tandem.rollout.native import NativeRollout
 
 from float_bounds import assert_within, token_logprob_bounds
+from tandem.types import GenerateRequest
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 PROMPTS = [[5 + i, 6, 7 + 2 * i, 8, 9, 10 + i, 11, 12, 13] * (1 + i % 3) for i in range(6)]
@@ -39,7 +40,7 @@ def make(model_path, dtype: str = "float32") -> NativeRollout:
 
 
 async def greedy_all(rollout: NativeRollout, prefix: str = "g") -> list[list[int]]:
-    outs = await asyncio.gather(*(rollout.generate(f"{prefix}{i}", p, GREEDY)
+    outs = await asyncio.gather(*(rollout.generate(GenerateRequest(f"{prefix}{i}", p, GREEDY))
                                   for i, p in enumerate(PROMPTS)))
     return [out.token_ids for out in outs]
 
@@ -84,7 +85,7 @@ async def test_cpu_fp32_runs_linears_through_onednn(model_path):
 
 async def test_log_probs_match_the_plain_path(model_path, monkeypatch):
     async def generate_all(rollout):
-        return await asyncio.gather(*(rollout.generate(f"g{i}", p, GREEDY) for i, p in enumerate(PROMPTS)))
+        return await asyncio.gather(*(rollout.generate(GenerateRequest(f"g{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)))
 
     onednn = make(model_path)
     assert onednn.engine.runner.packed_linears
@@ -155,7 +156,7 @@ async def test_bfloat16_keeps_the_plain_path(model_path):
     rollout = make(model_path, dtype="bfloat16")
     assert not rollout.engine.runner.packed_linears
     assert isinstance(rollout.engine.runner.lm_head, nn.Linear)
-    assert len((await rollout.generate("b", PROMPTS[0], GREEDY)).token_ids) == 12
+    assert len((await rollout.generate(GenerateRequest("b", PROMPTS[0], GREEDY))).token_ids) == 12
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

@@ -11,7 +11,7 @@ from tandem.models import build_tiny_model
 from tandem.rollout.engine.block_manager import BlockManager
 from tandem.rollout.engine.sequence import Sequence
 from tandem.rollout.native import NativeRollout
-from tandem.types import SamplingParams
+from tandem.types import GenerateRequest, SamplingParams
 
 from float_bounds import assert_within, token_logprob_bounds
 
@@ -34,16 +34,16 @@ GREEDY = {"temperature": 0, "max_tokens": 10}
 async def test_second_request_computes_only_its_suffix(model_path):
     rollout = make(model_path)
     prefix = list(range(10, 10 + 3 * BLOCK))  # three full blocks
-    first = await rollout.generate("a", prefix + [50, 51, 52], GREEDY)
+    first = await rollout.generate(GenerateRequest("a", prefix + [50, 51, 52], GREEDY))
     before = rollout.stats()
-    second = await rollout.generate("b", prefix + [60, 61, 62, 63, 64], GREEDY)
+    second = await rollout.generate(GenerateRequest("b", prefix + [60, 61, 62, 63, 64], GREEDY))
     after = rollout.stats()
     assert after["prompt_tokens_cached"] - before["prompt_tokens_cached"] == 3 * BLOCK
     assert after["prompt_tokens_computed"] - before["prompt_tokens_computed"] == 5
 
     plain = make(model_path, enable_prefix_caching=False)
-    assert (await plain.generate("a", prefix + [50, 51, 52], GREEDY)).token_ids == first.token_ids
-    assert (await plain.generate("b", prefix + [60, 61, 62, 63, 64], GREEDY)).token_ids == \
+    assert (await plain.generate(GenerateRequest("a", prefix + [50, 51, 52], GREEDY))).token_ids == first.token_ids
+    assert (await plain.generate(GenerateRequest("b", prefix + [60, 61, 62, 63, 64], GREEDY))).token_ids == \
         second.token_ids
     assert plain.stats()["prompt_tokens_cached"] == 0
 
@@ -51,8 +51,8 @@ async def test_second_request_computes_only_its_suffix(model_path):
 async def test_n_samples_of_one_prompt_share_it_in_the_same_step(model_path):
     rollout = make(model_path)
     prompt = list(range(20, 20 + 4 * BLOCK + 3))
-    outs = await asyncio.gather(*(rollout.generate(f"s{i}", prompt, {"temperature": 1.0,
-                                                                     "max_tokens": 6})
+    outs = await asyncio.gather(*(rollout.generate(GenerateRequest(f"s{i}", prompt, {"temperature": 1.0,
+                                                                     "max_tokens": 6}))
                                   for i in range(8)))
     stats = rollout.stats()
     assert stats["prompt_tokens_computed"] == len(prompt) + 7 * 3  # 7 others compute only the tail
@@ -63,10 +63,10 @@ async def test_n_samples_of_one_prompt_share_it_in_the_same_step(model_path):
 async def test_next_turn_reuses_the_conversation(model_path):
     rollout = make(model_path)
     turn1 = list(range(30, 30 + 2 * BLOCK + 2))
-    out = await rollout.generate("t1", turn1, {"temperature": 0, "max_tokens": 2 * BLOCK})
+    out = await rollout.generate(GenerateRequest("t1", turn1, {"temperature": 0, "max_tokens": 2 * BLOCK}))
     turn2 = turn1 + out.token_ids + [7, 8, 9]
     before = rollout.stats()["prompt_tokens_cached"]
-    await rollout.generate("t2", turn2, GREEDY)
+    await rollout.generate(GenerateRequest("t2", turn2, GREEDY))
     cached = rollout.stats()["prompt_tokens_cached"] - before
     # turn 1 left KV for its first 2 * BLOCK + 2 + 2 * BLOCK - 1 tokens: four full blocks
     assert cached == 4 * BLOCK
@@ -75,12 +75,12 @@ async def test_next_turn_reuses_the_conversation(model_path):
 async def test_clear_kv_cache_drops_every_entry(model_path):
     rollout = make(model_path)
     prompt = list(range(10, 10 + 3 * BLOCK + 1))
-    await rollout.generate("a", prompt, GREEDY)
+    await rollout.generate(GenerateRequest("a", prompt, GREEDY))
     assert rollout.stats()["cached_blocks"] >= 3
     await rollout.clear_kv_cache()
     assert rollout.stats()["cached_blocks"] == 0
     before = rollout.stats()["prompt_tokens_cached"]
-    await rollout.generate("b", prompt, GREEDY)
+    await rollout.generate(GenerateRequest("b", prompt, GREEDY))
     assert rollout.stats()["prompt_tokens_cached"] == before
 
 
@@ -139,9 +139,9 @@ async def test_cascade_attention_over_shared_prefixes_matches_plain_attention(mo
 
         async def one(prompt_index: int, sample: int):
             await asyncio.sleep(0.003 * sample)
-            return await rollout.generate(f"{prompt_index}-{sample}", prompts[prompt_index],
+            return await rollout.generate(GenerateRequest(f"{prompt_index}-{sample}", prompts[prompt_index],
                                           {"temperature": 1.0, "seed": 10 * prompt_index + sample,
-                                           "max_tokens": 6 + 4 * sample, "ignore_eos": True})
+                                           "max_tokens": 6 + 4 * sample, "ignore_eos": True}))
 
         return await asyncio.gather(*(one(p, s) for p in range(3) for s in range(4)))
 

@@ -230,7 +230,7 @@ async def test_forked_sessions_show_in_the_trainer_metrics(tokenizer):
     from tandem.agent.chat_format import ChatFormat
     from tandem.agent.openai_agent import OpenAIAgentLoop
     from tandem.agent.session import Session
-    from tandem.trainer.rl_trainer import _trajectory_metrics
+    from tandem.trainer.step_metrics import trajectory_metrics
 
     async def retry_once(client, row):  # asking the same question twice forks the session
         for _ in range(2):
@@ -246,7 +246,7 @@ async def test_forked_sessions_show_in_the_trainer_metrics(tokenizer):
         await loop.close()
     assert [t.metadata["forks"] for t in forked + plain] == [1, 1, 0]
     assert loop.recorder.forks == 1
-    assert _trajectory_metrics(forked + plain, "reward")["reward/forked"] == pytest.approx(2 / 3)
+    assert trajectory_metrics(forked + plain, "reward")["reward/forked"] == pytest.approx(2 / 3)
 
 
 @pytest.mark.slow  # Ray workers + a training step: about a minute

@@ -19,7 +19,8 @@ from tandem.agent.recorder import ChatRecorder
 from tandem.config.schema import RolloutConfig
 from tandem.demo.tasks import calculator_schemas
 from tandem.models.tiny import build_tiny_model
-from tandem.serving.openai_endpoint import EndpointServer, create_app
+from tandem.agent.openai_endpoint import EndpointServer, create_app
+from tandem.types import GenerateRequest
 
 QUESTION = [{"role": "system", "content": "Use the calculator tool, then give the final number."},
             {"role": "user", "content": "What is 2 + 3?"}]
@@ -159,7 +160,7 @@ async def test_an_edited_history_forks_and_counts_it(tokenizer):
         first, second = endpoint.recorder.close("s")
         # branch one keeps exactly its single turn: the edit appended nothing to it
         _, first_prompt, first_params = endpoint.engine.calls[0]
-        replay = await ScriptedEngine(tokenizer).generate("r", first_prompt, first_params)
+        replay = await ScriptedEngine(tokenizer).generate(GenerateRequest("r", first_prompt, first_params))
         assert first.input_ids.tolist() == first_prompt + replay.token_ids
         assert first.response_mask.tolist() == [1] * len(first.responses)
         assert second.prompts.tolist() == sent and second.metadata["forks"] == 1
@@ -178,7 +179,7 @@ async def test_concurrent_sessions_never_share_tokens(tokenizer):
                 question, calculator_schemas())
             # the recorded stream is exactly the last prompt this session sent + its tokens
             last_sent, last_params = calls[-1]
-            replay = await ScriptedEngine(tokenizer).generate("r", last_sent, last_params)
+            replay = await ScriptedEngine(tokenizer).generate(GenerateRequest("r", last_sent, last_params))
             assert trajectory.input_ids.tolist() == last_sent + replay.token_ids
             assert f"session {i}" in tokenizer.decode(trajectory.prompts)
         assert endpoint.recorder.forks == 0
@@ -201,8 +202,8 @@ async def test_n_choices_are_branches_and_stop_strings_cut_tokens(tokenizer):
             model="tiny", messages=QUESTION, stop=["calculator"], seed=1)
         [choice] = response.choices
         _, _, params = endpoint.engine.calls[-1]
-        full = (await ScriptedEngine(tokenizer).generate("r", endpoint.engine.calls[-1][1],
-                                                          params)).token_ids
+        full = (await ScriptedEngine(tokenizer).generate(GenerateRequest("r", endpoint.engine.calls[-1][1],
+                                                          params))).token_ids
         [trajectory] = endpoint.recorder.close("t")
         kept = trajectory.responses.tolist()
         assert kept == full[:len(kept)] and len(kept) < len(full)
@@ -305,8 +306,9 @@ class CharacterEngine(ScriptedEngine):
     """Samples the same texts one character per token: a tokenization the tokenizer itself
     would never produce, so any re-tokenization of the reply would show."""
 
-    async def generate(self, request_id, prompt_ids, sampling_params):
-        output = await super().generate(request_id, prompt_ids, sampling_params)
+    async def generate(self, request):
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
+        output = await super().generate(GenerateRequest(request_id, prompt_ids, sampling_params))
         text = self.tokenizer.decode(output.token_ids[:-1])
         output.token_ids = [token for char in text
                             for token in self.tokenizer.encode(char, add_special_tokens=False)]
@@ -320,7 +322,7 @@ async def test_the_next_prompt_carries_the_sampled_tokens_not_a_re_tokenization(
         endpoint.recorder.client = engine = CharacterEngine(tokenizer)
         await conversation(endpoint.client("s"), QUESTION, turns=2)
         (_, first, _), (_, second, _) = engine.calls[:2]
-        replay = await CharacterEngine(tokenizer).generate("r", first, engine.calls[0][2])
+        replay = await CharacterEngine(tokenizer).generate(GenerateRequest("r", first, engine.calls[0][2]))
         reply_text = tokenizer.decode(replay.token_ids[:-1])
         assert tokenizer.encode(reply_text, add_special_tokens=False) != replay.token_ids[:-1]
         assert second[:len(first) + len(replay.token_ids)] == first + replay.token_ids

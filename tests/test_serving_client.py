@@ -7,17 +7,19 @@ hosts and a plain LoadBalancer, all on the test's event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 import pytest
 import torch
 
 from tandem.config.schema import RolloutConfig
 from tandem.rollout import registry
-from tandem.serving.manager import ServerManager, weight_buckets
-from tandem.serving.replica import ServerOptions
+from tandem.serving.manager import ServerManager
+from tandem.serving.replica import ControlTimeout, ServerOptions
 from tandem.serving.resumable_client import ResumableClient
 from tandem.serving.server import RolloutServer
-from tandem.types import TokenOutput
+from tandem.types import GenerateRequest, TokenOutput
 from test_serving_scripted import scripted_sequence, token_log_prob
 
 
@@ -49,8 +51,8 @@ async def wait_until(condition, timeout_s: float = 5.0) -> None:
 async def test_each_call_gets_a_fresh_backend_id_while_routing_sticks(scripted) -> None:
     manager = await local_manager()
     client = manager.client()
-    first = await client.generate("conv", [1, 2], {"max_tokens": 3})
-    second = await client.generate("conv", [1, 2, *first.token_ids, 9], {"max_tokens": 3})
+    first = await client.generate(GenerateRequest("conv", [1, 2], {"max_tokens": 3}))
+    second = await client.generate(GenerateRequest("conv", [1, 2, *first.token_ids, 9], {"max_tokens": 3}))
     used = [b for b in backends(manager) if b.request_ids]
     assert len(used) == 1  # both turns on the same server
     ids = used[0].request_ids
@@ -63,14 +65,14 @@ async def test_release_happens_on_errors_cancellation_and_timeouts(scripted) -> 
     manager = await local_manager(delay=0.01)
     client = manager.client()
     with pytest.raises(ValueError, match="non-empty"):
-        await client.generate("bad", [], {"max_tokens": 3})
-    task = asyncio.ensure_future(client.generate("long", [1], {"max_tokens": 10_000}))
+        await client.generate(GenerateRequest("bad", [], {"max_tokens": 3}))
+    task = asyncio.ensure_future(client.generate(GenerateRequest("long", [1], {"max_tokens": 10_000})))
     await wait_until(lambda: any(b.stats()["running"] for b in backends(manager)))
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     with pytest.raises(TimeoutError, match="within 0.05 s"):
-        await manager.client(timeout_s=0.05).generate("slow", [1], {"max_tokens": 10_000})
+        await manager.client(timeout_s=0.05).generate(GenerateRequest("slow", [1], {"max_tokens": 10_000}))
     assert sum((await manager.status()).in_flight().values()) == 0
     # The engine stopped the cancelled and timed-out requests instead of running them out.
     assert all(b.stats()["running"] == 0 for b in backends(manager))
@@ -82,64 +84,83 @@ async def test_release_happens_on_errors_cancellation_and_timeouts(scripted) -> 
 async def test_generate_waits_while_paused_and_proceeds_on_resume(scripted) -> None:
     manager = await local_manager(servers=1)
     client = manager.client()
-    running = asyncio.ensure_future(client.generate("a", [1], {"max_tokens": 10_000}))
+    running = asyncio.ensure_future(client.generate(GenerateRequest("a", [1], {"max_tokens": 10_000})))
     await wait_until(lambda: backends(manager)[0].stats()["running"] == 1)
-    assert await manager.abort_all_requests() == 1
+    assert sum(sum(n) for n in (await manager.control("abort_all_requests")).values()) == 1
     aborted = await running
     assert aborted.stop_reason == "aborted" and aborted.token_ids
-    waiting = asyncio.ensure_future(client.generate("b", [1], {"max_tokens": 2}))
+    waiting = asyncio.ensure_future(client.generate(GenerateRequest("b", [1], {"max_tokens": 2})))
     await asyncio.sleep(0.1)
     assert not waiting.done()  # the paused server holds the call instead of answering "aborted"
-    await manager.resume_generation()
+    await manager.control("resume_generation")
     assert (await waiting).stop_reason == "length"
 
 
 async def test_paused_too_long_is_a_timeout_naming_the_fix(scripted) -> None:
     manager = await local_manager(servers=1, pause_timeout_s=0.1)
-    await manager.abort_all_requests()
+    await manager.control("abort_all_requests")
     with pytest.raises(TimeoutError, match="resume_generation"):
-        await manager.client().generate("a", [1], {"max_tokens": 2})
+        await manager.client().generate(GenerateRequest("a", [1], {"max_tokens": 2}))
 
 
 async def test_control_calls_refuse_to_run_under_generating_requests(scripted) -> None:
     manager = await local_manager(servers=1)
-    task = asyncio.ensure_future(manager.client().generate("a", [1], {"max_tokens": 10_000}))
+    task = asyncio.ensure_future(manager.client().generate(GenerateRequest("a", [1], {"max_tokens": 10_000})))
     await wait_until(lambda: backends(manager)[0].stats()["running"] == 1)
     with pytest.raises(RuntimeError, match="abort_all_requests"):
-        await manager.sleep()
+        await manager.control("sleep", ["weights", "kv_cache"])
     with pytest.raises(RuntimeError, match="abort_all_requests"):
-        await manager.update_weights([("w", torch.zeros(2))], version=1)
-    await manager.abort_all_requests()
+        await manager.control("update_weights", [("w", torch.zeros(2))], 1)
+    await manager.control("abort_all_requests")
     await task
-    await manager.sleep()
-    follow_up = asyncio.ensure_future(manager.client().generate("b", [1], {"max_tokens": 2}))
-    await manager.resume_generation()
+    await manager.control("sleep", ["weights", "kv_cache"])
+    follow_up = asyncio.ensure_future(manager.client().generate(GenerateRequest("b", [1], {"max_tokens": 2})))
+    await manager.control("resume_generation")
     await asyncio.sleep(0.05)
     assert not follow_up.done()  # still asleep: resuming generation is not waking up
-    await manager.wake_up()
+    await manager.control("wake_up", ["weights", "kv_cache"])
     assert len((await follow_up).token_ids) == 2
 
 
-async def test_update_weights_goes_out_in_buckets_and_stamps_the_version(scripted) -> None:
+async def test_a_control_verb_reaches_every_server_and_names_an_unknown_one(scripted) -> None:
     manager = await local_manager()
-    tensors = [(f"layer{i}.weight", torch.zeros(256)) for i in range(10)]  # 1 KiB each
-    assert [len(b) for b in weight_buckets(tensors, 3 * 1024)] == [3, 3, 3, 1]
-    await manager.update_weights(iter(tensors), version=7, bucket_megabytes=1)
+    tensors = [(f"layer{i}.weight", torch.zeros(256)) for i in range(10)]
+    results = await manager.control("update_weights", tensors, 7)
+    assert results == {"replica-0": [None], "replica-1": [None]}
     assert [b.stats()["weight_tensors_loaded"] for b in backends(manager)] == [10, 10]
-    output = await manager.client().generate("x", [4], {"max_tokens": 2})
+    output = await manager.client().generate(GenerateRequest("x", [4], {"max_tokens": 2}))
     assert output.global_steps == 7
+    assert await manager.weight_versions() == {"replica-0": 7, "replica-1": 7}
+    with pytest.raises(ValueError, match="unknown control verb 'reboot'"):
+        await manager.control("reboot")
+
+
+async def test_a_control_call_without_an_answer_names_the_verb_and_the_server(scripted) -> None:
+    manager = await local_manager(servers=2)
+    replica = manager.replicas["replica-1"]
+    replica.options = dataclasses.replace(replica.options, control_timeout_s=0.2)
+
+    async def stuck(tags):
+        await asyncio.sleep(60)
+
+    replica.servers[0].sleep = stuck
+    started = time.monotonic()
+    with pytest.raises(ControlTimeout, match=r"sleep\(\) on server 'replica-1' \(.*\) got no "
+                                             r"answer within 0.2 s"):
+        await manager.control("sleep", ["kv_cache"])
+    assert time.monotonic() - started < 5
 
 
 async def test_resumable_client_continues_across_a_weight_update(scripted) -> None:
     manager = await local_manager(servers=1)
     client = manager.resumable_client()
     params = {"max_tokens": 400, "temperature": 1.0}
-    task = asyncio.ensure_future(client.generate("traj", [3, 1, 4], params))
+    task = asyncio.ensure_future(client.generate(GenerateRequest("traj", [3, 1, 4], params)))
     await wait_until(lambda: backends(manager)[0].stats()["tokens_generated"] >= 5)
-    await manager.abort_all_requests()
-    await manager.update_weights([("w", torch.zeros(1))], version=1)
+    await manager.control("abort_all_requests")
+    await manager.control("update_weights", [("w", torch.zeros(1))], 1)
     before = backends(manager)[0].stats()["tokens_generated"]
-    await manager.resume_generation()
+    await manager.control("resume_generation")
     out = await task
     assert params == {"max_tokens": 400, "temperature": 1.0}  # caller's dict untouched
     assert len(out.token_ids) == len(out.log_probs) == 400 and out.stop_reason == "length"
@@ -157,9 +178,9 @@ async def test_resumable_client_continues_across_a_weight_update(scripted) -> No
 async def test_resume_disabled_returns_the_partial_tokens(scripted) -> None:
     manager = await local_manager(servers=1)
     task = asyncio.ensure_future(manager.resumable_client(resume=False).generate(
-        "t", [1], {"max_tokens": 10_000, "logprobs": False}))
+        GenerateRequest("t", [1], {"max_tokens": 10_000, "logprobs": False})))
     await wait_until(lambda: backends(manager)[0].stats()["tokens_generated"] >= 3)
-    await manager.abort_all_requests()
+    await manager.control("abort_all_requests")
     out = await task
     assert out.stop_reason == "aborted" and out.log_probs is None
     assert out.extra_fields["resumes"] == 0 and 3 <= len(out.token_ids) < 10_000
@@ -171,7 +192,8 @@ class ScriptedAborts:
     def __init__(self, outputs: list[TokenOutput]) -> None:
         self.outputs, self.calls = list(outputs), []
 
-    async def generate(self, request_id, prompt_ids, sampling_params) -> TokenOutput:
+    async def generate(self, request) -> TokenOutput:
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
         self.calls.append((request_id, list(prompt_ids), dict(sampling_params)))
         return self.outputs.pop(0)
 
@@ -182,7 +204,7 @@ async def test_resumable_client_stops_when_an_abort_lands_exactly_on_the_budget(
         TokenOutput([], [], "aborted", {"global_steps": 3}),  # aborted before any token
         TokenOutput([9], [-0.3], "aborted", {"global_steps": 4}),
     ])
-    out = await ResumableClient(stub).generate("r", [1, 2], {"max_tokens": 3})
+    out = await ResumableClient(stub).generate(GenerateRequest("r", [1, 2], {"max_tokens": 3}))
     assert [call[1] for call in stub.calls] == [[1, 2], [1, 2, 7, 8], [1, 2, 7, 8]]
     assert [call[2]["max_tokens"] for call in stub.calls] == [3, 1, 1]
     assert {call[0] for call in stub.calls} == {"r"}
@@ -199,6 +221,6 @@ async def test_resumable_client_keeps_versions_a_single_segment_spanned() -> Non
                     {"global_steps": 5, "min_global_steps": 4, "max_global_steps": 5}),
         TokenOutput([3], [-0.3], "length", {"global_steps": 6}),
     ])
-    out = await ResumableClient(stub).generate("r", [9], {"max_tokens": 3})
+    out = await ResumableClient(stub).generate(GenerateRequest("r", [9], {"max_tokens": 3}))
     assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"],
             out.global_steps) == (4, 6, 6)

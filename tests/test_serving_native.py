@@ -22,6 +22,7 @@ from tandem.serving.replica import ServerOptions
 from tandem.serving.server import RolloutServer
 
 from float_bounds import assert_within, token_logprob_bounds
+from tandem.types import GenerateRequest
 
 CONFIG = RolloutConfig(kv_cache_memory_bytes=16 << 20, block_size=16)
 
@@ -49,10 +50,10 @@ async def test_greedy_through_the_stack_equals_the_engine_called_directly(manage
     params = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     direct = NativeRollout.create(model_path, CONFIG)
-    expected = [await direct.generate(f"d{i}", p, params) for i, p in enumerate(prompts)]
+    expected = [await direct.generate(GenerateRequest(f"d{i}", p, params)) for i, p in enumerate(prompts)]
     await direct.shutdown()
     client = manager.client()
-    served = await asyncio.gather(*(client.generate(f"s{i}", p, params)
+    served = await asyncio.gather(*(client.generate(GenerateRequest(f"s{i}", p, params))
                                     for i, p in enumerate(prompts)))
     assert [o.token_ids for o in served] == [o.token_ids for o in expected]
     # batched differently, so rounded differently: each within the float32 bound of the exact
@@ -69,18 +70,18 @@ async def test_partial_rollout_abort_update_weights_resume(manager, model_path) 
     client = manager.resumable_client()
     start = await generated_tokens(manager)
     tasks = [asyncio.ensure_future(client.generate(
-        f"traj{i}", [3 + i, 4, 5 + i % 7], {"max_tokens": budget, "ignore_eos": True}))
+        GenerateRequest(f"traj{i}", [3 + i, 4, 5 + i % 7], {"max_tokens": budget, "ignore_eos": True})))
         for i in range(32)]
     for _ in range(1000):  # every request has some tokens of version 0
         if await generated_tokens(manager) - start >= 32 * 4:
             break
         await asyncio.sleep(0.01)
-    assert await manager.abort_all_requests() == 32
+    assert sum(sum(n) for n in (await manager.control("abort_all_requests")).values()) == 32
     new_weights = {name: tensor + 0.01 * torch.randn_like(tensor)
                    for name, tensor in load_file(model_path / "model.safetensors").items()}
-    await manager.update_weights(new_weights.items(), version=1, bucket_megabytes=1)
+    await manager.control("update_weights", list(new_weights.items()), 1)
     assert (await manager.status()).in_flight() == {"replica-0": 16, "replica-1": 16}
-    await manager.resume_generation()
+    await manager.control("resume_generation")
     outputs = await asyncio.gather(*tasks)
 
     assert all(o.stop_reason == "length" and len(o.token_ids) == budget for o in outputs)
@@ -101,19 +102,27 @@ async def test_hybrid_in_process_sync_cycle(model_path) -> None:
                                          hosts=[host])
     client = manager.resumable_client()
     params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
-    before = await client.generate("a", [5, 6, 7], params)
-    await manager.sleep()
+    before = await client.generate(GenerateRequest("a", [5, 6, 7], params))
+    await manager.control("sleep", ["weights", "kv_cache"])
     assert host.backend.memory_bytes()["kv_cache"] == 0
-    await manager.wake_up()
+    await manager.control("wake_up", ["weights", "kv_cache"])
     weights = load_file(model_path / "model.safetensors")
-    await manager.update_weights(((name, tensor * 1.5) for name, tensor in weights.items()),
-                                 version=3)
-    after = await client.generate("a", [5, 6, 7], params)
+    await manager.control("update_weights",
+                          [(name, tensor * 1.5) for name, tensor in weights.items()], 3)
+    after = await client.generate(GenerateRequest("a", [5, 6, 7], params))
     assert after.global_steps == after.extra_fields["min_global_steps"] == 3
     # the new weights are in use (greedy tokens of a random tiny model may not move; log-probs do)
     assert after.log_probs != before.log_probs
-    await manager.update_weights(weights.items(), version=4)
-    again = await client.generate("b", [5, 6, 7], params)
+    await manager.control("update_weights", list(weights.items()), 4)
+    again = await client.generate(GenerateRequest("b", [5, 6, 7], params))
     assert again.token_ids == before.token_ids and again.global_steps == 4
     assert again.log_probs == before.log_probs
     await manager.shutdown()
+
+
+async def test_a_request_with_an_adapter_the_engine_lacks_is_refused_by_the_server(manager):
+    client = manager.client()
+    request = GenerateRequest("lora", [5, 6, 7], {"max_tokens": 2}, adapter="math-lora")
+    with pytest.raises(Exception, match=r"GenerateRequest.adapter='math-lora'"):
+        await client.generate(request)
+    assert len((await client.generate(request.replace(adapter=None))).token_ids) == 2

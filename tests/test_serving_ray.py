@@ -24,6 +24,7 @@ from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ReplicaLayout, ServerOptions
 from tandem.serving.server import RolloutServer
 from test_serving_scripted import token_log_prob
+from tandem.types import GenerateRequest
 
 # Test modules are not importable inside Ray workers: ship their classes by value.
 ray.cloudpickle.register_pickle_by_value(test_serving_scripted)
@@ -75,7 +76,7 @@ async def test_turns_of_a_conversation_stick_to_one_server(manager) -> None:
     async def conversation(name: str) -> None:
         prompt = [1, 2, 3]
         for _ in range(3):
-            out = await client.generate(name, prompt, {"max_tokens": 4})
+            out = await client.generate(GenerateRequest(name, prompt, {"max_tokens": 4}))
             prompt = prompt + out.token_ids + [7]
 
     await asyncio.gather(*(conversation(f"conv{i}") for i in range(12)))
@@ -92,7 +93,7 @@ async def test_turns_of_a_conversation_stick_to_one_server(manager) -> None:
 async def test_200_concurrent_requests_spread_evenly_over_four_servers(manager) -> None:
     before = {load.server_id: load.requests for load in (await manager.status()).servers}
     client = manager.client()
-    tasks = [asyncio.ensure_future(client.generate(f"spread{i}", [i + 1], {"max_tokens": 200}))
+    tasks = [asyncio.ensure_future(client.generate(GenerateRequest(f"spread{i}", [i + 1], {"max_tokens": 200})))
              for i in range(200)]
     peak = {}
     for _ in range(500):
@@ -113,10 +114,10 @@ async def test_200_concurrent_requests_spread_evenly_over_four_servers(manager) 
 
 async def test_in_flight_counts_return_to_zero_after_errors_and_cancellations(manager) -> None:
     client = manager.client()
-    bad = [client.generate(f"bad{i}", [-1], {"max_tokens": 2}) for i in range(8)]
+    bad = [client.generate(GenerateRequest(f"bad{i}", [-1], {"max_tokens": 2})) for i in range(8)]
     results = await asyncio.gather(*bad, return_exceptions=True)
     assert all(isinstance(r, ValueError) and "non-empty" in str(r) for r in results)
-    doomed = [asyncio.ensure_future(client.generate(f"doomed{i}", [1], {"max_tokens": 100_000}))
+    doomed = [asyncio.ensure_future(client.generate(GenerateRequest(f"doomed{i}", [1], {"max_tokens": 100_000})))
               for i in range(8)]
     for _ in range(500):
         if sum((s["running"] for s in (await backend_stats(manager)).values())) == 8:
@@ -126,9 +127,9 @@ async def test_in_flight_counts_return_to_zero_after_errors_and_cancellations(ma
         task.cancel()
     await asyncio.gather(*doomed, return_exceptions=True)
     with pytest.raises(TimeoutError):
-        await manager.client(timeout_s=0.2).generate("slow", [1], {"max_tokens": 100_000})
+        await manager.client(timeout_s=0.2).generate(GenerateRequest("slow", [1], {"max_tokens": 100_000}))
     # Cancelled while the balancer's answer is still on its way: released once it arrives.
-    early = [asyncio.ensure_future(client.generate(f"early{i}", [1], {"max_tokens": 100_000}))
+    early = [asyncio.ensure_future(client.generate(GenerateRequest(f"early{i}", [1], {"max_tokens": 100_000})))
              for i in range(20)]
     await asyncio.sleep(0)
     for task in early:
@@ -148,7 +149,7 @@ async def test_in_flight_counts_return_to_zero_after_errors_and_cancellations(ma
 async def test_a_client_shipped_to_another_ray_process_reaches_the_servers(manager) -> None:
     @ray.remote(num_cpus=0)
     def agent_loop_worker(client) -> tuple[int, int]:
-        first = asyncio.run(client.generate("remote", [1, 2], {"max_tokens": 6}))
+        first = asyncio.run(client.generate(GenerateRequest("remote", [1, 2], {"max_tokens": 6})))
         return len(first.token_ids), os.getpid()
 
     length, pid = await agent_loop_worker.remote(manager.resumable_client())
@@ -164,7 +165,7 @@ async def test_a_client_without_the_servers_gets_their_handles_from_the_balancer
     registered = await manager.balancer.server_handle.remote("replica-0")
     assert len(registered) == 1 and isinstance(registered[0], ray.ObjectRef)
     client = ServerClient(manager.balancer, {})
-    outputs = [await client.generate(f"lookup{i}", [1, 2], {"max_tokens": 3}) for i in range(4)]
+    outputs = [await client.generate(GenerateRequest(f"lookup{i}", [1, 2], {"max_tokens": 3})) for i in range(4)]
     assert all(len(out.token_ids) == 3 for out in outputs)
     assert set(client.servers) <= set(manager.replicas) and client.servers
     assert all(isinstance(handle, ray.actor.ActorHandle) for handle in client.servers.values())
@@ -175,14 +176,14 @@ async def test_removing_a_server_mid_run_reroutes_without_losing_requests(manage
     client = manager.resumable_client()
 
     async def two_turns(name: str) -> list:
-        first = await client.generate(name, [5], {"max_tokens": 60})
-        second = await client.generate(name, [5, *first.token_ids, 8], {"max_tokens": 20})
+        first = await client.generate(GenerateRequest(name, [5], {"max_tokens": 60}))
+        second = await client.generate(GenerateRequest(name, [5, *first.token_ids, 8], {"max_tokens": 20}))
         return [first, second]
 
     tasks = [asyncio.ensure_future(two_turns(f"move{i}")) for i in range(40)]
     await asyncio.sleep(0.1)
     removed = await manager.remove_replica("replica-3", abort=True)
-    seen_at_removal = (await removed.stats())[0]["backend"]["request_ids"]
+    seen_at_removal = (await removed.control("stats"))[0]["backend"]["request_ids"]
     results = await asyncio.gather(*tasks)
     try:
         assert all(len(a.token_ids) == 60 and len(b.token_ids) == 20 for a, b in results)
@@ -191,9 +192,9 @@ async def test_removing_a_server_mid_run_reroutes_without_losing_requests(manage
             "replica-0", "replica-1", "replica-2"]
         assert await in_flight_total(manager) == 0
         # Nothing new reached the removed server's engine after its removal.
-        assert (await removed.stats())[0]["backend"]["request_ids"] == seen_at_removal
+        assert (await removed.control("stats"))[0]["backend"]["request_ids"] == seen_at_removal
     finally:
-        await removed.resume_generation()
+        await removed.control("resume_generation")
         await manager.add_replica(removed)
 
 
@@ -201,23 +202,23 @@ async def test_no_server_left_is_a_clear_error_over_ray(ray_cluster, scripted_ba
     manager = ServerManager(CONFIG, ServerOptions("scripted"), ReplicaLayout.STANDALONE,
                             LoadBalancerActor.remote())
     with pytest.raises(NoServerError, match="no servers"):
-        await manager.client().generate("x", [1], {"max_tokens": 1})
+        await manager.client().generate(GenerateRequest("x", [1], {"max_tokens": 1}))
     await manager.shutdown()
 
 
 async def test_partial_rollout_abort_update_resume_loses_and_repeats_nothing(manager) -> None:
     client = manager.resumable_client()
     before = await backend_stats(manager)
-    tasks = [asyncio.ensure_future(client.generate(f"partial{i}", [i + 1], {"max_tokens": 150}))
+    tasks = [asyncio.ensure_future(client.generate(GenerateRequest(f"partial{i}", [i + 1], {"max_tokens": 150})))
              for i in range(32)]
     for _ in range(500):
         if sum(s["running"] for s in (await backend_stats(manager)).values()) == 32:
             break
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.1)  # every request has tokens of version 0 by now (5 ms per token)
-    assert await manager.abort_all_requests() == 32
-    await manager.update_weights([("w", torch.ones(4))], version=1)
-    await manager.resume_generation()
+    assert sum(sum(n) for n in (await manager.control("abort_all_requests")).values()) == 32
+    await manager.control("update_weights", [("w", torch.ones(4))], 1)
+    await manager.control("resume_generation")
     outputs = await asyncio.gather(*tasks)
     after = await backend_stats(manager)
     assert all(len(o.token_ids) == len(o.log_probs) == 150 for o in outputs)
@@ -228,7 +229,7 @@ async def test_partial_rollout_abort_update_resume_loses_and_repeats_nothing(man
                for o in interrupted)
     generated = sum(after[s]["tokens_generated"] - before[s]["tokens_generated"] for s in after)
     assert generated == 32 * 150  # no token generated twice
-    await manager.update_weights([("w", torch.zeros(4))], version=0)  # leave version 0 behind
+    await manager.control("update_weights", [("w", torch.zeros(4))], 0)  # leave version 0 behind
 
 
 class TrainingWorker(RolloutServer):
@@ -249,13 +250,13 @@ async def test_hybrid_engine_lives_in_the_training_worker_process(ray_cluster,
     manager = await ServerManager.create(CONFIG, ServerOptions("scripted:delay=0.001"), "hybrid",
                                          hosts=[worker])
     try:
-        out = await manager.client().generate("h", [1], {"max_tokens": 5})
+        out = await manager.client().generate(GenerateRequest("h", [1], {"max_tokens": 5}))
         steps, pid = await worker.train_step.remote()
         assert len(out.token_ids) == 5 and steps == 1
         assert manager.replicas["replica-0"].infos[0].pid == pid
-        await manager.sleep()
-        await manager.wake_up()
-        assert len((await manager.client().generate("h", [1], {"max_tokens": 2})).token_ids) == 2
+        await manager.control("sleep", ["weights", "kv_cache"])
+        await manager.control("wake_up", ["weights", "kv_cache"])
+        assert len((await manager.client().generate(GenerateRequest("h", [1], {"max_tokens": 2}))).token_ids) == 2
     finally:
         await manager.shutdown()
         ray.kill(worker)
@@ -269,7 +270,7 @@ async def test_colocated_server_shares_another_roles_placement_group(ray_cluster
     try:
         (replica,) = manager.replicas.values()
         assert replica.infos[0].placement_group_id == group.id.hex()
-        assert len((await manager.client().generate("c", [1], {"max_tokens": 3})).token_ids) == 3
+        assert len((await manager.client().generate(GenerateRequest("c", [1], {"max_tokens": 3}))).token_ids) == 3
     finally:
         await manager.shutdown()
         remove_placement_group(group)

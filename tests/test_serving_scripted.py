@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 import pytest
 
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags
-from tandem.types import SamplingParams, TokenOutput
+from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 
 
 def next_token(context: list[int], version: int) -> int:
@@ -48,8 +48,8 @@ class ScriptedRollout(BaseRollout):
                              f"not {model_path!r}")
         return cls(float(match.group(1) or 0.002))
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling_params: Mapping[str, Any]) -> TokenOutput:
+    async def generate(self, request) -> TokenOutput:
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
         params = SamplingParams.from_dict(sampling_params)
         if not prompt_ids or min(prompt_ids) < 0:
             raise ValueError(f"request {request_id}: prompt must be non-empty token ids >= 0")
@@ -127,11 +127,11 @@ def scripted_sequence(prompt: list[int], count: int, version: int = 0) -> list[i
 
 async def test_scripted_backend_matches_reference_and_aborts_with_partial_tokens() -> None:
     backend = ScriptedRollout.create("scripted:delay=0.001", None)
-    out = await backend.generate("a", [5, 6, 7], {"max_tokens": 12})
+    out = await backend.generate(GenerateRequest("a", [5, 6, 7], {"max_tokens": 12}))
     assert out.token_ids == scripted_sequence([5, 6, 7], 12)
     assert out.stop_reason == "length" and len(out.log_probs) == 12
 
-    task = asyncio.ensure_future(backend.generate("b", [1], {"max_tokens": 10_000}))
+    task = asyncio.ensure_future(backend.generate(GenerateRequest("b", [1], {"max_tokens": 10_000})))
     await asyncio.sleep(0.05)
     await backend.abort_all()
     partial = await task
@@ -144,6 +144,6 @@ async def test_scripted_backend_matches_reference_and_aborts_with_partial_tokens
 async def test_scripted_backend_rejects_bad_prompts_and_bad_model_paths() -> None:
     backend = ScriptedRollout.create("scripted", None)
     with pytest.raises(ValueError, match="non-empty"):
-        await backend.generate("x", [], {"max_tokens": 2})
+        await backend.generate(GenerateRequest("x", [], {"max_tokens": 2}))
     with pytest.raises(ValueError, match="scripted"):
         ScriptedRollout.create("/some/model", None)

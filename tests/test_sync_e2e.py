@@ -23,7 +23,8 @@ from tandem.rollout.native import NativeRollout
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ServerOptions
 from tandem.trainer.hybrid_worker import HybridWorkerActor
-from tandem.weight_sync.manager import WeightSyncManager
+from tandem.trainer.cross_process_sync import CrossProcessSync
+from tandem.types import GenerateRequest
 
 pytestmark = pytest.mark.slow
 # the helpers below run inside the training workers, which cannot import this test module
@@ -47,6 +48,12 @@ def start_actor(config: TandemConfig) -> list:
                                                             None, 1) for rank in range(2)]
     ray.get([worker.ping.remote() for worker in workers], timeout=300)
     return workers
+
+
+def cross_process(workers: list, servers: ServerManager,
+                  config: CheckpointEngineConfig) -> CrossProcessSync:
+    """The trainer's cross-process sync from `workers` through the transport `config` names."""
+    return CrossProcessSync(workers, servers, config.backend, config.timeout_s, config.engine_kwargs)
 
 
 def training_config(backend: str, timeout_s: float = 60.0, **engine_kwargs) -> TandemConfig:
@@ -95,7 +102,7 @@ async def fresh_engine_tokens(model_path, state: dict, directory) -> list[list[i
     assert set(missing) <= {"lm_head.weight"} and not unexpected
     model.save_pretrained(directory)
     fresh = NativeRollout.create(directory, ROLLOUT)
-    outputs = [await fresh.generate(f"f{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    outputs = [await fresh.generate(GenerateRequest(f"f{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)]
     await fresh.shutdown()
     return [output.token_ids for output in outputs]
 
@@ -127,19 +134,19 @@ async def sync_and_check(workers, servers, model_path, tmp_path, config, fractio
     client = servers.resumable_client()
     budget = 60
     running = [asyncio.create_task(client.generate(
-        f"long{version}-{i}", PROMPTS[i], {"temperature": 0.0, "max_tokens": budget,
-                                           "ignore_eos": True})) for i in range(in_flight)]
+        GenerateRequest(f"long{version}-{i}", PROMPTS[i], {"temperature": 0.0, "max_tokens": budget,
+                                           "ignore_eos": True}))) for i in range(in_flight)]
     if running:
         while sum(s["backend"]["generated_tokens"] for s in (await servers.stats()).values()) < 4:
             await asyncio.sleep(0.005)
-    report = await WeightSyncManager(workers, servers, config).sync(version)
+    report = await cross_process(workers, servers, config).sync(version)
     assert report.served == {"replica-0": version, "replica-1": version}, report
     assert report.left_out == {} and await servers.servers_behind(version) == []
     expected = await fresh_engine_tokens(model_path, on_all(workers, _full_state)[0], tmp_path)
     for server_id, replica in servers.replicas.items():
         for i, prompt in enumerate(PROMPTS):
-            output = await replica.main_server.generate.remote(f"{server_id}-{version}-{i}",
-                                                               prompt, GREEDY)
+            output = await replica.main_server.generate.remote(GenerateRequest(f"{server_id}-{version}-{i}",
+                                                               prompt, GREEDY))
             assert output.token_ids == expected[i], (server_id, i)
             assert output.global_steps == version
     for output in await asyncio.gather(*running):

@@ -20,8 +20,8 @@ from tandem.models import TinyModelSpec, build_tiny_model
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ServerOptions
 from tandem.weight_sync.base import WeightSyncError
-from tandem.weight_sync.manager import WeightSyncManager
-from test_sync_e2e import GREEDY, PROMPTS, ROLLOUT, start_actor, training_config
+from test_sync_e2e import GREEDY, PROMPTS, ROLLOUT, cross_process, start_actor, training_config
+from tandem.types import GenerateRequest
 
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -70,7 +70,7 @@ async def shutdown(servers: ServerManager) -> None:
 
 
 async def served(server, tag: str) -> list:
-    return [await server.generate.remote(f"{tag}{i}", prompt, GREEDY)
+    return [await server.generate.remote(GenerateRequest(f"{tag}{i}", prompt, GREEDY))
             for i, prompt in enumerate(PROMPTS)]
 
 
@@ -87,7 +87,7 @@ async def test_a_receiver_killed_mid_transfer(fleet):
     victim = servers.replicas["replica-1"].main_server
     before = await served(survivor, "before")
     ray.get([w.__ray_call__.remote(_slow_stream, 0.1) for w in workers])
-    manager = WeightSyncManager(workers, servers, config)
+    manager = cross_process(workers, servers, config)
     start = time.monotonic()
     sync = asyncio.create_task(manager.sync(version=1))
     await until_receiving(victim, 1)
@@ -116,7 +116,7 @@ async def test_a_sender_killed_mid_transfer(fleet):
     before = await served(server, "before")
     ray.get([w.__ray_call__.remote(_slow_stream, 0.1) for w in workers])
     start = time.monotonic()
-    sync = asyncio.create_task(WeightSyncManager(workers, servers, config).sync(version=1))
+    sync = asyncio.create_task(cross_process(workers, servers, config).sync(version=1))
     await until_receiving(server, 1)
     ray.kill(workers[0])
     with pytest.raises(WeightSyncError) as failure:

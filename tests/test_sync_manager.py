@@ -1,4 +1,4 @@
-"""The sync manager in one process: the seed's phase order, weights equal to the actor's, the
+"""The cross-process sync in one process: the seed's phase order, weights equal to the actor's, the
 resumable client across a sync, failure semantics, and the config rules of the layouts.
 
 The transport is `LoopbackEngine`, a test double of the checkpoint-engine contract (queues
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import queue
 import time
 import uuid
@@ -26,11 +25,12 @@ from tandem.serving.balancer import LoadBalancer
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ReplicaLayout, RolloutReplica, ServerOptions
 from tandem.serving.server import RolloutServer
+from tandem.trainer.cross_process_sync import CrossProcessSync
 from tandem.trainer.hybrid_worker import HybridWorker
+from tandem.trainer.sync_seam import choose_transport
 from tandem.weight_sync.base import CheckpointEngine, WeightSyncError
-from tandem.weight_sync.manager import WeightSyncManager
-from tandem.weight_sync.participants import checkpoint_engine_name
 from tandem.weight_sync.registry import register_checkpoint_engine
+from tandem.types import GenerateRequest
 
 ROLLOUT = RolloutConfig(kv_cache_memory_bytes=8 << 20, block_size=16)
 GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
@@ -107,6 +107,12 @@ def model_path():
     return build_tiny_model()
 
 
+def cross_process(actor: HybridWorker, servers: ServerManager) -> CrossProcessSync:
+    """The cross-process sync from one actor through its configured (loopback) engine."""
+    ckpt = actor.config.rollout.checkpoint_engine
+    return CrossProcessSync([actor], servers, ckpt.backend, ckpt.timeout_s, ckpt.engine_kwargs)
+
+
 def make_actor(**checkpoint_engine) -> HybridWorker:
     """A one-rank training worker whose actor starts from the tiny model's weights."""
     config = TandemConfig()
@@ -143,14 +149,14 @@ async def close(servers: ServerManager) -> None:
 
 
 async def greedy(client, prefix: str) -> list:
-    return list(await asyncio.gather(*(client.generate(f"{prefix}{i}", prompt, GREEDY)
+    return list(await asyncio.gather(*(client.generate(GenerateRequest(f"{prefix}{i}", prompt, GREEDY))
                                        for i, prompt in enumerate(PROMPTS))))
 
 
 async def fresh_engine_tokens(actor: HybridWorker, tmp_path) -> list[list[int]]:
     actor.actor.model.save_pretrained(tmp_path)
     fresh = NativeRollout.create(tmp_path, ROLLOUT)
-    outputs = [await fresh.generate(f"f{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    outputs = [await fresh.generate(GenerateRequest(f"f{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)]
     await fresh.shutdown()
     return [output.token_ids for output in outputs]
 
@@ -170,12 +176,11 @@ async def test_sync_runs_the_seed_order_and_serves_the_actor_weights(model_path,
     client = servers.resumable_client()
     budget = 60
     in_flight = [asyncio.create_task(client.generate(
-        f"long{i}", PROMPTS[i], {"temperature": 0.0, "max_tokens": budget, "ignore_eos": True}))
+        GenerateRequest(f"long{i}", PROMPTS[i], {"temperature": 0.0, "max_tokens": budget, "ignore_eos": True})))
         for i in range(2)]
     await until_generating(servers, 4)
     log.clear()  # set-up calls (add_replica may resume generation) are not the sync's
-    report = await WeightSyncManager([actor], servers, actor.config.rollout.checkpoint_engine
-                                     ).sync(version=1)
+    report = await cross_process(actor, servers).sync(version=1)
     for server in ("replica-0", "replica-1"):
         assert [entry.split(":")[1] for entry in log if entry.startswith(server)] == [
             "abort_all_requests", "release_kv_cache", "receive_weights", "resume_kv_cache",
@@ -204,7 +209,7 @@ async def test_a_sender_dying_mid_transfer_leaves_every_server_on_its_version(mo
     before = [output.token_ids for output in await greedy(servers.client(), "before")]
     actor = make_actor(engine_kwargs={"stop_after": 5})
     perturb(actor, seed=2)
-    manager = WeightSyncManager([actor], servers, actor.config.rollout.checkpoint_engine)
+    manager = cross_process(actor, servers)
     start = time.monotonic()
     with pytest.raises(WeightSyncError) as failure:
         await manager.sync(version=1)
@@ -235,8 +240,7 @@ async def test_a_server_that_cannot_take_part_is_left_out_and_reported(model_pat
     dead.release_kv_cache = gone
     actor = make_actor()
     perturb(actor, seed=3)
-    report = await WeightSyncManager([actor], servers, actor.config.rollout.checkpoint_engine
-                                     ).sync(version=4)
+    report = await cross_process(actor, servers).sync(version=4)
     assert list(report.left_out) == ["replica-1"]
     assert "release_kv_cache: ConnectionError: server process died" in report.left_out["replica-1"]
     assert report.served["replica-0"] == 4 and report.behind() == ["replica-1"]
@@ -249,41 +253,49 @@ async def test_a_receiver_rejecting_a_tensor_keeps_the_old_version_everywhere(mo
     with torch.no_grad():
         next(actor.actor.model.parameters()).fill_(float("nan"))
     with pytest.raises(WeightSyncError, match="NaN or inf") as failure:
-        await WeightSyncManager([actor], servers, actor.config.rollout.checkpoint_engine
-                                ).sync(version=1)
+        await cross_process(actor, servers).sync(version=1)
     assert failure.value.phase == "load"
     assert await servers.servers_behind(0) == []
     assert all(o.global_steps == 0 for o in await greedy(servers.client(), "after"))
     await close(servers)
 
 
-def test_hybrid_is_forced_to_naive_and_a_separate_process_never_is(caplog):
-    with caplog.at_level(logging.WARNING):
-        assert checkpoint_engine_name(CheckpointEngineConfig(backend="loopback"), hybrid=True) \
-            == "naive"
-    assert "rollout.checkpoint_engine.backend='loopback' is ignored" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        assert checkpoint_engine_name(CheckpointEngineConfig(), hybrid=True) == "naive"
-    assert caplog.text == ""
-    with pytest.raises(ConfigError, match=r"rollout.checkpoint_engine.backend: 'naive' .* set it "
-                                          r"to one of: .*loopback"):
-        checkpoint_engine_name(CheckpointEngineConfig(backend="naive"), hybrid=False)
-    assert checkpoint_engine_name(CheckpointEngineConfig(backend="loopback"), hybrid=False) \
-        == "loopback"
+def test_auto_picks_shm_on_one_host_and_gloo_or_nccl_across_hosts():
+    same = {"replica-0": "node-a", "replica-1": "node-a"}
+    split = {"replica-0": "node-a", "replica-1": "node-b"}
+    assert choose_transport("auto", "cpu", "node-a", same, {}) == "shm"
+    assert choose_transport("auto", "cpu", "node-a", split, {}) == "gloo"
+    assert choose_transport("auto", "cuda", "node-a", split, {}) == "nccl"
+    assert choose_transport("gloo", "cpu", "node-a", same, {}) == "gloo"
+    with pytest.raises(ConfigError, match=r"rollout.checkpoint_engine.backend: shared memory .* "
+                                          r"servers replica-1 run on other hosts"):
+        choose_transport("shm", "cpu", "node-a", split, {})
+    with pytest.raises(ConfigError, match="engine_kwargs.transport: shared memory"):
+        choose_transport("delta", "cpu", "node-a", split, {})
+    assert choose_transport("delta", "cpu", "node-a", split, {"transport": "gloo"}) == "delta"
+    with pytest.raises(ConfigError, match="'naive' hands tensors over inside one process"):
+        choose_transport("naive", "cpu", "node-a", same, {})
     # the worker of the hybrid layout builds naive whatever the config names
     assert make_actor().checkpoint_engine.name == "naive"
 
 
-async def test_the_manager_refuses_hybrid_replicas_and_naive(model_path):
+def test_a_transport_named_for_an_in_process_layout_is_refused_at_load_time():
+    with pytest.raises(ConfigError, match=r"rollout.checkpoint_engine.backend: is 'gloo', but "
+                                          r"without rollout devices .* set it to auto"):
+        load_config(overrides=["rollout.checkpoint_engine.backend=gloo"])
+    for backend in ("auto", "naive"):
+        load_config(overrides=[f"rollout.checkpoint_engine.backend={backend}"])
+
+
+async def test_the_cross_process_sync_refuses_hybrid_replicas_and_naive(model_path):
     hybrid = ServerManager(ROLLOUT, ServerOptions(model_path=str(model_path)),
                            ReplicaLayout.HYBRID, LoadBalancer())
     with pytest.raises(ValueError, match="hybrid layout syncs inside each worker"):
-        WeightSyncManager([object()], hybrid, CheckpointEngineConfig(backend="loopback"))
+        CrossProcessSync([object()], hybrid, "loopback", 1.0)
     standalone = ServerManager(ROLLOUT, ServerOptions(model_path=str(model_path)),
                                ReplicaLayout.STANDALONE, LoadBalancer())
-    with pytest.raises(ConfigError, match="naive"):
-        WeightSyncManager([object()], standalone, CheckpointEngineConfig())
+    with pytest.raises(ValueError, match="naive"):
+        CrossProcessSync([object()], standalone, "naive", 1.0)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
@@ -292,3 +304,32 @@ def test_timeout_must_be_a_positive_finite_number(value):
         load_config(overrides=[f"rollout.checkpoint_engine.timeout_s={value}"])
     assert load_config(overrides=["rollout.checkpoint_engine.timeout_s=5"]
                        ).rollout.checkpoint_engine.timeout_s == 5.0
+
+
+class StuckWorker:
+    """A hybrid worker whose engine never finishes loading (a hung in-process sync)."""
+
+    def __init__(self, stuck: bool) -> None:
+        self.stuck, self.loaded = stuck, []
+
+    async def load_actor_weights(self, version: int) -> None:
+        if self.stuck:
+            await asyncio.sleep(60)
+        self.loaded.append(version)
+
+
+async def test_the_in_process_sync_has_a_deadline_naming_the_worker():
+    from tandem.trainer.in_process_sync import InProcessSync
+
+    workers = [StuckWorker(False), StuckWorker(True)]
+    sync = InProcessSync(workers, ["hybrid-0", "hybrid-1"], timeout_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError) as failure:
+        await sync.sync(version=3)
+    assert time.monotonic() - started < 5
+    assert failure.value.phase == "load" and failure.value.peer == "hybrid worker 1 (hybrid-1)"
+    assert "no answer within 0.3 s" in str(failure.value)
+    report = await InProcessSync(workers[:1], ["hybrid-0"], timeout_s=1.0).sync(version=4)
+    assert report.served == {"hybrid-0": 4} and workers[0].loaded == [3, 4]
+    assert set(report.metrics()) == {"sync/load_s", "sync/total_s", "time/sync_inner",
+                                     "sync/servers_behind"}

@@ -9,6 +9,7 @@ from test_trainer_sync import engine_and_actor_greedy, tiny_config
 from tandem.trainer.colocate_async import fit_colocate_async
 from tandem.trainer.metrics import read_metrics
 from tandem.trainer.rl_trainer import RLTrainer
+from tandem.types import GenerateRequest
 
 
 class CountingClient:
@@ -19,8 +20,9 @@ class CountingClient:
         self.tokens: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
 
-    async def generate(self, request_id, prompt_ids, sampling_params):
-        output = await self.inner.generate(request_id, prompt_ids, sampling_params)
+    async def generate(self, request):
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
+        output = await self.inner.generate(GenerateRequest(request_id, prompt_ids, sampling_params))
         self.tokens[request_id] += len(output.token_ids)
         self.calls[request_id] += 1
         return output
@@ -37,20 +39,20 @@ def test_colocate_async_trains_within_the_staleness_bound(tmp_path, ray_cluster)
         await trainer.start()
         counter = CountingClient(trainer.runner.loop.client.client)
         trainer.runner.loop.client.client = counter
-        original = trainer.train_on
+        original = trainer.make_batch
 
-        async def spy(trajectories, timer):
+        def spy(trajectories):  # called once per update, with the update's trajectories
             consumed.append([(t.uid, t.session_id, t.min_global_steps, t.max_global_steps,
                               int(t.response_mask.sum()), t.stop_reason) for t in trajectories])
-            return await original(trajectories, timer)
+            return original(trajectories)
 
-        trainer.train_on = spy
+        trainer.make_batch = spy
         try:
             await fit_colocate_async(trainer)
             rows = trainer.train_rows(0)
             prompts = [trainer.runner.loop.chat_format.prompt_ids(row.messages) for row in rows]
             checks = await engine_and_actor_greedy(trainer, prompts)
-            stats = await trainer.manager.stats()
+            stats = await trainer.fleet.rollout.stats()
             return trainer.step, checks, counter, stats
         finally:
             await trainer.stop()

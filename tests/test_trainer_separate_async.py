@@ -13,7 +13,9 @@ from test_trainer_sync import tiny_config
 from tandem.config.load import ConfigError, load_config
 from tandem.trainer.metrics import read_metrics
 from tandem.trainer.rl_trainer import RLTrainer
-from tandem.trainer.separate_async import fit_separate_async, merge_mini_batch_metrics
+from tandem.trainer.separate_async import fit_separate_async
+from tandem.trainer.step_metrics import merge_mini_batch_metrics
+from tandem.types import GenerateRequest
 
 
 def test_one_override_derives_rollout_devices_engine_and_sync_step():
@@ -21,7 +23,7 @@ def test_one_override_derives_rollout_devices_engine_and_sync_step():
                                     "actor.fsdp_size=2", "data.train_batch_size=8",
                                     "actor.ppo_mini_batch_size=2"])
     assert (config.rollout.nnodes, config.rollout.n_gpus_per_node) == (1, 2)
-    assert config.rollout.checkpoint_engine.backend == "shm"
+    assert config.rollout.checkpoint_engine.backend == "auto"  # resolved at start (sync_seam)
     assert config.trainer.separate_async.parameter_sync_step == 4
     # what the user sets is kept, and still validated
     config = load_config(overrides=["trainer.trainer_mode=separate_async", "rollout.nnodes=2",
@@ -34,7 +36,7 @@ def test_one_override_derives_rollout_devices_engine_and_sync_step():
                                "actor.ppo_mini_batch_size=2",
                                "trainer.separate_async.parameter_sync_step=3"])
     # sync mode derives nothing
-    assert load_config(overrides=[]).rollout.checkpoint_engine.backend == "naive"
+    assert load_config(overrides=[]).rollout.checkpoint_engine.backend == "auto"
 
 
 @pytest.mark.parametrize("path", ["examples/arithmetic.yaml", "src/tandem/demo/demo.yaml"])
@@ -74,38 +76,39 @@ def test_separate_async_trains_while_standalone_rollout_generates(tmp_path, ray_
     async def run():
         trainer = RLTrainer(config)
         await trainer.start()
-        assert trainer.manager.layout.value == "standalone"
+        assert trainer.fleet.rollout.layout.value == "standalone"
+        assert trainer.fleet.transport == "shm"  # auto: every server on the sender's host
         counter = CountingClient(trainer.runner.loop.client.client)
         trainer.runner.loop.client.client = counter
         rows = trainer.train_rows(0)
         prompts = [trainer.runner.loop.chat_format.prompt_ids(row.messages) for row in rows]
-        original_train, original_sync = trainer.train_on, trainer.sync_weights
+        original_batch, original_sync = trainer.make_batch, trainer.fleet.sync_weights
 
-        async def train_spy(trajectories, timer):
+        def batch_spy(trajectories):  # once per mini-batch update, with its trajectories
             consumed.append((trainer.step, [(t.uid, t.session_id, t.min_global_steps,
                                              int(t.response_mask.sum()), t.stop_reason)
                                             for t in trajectories]))
-            return await original_train(trajectories, timer)
+            return original_batch(trajectories)
 
-        async def sync_spy():
-            metrics = await original_sync()
+        async def sync_spy(version):
+            metrics = await original_sync(version)
             # the trainer waits here: the actor is exactly the version just synced
-            versions = await trainer.manager.weight_versions()
-            client = trainer.manager.client()
+            versions = await trainer.fleet.rollout.weight_versions()
+            client = trainer.fleet.rollout.client()
             pairs = []
             for index, prompt in enumerate(prompts):
-                output = await client.generate(f"check-{trainer.step}-{index}", prompt,
+                output = await client.generate(GenerateRequest(f"check-{trainer.step}-{index}", prompt,
                                                {"temperature": 0.0, "max_tokens": 8,
-                                                "logprobs": True})
+                                                "logprobs": True}))
                 actor = await trainer.workers[0].actor_greedy.remote(prompt, len(output.token_ids))
                 pairs.append((output.token_ids, actor, output.log_probs))
             after_sync.append((trainer.step, versions, pairs))
             return metrics
 
-        trainer.train_on, trainer.sync_weights = train_spy, sync_spy
+        trainer.make_batch, trainer.fleet.sync_weights = batch_spy, sync_spy
         try:
             await fit_separate_async(trainer)
-            return trainer.step, counter, await trainer.manager.stats()
+            return trainer.step, counter, await trainer.fleet.rollout.stats()
         finally:
             await trainer.stop()
 

@@ -14,6 +14,7 @@ import torch
 from tandem.config.load import load_config
 from tandem.trainer import placement, startup
 from tandem.trainer.startup import MILESTONES, StartupClock
+from tandem.types import GenerateRequest
 
 
 def test_process_start_time_is_when_the_process_began():
@@ -84,9 +85,9 @@ def test_engine_stamps_its_first_token():
     before = time.time()
 
     async def run():
-        first = await rollout.generate("a", [5, 6, 7], {"temperature": 0, "max_tokens": 3})
+        first = await rollout.generate(GenerateRequest("a", [5, 6, 7], {"temperature": 0, "max_tokens": 3}))
         stamped = rollout.stats()["first_token_time"]
-        await rollout.generate("b", [5, 6, 7], {"temperature": 0, "max_tokens": 3})
+        await rollout.generate(GenerateRequest("b", [5, 6, 7], {"temperature": 0, "max_tokens": 3}))
         await rollout.shutdown()
         return first, stamped
 
@@ -163,20 +164,20 @@ async def test_first_sync_is_skipped_only_while_the_actor_is_the_loaded_checkpoi
     Any change to the actor before it (here an in-place edit) makes it a real sync."""
     config = load_config(overrides=["model.path=tiny:qwen2", "rollout.kv_cache_memory_bytes=1048576"])
     worker = await started_worker(config, monkeypatch)
-    await worker.sync_weights(0)
+    await worker.load_actor_weights(0)
     assert worker.synced == []
     prompt = [5, 6, 7, 8, 9]
-    out = await worker.generate("a", prompt, {"temperature": 0, "max_tokens": 6})
+    out = await worker.generate(GenerateRequest("a", prompt, {"temperature": 0, "max_tokens": 6}))
     assert out.token_ids == worker.actor_greedy(prompt, len(out.token_ids))
-    await worker.sync_weights(0)  # only the first sync may be skipped
+    await worker.load_actor_weights(0)  # only the first sync may be skipped
     assert worker.synced == [0]
     await worker.shutdown()
 
     changed = await started_worker(config, monkeypatch)
     with torch.no_grad():
         changed.actor.model.get_input_embeddings().weight.mul_(1.5)
-    await changed.sync_weights(0)
+    await changed.load_actor_weights(0)
     assert changed.synced == [0]
-    out = await changed.generate("b", prompt, {"temperature": 0, "max_tokens": 6})
+    out = await changed.generate(GenerateRequest("b", prompt, {"temperature": 0, "max_tokens": 6}))
     assert out.token_ids == changed.actor_greedy(prompt, len(out.token_ids))
     await changed.shutdown()

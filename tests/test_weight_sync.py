@@ -9,6 +9,7 @@ from tandem.models.tiny import build_tiny_model
 from tandem.rollout.native import NativeRollout
 from tandem.weight_sync.naive import NaiveCheckpointEngine
 from tandem.weight_sync.registry import checkpoint_engine_names, get_checkpoint_engine_class
+from tandem.types import GenerateRequest
 
 
 async def test_naive_sync_loads_weights_and_stamps_the_version():
@@ -23,7 +24,7 @@ async def test_naive_sync_loads_weights_and_stamps_the_version():
     engine = get_checkpoint_engine_class("naive")(bucket_megabytes=1)
     assert isinstance(engine, NaiveCheckpointEngine)
     await engine.sync(model.state_dict().items(), rollout, version=3)
-    out = await rollout.generate("a", prompt, {"temperature": 0, "max_tokens": 6})
+    out = await rollout.generate(GenerateRequest("a", prompt, {"temperature": 0, "max_tokens": 6}))
     assert out.extra_fields["global_steps"] == 3 and rollout.weight_version == 3
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                               eos_token_id=None, pad_token_id=0)[0, 4:].tolist()

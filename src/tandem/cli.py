@@ -134,7 +134,7 @@ def _serve(config_path: str, overrides: list[str]) -> None:
     quiet_libraries()
     from tandem.agent.chat_format import ChatFormat
     from tandem.agent.recorder import ChatRecorder
-    from tandem.serving.openai_endpoint import EndpointServer, create_app
+    from tandem.agent.openai_endpoint import EndpointServer, create_app
     from tandem.trainer.rl_trainer import RLTrainer
 
     settings = config.rollout.openai_agent

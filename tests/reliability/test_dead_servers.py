@@ -23,7 +23,7 @@ from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ServerOptions
 from tandem.serving.resumable_client import ResumableClient, StalledRequestError
 from tandem.serving.server import RolloutServer
-from tandem.types import TokenOutput
+from tandem.types import GenerateRequest, TokenOutput
 from test_serving_scripted import scripted_sequence, token_log_prob
 
 ray.cloudpickle.register_pickle_by_value(test_serving_scripted)
@@ -50,7 +50,8 @@ def kill_locally(manager: ServerManager, server_id: str, error: Exception) -> li
     """Make a local server fail every call at once, as a dead actor does; returns its call log."""
     calls: list[str] = []
 
-    async def dead_generate(request_id, prompt_ids, sampling_params):
+    async def dead_generate(request):
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
         calls.append(request_id)
         raise error
 
@@ -88,11 +89,11 @@ async def test_requests_on_a_dead_server_are_retried_and_it_gets_no_more(scripte
     dead_calls = kill_locally(manager, "replica-1", ActorDiedError())
     client = manager.client()
     prompts = {f"r{i}": [i + 1, 2] for i in range(60)}
-    first = await asyncio.gather(*(client.generate(r, prompts[r], {"max_tokens": 20})
+    first = await asyncio.gather(*(client.generate(GenerateRequest(r, prompts[r], {"max_tokens": 20}))
                                    for r in list(prompts)[:30]))
     # The 30 acquisitions were spread 10/10/10 before any answer: the dead server's 10 moved.
     assert len(dead_calls) == 10
-    second = await asyncio.gather(*(client.generate(r, prompts[r], {"max_tokens": 20})
+    second = await asyncio.gather(*(client.generate(GenerateRequest(r, prompts[r], {"max_tokens": 20}))
                                     for r in list(prompts)[30:]))
     assert len(dead_calls) == 10  # no acquisition went to it once it was reported
     for request_id, output in zip(prompts, first + second):
@@ -109,7 +110,7 @@ async def test_requests_on_a_dead_server_are_retried_and_it_gets_no_more(scripte
 async def test_an_unavailable_server_counts_as_dead_too(scripted_backend) -> None:
     manager = await local_manager(servers=2)
     kill_locally(manager, "replica-0", ActorUnavailableError("connection lost", b"\1" * 16))
-    output = await manager.client().generate("u", [4], {"max_tokens": 5})
+    output = await manager.client().generate(GenerateRequest("u", [4], {"max_tokens": 5}))
     expect_exact(output, [4], 5)
     assert (await manager.status()).dead_servers == ["replica-0"]
 
@@ -119,7 +120,7 @@ async def test_no_server_left_after_deaths_is_a_clear_error(scripted_backend) ->
     for server_id in ("replica-0", "replica-1"):
         kill_locally(manager, server_id, ActorDiedError())
     with pytest.raises(NoServerError, match="no servers"):
-        await manager.client().generate("x", [1], {"max_tokens": 3})
+        await manager.client().generate(GenerateRequest("x", [1], {"max_tokens": 3}))
     status = await manager.status()
     assert status.dead_servers == ["replica-0", "replica-1"] and status.removed_in_flight == 0
 
@@ -127,7 +128,7 @@ async def test_no_server_left_after_deaths_is_a_clear_error(scripted_backend) ->
 async def test_the_resumable_client_keeps_its_tokens_across_a_dead_server(scripted_backend) -> None:
     manager = await local_manager(servers=2)
     client = manager.resumable_client()
-    task = asyncio.ensure_future(client.generate("keep", [3, 1], {"max_tokens": 300}))
+    task = asyncio.ensure_future(client.generate(GenerateRequest("keep", [3, 1], {"max_tokens": 300})))
     backend = manager.servers["replica-0"].backend
     for _ in range(500):
         if backend.stats()["tokens_generated"] >= 5:
@@ -135,8 +136,8 @@ async def test_the_resumable_client_keeps_its_tokens_across_a_dead_server(script
         await asyncio.sleep(0.01)
     # Its server dies; a weight sync then aborts the request, whose re-ask finds the server dead.
     kill_locally(manager, "replica-0", ActorDiedError())
-    await manager.abort_all_requests()
-    await manager.resume_generation()
+    await manager.control("abort_all_requests")
+    await manager.control("resume_generation")
     output = await task
     expect_exact(output, [3, 1], 300)
     kept = backend.stats()["tokens_generated"]
@@ -153,7 +154,7 @@ async def test_add_replica_after_an_aborting_removal_serves_again(scripted_backe
     await manager.add_replica(removed)  # no resume_generation() in between
     client = manager.resumable_client()
     # Before the fix every call came back "aborted" with no token, and the client spun forever.
-    output = await asyncio.wait_for(client.generate("back", [7], {"max_tokens": 10}), 30)
+    output = await asyncio.wait_for(client.generate(GenerateRequest("back", [7], {"max_tokens": 10})), 30)
     expect_exact(output, [7], 10)
     assert output.extra_fields["resumes"] == 0
 
@@ -165,7 +166,8 @@ class AlwaysAborted:
         self.calls = 0
         self.tokens_at = tokens_at  # call numbers that do return a token
 
-    async def generate(self, request_id, prompt_ids, sampling_params) -> TokenOutput:
+    async def generate(self, request) -> TokenOutput:
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
         self.calls += 1
         tokens = [5] if self.calls in self.tokens_at else []
         return TokenOutput(tokens, [-0.5] * len(tokens), "aborted", {"global_steps": 0})
@@ -176,7 +178,7 @@ async def test_aborts_without_progress_end_in_a_clear_error_not_a_spin() -> None
     client = ResumableClient(stub, max_aborts_without_progress=5)
     with pytest.raises(StalledRequestError, match=r"'s': 5 aborted replies in a row without a new "
                                                   r"token \(0 of 10 tokens so far\)"):
-        await client.generate("s", [1], {"max_tokens": 10})
+        await client.generate(GenerateRequest("s", [1], {"max_tokens": 10}))
     assert stub.calls == 5
     with pytest.raises(ValueError, match="max_aborts_without_progress"):
         ResumableClient(stub, max_aborts_without_progress=0)
@@ -186,7 +188,7 @@ async def test_a_token_between_aborts_resets_the_no_progress_count() -> None:
     stub = AlwaysAborted(tokens_at={4, 8})  # progress on calls 4 and 8
     client = ResumableClient(stub, max_aborts_without_progress=4)
     with pytest.raises(StalledRequestError, match="2 of 10 tokens"):
-        await client.generate("p", [1], {"max_tokens": 10})
+        await client.generate(GenerateRequest("p", [1], {"max_tokens": 10}))
     assert stub.calls == 12  # 3 empty, 1 token, 3 empty, 1 token, then 4 empty
 
 
@@ -194,12 +196,12 @@ async def test_an_abort_storm_loses_and_repeats_no_token(scripted_backend) -> No
     manager = await local_manager(servers=2)
     client = manager.resumable_client()
     prompts = {f"storm{i}": [i + 1, 9] for i in range(16)}
-    tasks = [asyncio.ensure_future(client.generate(r, p, {"max_tokens": 150}))
+    tasks = [asyncio.ensure_future(client.generate(GenerateRequest(r, p, {"max_tokens": 150})))
              for r, p in prompts.items()]
     aborted = 0
     for _ in range(40):  # fewer rounds than the no-progress limit, none waits for a token
-        aborted += await manager.abort_all_requests()
-        await manager.resume_generation()
+        aborted += sum(sum(n) for n in (await manager.control("abort_all_requests")).values())
+        await manager.control("resume_generation")
         await asyncio.sleep(0)
     outputs = await asyncio.gather(*tasks)
     for request_id, output in zip(prompts, outputs):
@@ -225,7 +227,7 @@ async def test_a_server_killed_mid_rollout_leaves_every_trajectory_whole(ray_man
     client = manager.resumable_client()
     budget = 200
     prompts = {f"load{i}": [i + 1, 3] for i in range(48)}
-    tasks = [asyncio.ensure_future(client.generate(r, p, {"max_tokens": budget}))
+    tasks = [asyncio.ensure_future(client.generate(GenerateRequest(r, p, {"max_tokens": budget})))
              for r, p in prompts.items()]
     for _ in range(1000):
         before = await manager.status()
@@ -254,9 +256,9 @@ async def test_a_server_killed_mid_rollout_leaves_every_trajectory_whole(ray_man
     assert sum(s["backend"]["tokens_generated"] for s in stats.values()) == budget * len(reached)
     assert len(reached) == placed_on_survivors + status.retried_requests
     # The fleet keeps serving and its control calls work without the dead server.
-    await manager.abort_all_requests()
-    await manager.resume_generation()
-    expect_exact(await client.generate("after", [2], {"max_tokens": 5}), [2], 5)
+    await manager.control("abort_all_requests")
+    await manager.control("resume_generation")
+    expect_exact(await client.generate(GenerateRequest("after", [2], {"max_tokens": 5})), [2], 5)
     assert (await manager.fault_metrics())["serving/dead_servers"] == 1.0
 
 
@@ -295,11 +297,11 @@ async def test_native_server_killed_mid_rollout_every_trajectory_completes(nativ
     manager, budget = native_manager, 48
     client = manager.resumable_client()
     prompts = {f"n{i}": [3 + i, 4, 5 + i % 7] for i in range(24)}
-    reference = await asyncio.gather(*(client.generate(f"ref-{r}", p, {**GREEDY,
-                                                                        "max_tokens": budget})
+    reference = await asyncio.gather(*(client.generate(GenerateRequest(f"ref-{r}", p, {**GREEDY,
+                                                                        "max_tokens": budget}))
                                        for r, p in prompts.items()))
     start = await native_generated(manager)
-    tasks = [asyncio.ensure_future(client.generate(r, p, {**GREEDY, "max_tokens": budget}))
+    tasks = [asyncio.ensure_future(client.generate(GenerateRequest(r, p, {**GREEDY, "max_tokens": budget})))
              for r, p in prompts.items()]
     for _ in range(2000):  # every request is running and has some tokens
         before = await manager.status()
@@ -328,18 +330,18 @@ async def test_native_abort_storm_during_generation_and_sync(native_manager) -> 
     manager, budget, rounds = native_manager, 64, 12
     client = manager.resumable_client()
     start = await native_generated(manager)
-    tasks = [asyncio.ensure_future(client.generate(f"s{i}", [3 + i, 9], {**GREEDY,
-                                                                         "max_tokens": budget}))
+    tasks = [asyncio.ensure_future(client.generate(GenerateRequest(f"s{i}", [3 + i, 9], {**GREEDY,
+                                                                         "max_tokens": budget})))
              for i in range(18)]
     from safetensors.torch import load_file
 
     weights = load_file(manager.options.model_path + "/model.safetensors")
     for version in range(1, rounds + 1):
         await asyncio.sleep(0.02)
-        await manager.abort_all_requests()
+        await manager.control("abort_all_requests")
         if version % 2 == 0:  # every other storm round is a (same-weights) sync
-            await manager.update_weights(weights.items(), version=version)
-        await manager.resume_generation()
+            await manager.control("update_weights", list(weights.items()), version)
+        await manager.control("resume_generation")
     outputs = await asyncio.wait_for(asyncio.gather(*tasks), 300)
     assert_whole(outputs, budget)
     # The engines sampled exactly the tokens returned: none lost, none generated twice.

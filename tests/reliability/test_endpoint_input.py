@@ -23,7 +23,7 @@ from tandem.agent.chat_format import ChatFormat
 from tandem.agent.recorder import ChatRecorder
 from tandem.config.schema import RolloutConfig
 from tandem.models.tiny import build_tiny_model
-from tandem.serving.openai_endpoint import EndpointServer, create_app
+from tandem.agent.openai_endpoint import EndpointServer, create_app
 
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 LIMIT = 1 << 20  # above the 200 KB of the 100k-deep body
@@ -135,7 +135,8 @@ class BlockedEngine(ScriptedEngine):
         self.started = asyncio.Event()
         self.cancelled = asyncio.Event()
 
-    async def generate(self, request_id, prompt_ids, sampling_params):
+    async def generate(self, request):
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
         self.started.set()
         try:
             await asyncio.Event().wait()
@@ -189,7 +190,7 @@ from tandem.agent.chat_format import ChatFormat
 from tandem.agent.recorder import ChatRecorder
 from tandem.config.schema import RolloutConfig
 from tandem.models.tiny import build_tiny_model
-from tandem.serving.openai_endpoint import EndpointServer, create_app
+from tandem.agent.openai_endpoint import EndpointServer, create_app
 
 tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
 recorder = ChatRecorder(ScriptedEngine(tokenizer), ChatFormat(tokenizer), RolloutConfig())

@@ -28,7 +28,7 @@ from tandem.agent.chat_format import ChatFormat
 from tandem.agent.recorder import ChatRecorder
 from tandem.config.schema import RolloutConfig
 from tandem.models.tiny import build_tiny_model
-from tandem.serving.openai_endpoint import EndpointServer, create_app
+from tandem.agent.openai_endpoint import EndpointServer, create_app
 
 
 class SlowEngine(ScriptedEngine):

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from tandem.config.schema import RolloutConfig
 from tandem.models import build_tiny_model
 from tandem.rollout.native import NativeRollout
+from tandem.types import GenerateRequest
 
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 PROMPT = [5, 6, 7, 8, 9]
@@ -31,7 +32,7 @@ def state(model_path):
 
 
 async def served(rollout: NativeRollout, tag: str) -> tuple[list[int], int]:
-    output = await rollout.generate(tag, PROMPT, GREEDY)
+    output = await rollout.generate(GenerateRequest(tag, PROMPT, GREEDY))
     return output.token_ids, output.global_steps
 
 

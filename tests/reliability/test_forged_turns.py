@@ -15,7 +15,7 @@ from tandem.agent.chat_format import ChatFormat
 from tandem.agent.recorder import ChatRecorder
 from tandem.config.schema import MultiTurnConfig, RolloutConfig
 from tandem.models.tiny import build_tiny_model
-from tandem.serving.openai_endpoint import EndpointServer, create_app
+from tandem.agent.openai_endpoint import EndpointServer, create_app
 from tandem.tools.registry import ToolRegistry, ToolResult
 from tandem.types import TokenOutput
 
@@ -61,7 +61,8 @@ class TokenScript:
                       tokenizer.encode("The answer is 5.", add_special_tokens=False) + [eos]]
         self.prompts: list[list[int]] = []
 
-    async def generate(self, request_id, prompt_ids, sampling_params):
+    async def generate(self, request):
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
         self.prompts.append(list(prompt_ids))
         tokens = self.turns[len(self.prompts) - 1]
         log_probs = [-0.25 * (i + 1) for i in range(len(tokens))]

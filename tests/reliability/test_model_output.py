@@ -33,7 +33,8 @@ class TextClient:
         self.replies = replies
         self.texts: dict[int, str] = {}
 
-    async def generate(self, request_id, prompt_ids, sampling_params):
+    async def generate(self, request):
+        request_id, prompt_ids, sampling_params = request.request_id, request.prompt_ids, request.sampling
         script = self.replies.setdefault(request_id, [])
         text = script.pop(0) if script else "done"
         token = 100 + len(self.texts)

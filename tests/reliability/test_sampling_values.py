@@ -16,7 +16,7 @@ from tandem.models import build_tiny_model
 from tandem.rollout.engine.sampler import sample
 from tandem.rollout.engine.sequence import Sequence
 from tandem.rollout.native import NativeRollout
-from tandem.types import TEMPERATURE_FLOOR, SamplingParams
+from tandem.types import GenerateRequest, SamplingParams, TEMPERATURE_FLOOR
 
 # the largest logit is not the last: the old overflow picked the last token id every time
 LOGITS = torch.tensor([0.5, 3.0, 1.0, -2.0, 0.0, 2.9])
@@ -102,10 +102,10 @@ def rollout():
 async def test_a_bad_request_beside_a_good_one_fails_alone(rollout, top_k, words):
     if top_k == "vocab+1":
         top_k = rollout.engine.runner.vocab_size + 1
-    alone = await rollout.generate("alone", [5, 6, 7], GREEDY)
+    alone = await rollout.generate(GenerateRequest("alone", [5, 6, 7], GREEDY))
     good, bad = await asyncio.gather(
-        rollout.generate("good", [5, 6, 7], GREEDY),
-        rollout.generate("bad", [5, 6, 8], {**GREEDY, "temperature": 1.0, "top_k": top_k}),
+        rollout.generate(GenerateRequest("good", [5, 6, 7], GREEDY)),
+        rollout.generate(GenerateRequest("bad", [5, 6, 8], {**GREEDY, "temperature": 1.0, "top_k": top_k})),
         return_exceptions=True)
     assert isinstance(bad, ValueError) and words in str(bad)
     assert good.token_ids == alone.token_ids and good.stop_reason == "length"
@@ -114,13 +114,13 @@ async def test_a_bad_request_beside_a_good_one_fails_alone(rollout, top_k, words
 
 async def test_the_vocabulary_size_as_top_k_still_samples(rollout):
     vocab = rollout.engine.runner.vocab_size
-    out = await rollout.generate("k", [5, 6, 7], {**GREEDY, "temperature": 1.0, "top_k": vocab,
-                                                  "seed": 2**64 - 1})
+    out = await rollout.generate(GenerateRequest("k", [5, 6, 7], {**GREEDY, "temperature": 1.0, "top_k": vocab,
+                                                  "seed": 2**64 - 1}))
     assert len(out.token_ids) == 6
 
 
 async def test_a_tiny_temperature_generates_the_greedy_tokens(rollout):
-    greedy = await rollout.generate("g", [5, 6, 7, 9], GREEDY)
-    tiny = await rollout.generate("t", [5, 6, 7, 9], {**GREEDY, "temperature": 1e-39, "seed": 3})
+    greedy = await rollout.generate(GenerateRequest("g", [5, 6, 7, 9], GREEDY))
+    tiny = await rollout.generate(GenerateRequest("t", [5, 6, 7, 9], {**GREEDY, "temperature": 1e-39, "seed": 3}))
     assert tiny.token_ids == greedy.token_ids
     assert tiny.log_probs == pytest.approx(greedy.log_probs, abs=1e-6)

@@ -15,6 +15,7 @@ import ray
 import test_dead_servers
 from tandem.serving.client import ServerClient
 from test_dead_servers import expect_exact, local_manager, scripted_backend  # noqa: F401
+from tandem.types import GenerateRequest
 
 ray.cloudpickle.register_pickle_by_value(test_dead_servers)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -46,11 +47,11 @@ async def test_a_stalled_server_leaves_and_its_requests_finish_elsewhere(scripte
     stalled = stall_locally(manager, "replica-1")
     client = client_of(manager)
     prompts = {f"r{i}": [i + 1, 2] for i in range(60)}
-    first = await asyncio.gather(*(client.generate(r, prompts[r], {"max_tokens": 20})
+    first = await asyncio.gather(*(client.generate(GenerateRequest(r, prompts[r], {"max_tokens": 20}))
                                    for r in list(prompts)[:30]))
     generate_calls = [call for call in stalled if len(call) == 3]
     assert len(generate_calls) == 10  # spread 10/10/10 before the stall was seen
-    second = await asyncio.gather(*(client.generate(r, prompts[r], {"max_tokens": 20})
+    second = await asyncio.gather(*(client.generate(GenerateRequest(r, prompts[r], {"max_tokens": 20}))
                                     for r in list(prompts)[30:]))
     assert len([call for call in stalled if len(call) == 3]) == 10  # none after it left
     for request_id, output in zip(prompts, first + second):
@@ -73,7 +74,7 @@ async def test_a_slow_server_that_answers_is_not_stalled(scripted_backend) -> No
 
     server.generate = slow
     client = client_of(manager)
-    outputs = await asyncio.gather(*(client.generate(f"s{i}", [i + 1], {"max_tokens": 8})
+    outputs = await asyncio.gather(*(client.generate(GenerateRequest(f"s{i}", [i + 1], {"max_tokens": 8}))
                                      for i in range(4)))
     for i, output in enumerate(outputs):
         expect_exact(output, [i + 1], 8)
@@ -85,7 +86,7 @@ async def test_the_resumable_client_keeps_its_tokens_across_a_stall(scripted_bac
     manager = await local_manager(servers=2)
     client = manager.resumable_client()
     client.client.stall_timeout_s = STALL_S
-    task = asyncio.ensure_future(client.generate("keep", [3, 1], {"max_tokens": 300}))
+    task = asyncio.ensure_future(client.generate(GenerateRequest("keep", [3, 1], {"max_tokens": 300})))
     backend = manager.servers["replica-0"].backend
     for _ in range(500):
         if backend.stats()["tokens_generated"] >= 5:
@@ -123,7 +124,7 @@ async def test_a_sigstopped_ray_server_is_routed_around(ray_manager) -> None:
     victim = manager.replicas["replica-1"].main_server
     pid = await victim.__ray_call__.remote(lambda actor: os.getpid())
     prompts = {f"load{i}": [i + 1, 3] for i in range(24)}
-    tasks = [asyncio.ensure_future(client.generate(r, p, {"max_tokens": 100}))
+    tasks = [asyncio.ensure_future(client.generate(GenerateRequest(r, p, {"max_tokens": 100})))
              for r, p in prompts.items()]
     await asyncio.sleep(0.2)
     os.kill(pid, signal.SIGSTOP)
@@ -133,6 +134,6 @@ async def test_a_sigstopped_ray_server_is_routed_around(ray_manager) -> None:
             expect_exact(output, prompts[request_id], 100)
         status = await manager.status()
         assert status.stalled_servers == ["replica-1"]
-        expect_exact(await client.generate("after", [2], {"max_tokens": 5}), [2], 5)
+        expect_exact(await client.generate(GenerateRequest("after", [2], {"max_tokens": 5})), [2], 5)
     finally:
         os.kill(pid, signal.SIGCONT)

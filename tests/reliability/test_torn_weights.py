@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from tandem.config.schema import RolloutConfig
 from tandem.models import build_tiny_model
 from tandem.rollout.native import NativeRollout
+from tandem.types import GenerateRequest
 
 GREEDY = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
 PROMPT = [5, 6, 7, 8, 9]
@@ -67,16 +68,16 @@ async def test_failed_update_keeps_the_previous_complete_version(model_path, new
     failure, error, message = FAILURES[case]
     rollout = make(model_path, dtype)
     await rollout.update_weights(new_state.items(), version=1)
-    before = await rollout.generate("before", PROMPT, GREEDY)
+    before = await rollout.generate(GenerateRequest("before", PROMPT, GREEDY))
     halved = {name: tensor * 0.5 for name, tensor in new_state.items()}
     with pytest.raises(error, match=message):
         await rollout.update_weights(good_then(halved, failure), version=2)
-    after = await rollout.generate("after", PROMPT, GREEDY)
+    after = await rollout.generate(GenerateRequest("after", PROMPT, GREEDY))
     assert rollout.weight_version == 1
     assert after.token_ids == before.token_ids and after.global_steps == 1
     # the stream with its last tensor intact loads and changes the tokens: the test can fail
     await rollout.update_weights(halved.items(), version=2)
-    changed = await rollout.generate("changed", PROMPT, GREEDY)
+    changed = await rollout.generate(GenerateRequest("changed", PROMPT, GREEDY))
     assert changed.global_steps == 2 and changed.token_ids != before.token_ids
     await rollout.shutdown()
 

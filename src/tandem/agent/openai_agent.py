@@ -21,7 +21,7 @@ from tandem.agent.recorder import ChatRecorder, SessionSettings
 from tandem.agent.session import Session, TokenClient
 from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import RolloutConfig
-from tandem.serving.openai_endpoint import SESSION_HEADER, EndpointServer, create_app
+from tandem.agent.openai_endpoint import SESSION_HEADER, EndpointServer, create_app
 
 AgentFn = Callable[[openai.AsyncOpenAI, DatasetRow], Awaitable[Any]]
 

@@ -25,7 +25,7 @@ from tandem.agent.session import TokenClient
 from tandem.agent.tool_parser import parse_tool_calls
 from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import RolloutConfig
-from tandem.types import TokenOutput
+from tandem.types import GenerateRequest, TokenOutput
 
 
 class RequestError(Exception):
@@ -327,9 +327,9 @@ class ChatRecorder:
             budget = min(budget, int(request["max_tokens"]))
         n = int(request.get("n") or 1)
         branches = [branch] + [copy.deepcopy(branch) for _ in range(n - 1)]
-        outputs = await asyncio.gather(*(self.client.generate(
+        outputs = await asyncio.gather(*(self.client.generate(GenerateRequest(
             session.key, list(prompt), self._params(session.settings, branch.assistant_turns, i,
-                                                    budget, request)) for i in range(n)))
+                                                    budget, request))) for i in range(n)))
         stops = request.get("stop") or []
         completions = await asyncio.to_thread(lambda: [
             self._record(b, output, budget, stops, len(prompt))

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from tandem.agent.dataset import DatasetRow
-from tandem.types import TokenOutput
+from tandem.types import GenerateRequest, TokenOutput
 
 
 class TokenClient(Protocol):
     """The only engine API a loop sees (the serving client, or a backend such as NativeRollout)."""
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling_params: dict[str, Any]) -> TokenOutput:
-        """Continue prompt_ids; one logprob per token; extra_fields["global_steps"] set."""
+    async def generate(self, request: GenerateRequest) -> TokenOutput:
+        """Continue request.prompt_ids; one logprob per token; extra_fields["global_steps"] set."""
 
 
 @dataclass(frozen=True)

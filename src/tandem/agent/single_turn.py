@@ -8,6 +8,7 @@ from tandem.agent.sampling import check_prompt_length, remaining_budget, samplin
 from tandem.agent.session import Session, TokenClient
 from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import RolloutConfig
+from tandem.types import GenerateRequest
 
 
 class SingleTurnLoop:
@@ -27,7 +28,8 @@ class SingleTurnLoop:
         budget = remaining_budget(self.config, len(prompt), 0)
         params = {**sampling_params(self.config, session.validate, row.do_sample, budget),
                   **session.sampling_seed(0)}
-        output = await self.client.generate(session.request_id, list(prompt), params)
+        output = await self.client.generate(
+            GenerateRequest(session.request_id, list(prompt), params))
         builder.add_model_output(output, budget)
         text = self.chat_format.strip_stop_text(self.chat_format.decode(output.token_ids))
         metadata = {"response_text": text, "extra_info": row.extra_info,

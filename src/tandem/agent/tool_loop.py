@@ -24,6 +24,7 @@ from tandem.agent.tool_parser import ToolCall, parse_tool_calls
 from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import RolloutConfig
 from tandem.tools.registry import ToolRegistry, ToolResult
+from tandem.types import GenerateRequest
 
 TRUNCATION_MARKER = "...(truncated)..."
 
@@ -97,8 +98,8 @@ class ToolAgentLoop:
                 break
             params = {**sampling_params(config, session.validate, row.do_sample, budget),
                       **session.sampling_seed(assistant_turns)}
-            output = await self.client.generate(session.request_id, prompt + builder.token_ids,
-                                                params)
+            output = await self.client.generate(
+                GenerateRequest(session.request_id, prompt + builder.token_ids, params))
             builder.add_model_output(output, budget)
             assistant_turns += 1
             text = self.chat_format.strip_stop_text(self.chat_format.decode(output.token_ids))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tandem.algorithms.masked import masked_count, masked_sum, require_same_shape
-from tandem.config.load import LOSS_AGG_MODES
+from tandem.config.choices import LOSS_AGG_MODES
 
 Count = int | float | torch.Tensor
 

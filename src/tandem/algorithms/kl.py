@@ -12,7 +12,7 @@ import torch
 
 from tandem.algorithms.aggregation import Count, aggregate_loss
 from tandem.algorithms.masked import masked_mean, require_same_shape
-from tandem.config.load import KL_ALIASES, KL_TYPES
+from tandem.config.choices import KL_ALIASES, KL_TYPES
 
 # k3 is clamped to [-K3_LIMIT, K3_LIMIT] (and its log-ratio to +-20 before exp) for stability.
 K3_LIMIT = 10.0

@@ -15,7 +15,7 @@ import torch
 
 from tandem.algorithms.masked import masked_mean, masked_sum, require_same_shape
 from tandem.algorithms.rejection import LOG_RATIO_LIMIT, parse_rejection, rejection_keep
-from tandem.config.load import CORRECTION_LEVELS
+from tandem.config.choices import CORRECTION_LEVELS
 from tandem.config.schema import RolloutCorrectionConfig
 
 

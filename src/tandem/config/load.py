@@ -14,35 +14,17 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from tandem.config.choices import (ADV_ESTIMATORS, CORRECTION_LEVELS, DTYPES,
+                                   IMPORTANCE_SAMPLING_MODES, KL_CONTROLLERS, KL_TYPES,
+                                   LOGPROBS_MODES, LOSS_AGG_MODES, LR_SCHEDULES,
+                                   NONFINITE_LOSS_POLICIES, PLACEMENT_STRATEGIES,
+                                   REWARD_PLACEMENTS, TRAINER_MODES, TRUNCATE_SIDES, ConfigError)
+from tandem.config.footprint import fleet_problem, rollout_devices
 from tandem.config.kv_budget import hf_config, kv_budget_problem
 from tandem.config.model_check import model_problem
 from tandem.config.ranges import out_of_range
 from tandem.config.schema import RolloutConfig, RolloutCorrectionConfig, TandemConfig
 from tandem.types import TEMPERATURE_FLOOR
-
-TRAINER_MODES = ("sync", "colocate_async", "separate_async")
-DISAGGREGATION_BACKENDS = ("vllm", "sglang")
-LOGPROBS_MODES = ("raw", "processed")
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm")
-ADV_ESTIMATORS = ("grpo", "gae")
-# KL estimators and their verl aliases; "+" = the estimator's value with k2's gradient.
-KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
-KL_BASE_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
-KL_TYPES = KL_BASE_TYPES + tuple(f"{name}+" for name in KL_BASE_TYPES)
-KL_CONTROLLERS = ("fixed", "adaptive")
-TRUNCATE_SIDES = ("left", "right", "middle")
-CORRECTION_LEVELS = ("none", "token", "sequence")
-IMPORTANCE_SAMPLING_MODES = ("truncate", "icepop")
-REWARD_PLACEMENTS = ("agent_loop", "after_sampling")
-DTYPES = ("float32", "bfloat16", "float16")
-LR_SCHEDULES = ("constant", "cosine")
-NONFINITE_LOSS_POLICIES = ("skip", "stop")
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the fix."""
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> TandemConfig:
@@ -78,15 +60,14 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 
 def derive_separate_async(config: TandemConfig, given: set[str]) -> None:
     """trainer_mode=separate_async with its own options left unset (so one override switches
-    modes): rollout devices = 1 node x trainer.n_devices, checkpoint engine shm (CPU) or nccl
-    (cuda), parameter_sync_step = data.train_batch_size / actor.ppo_mini_batch_size."""
+    modes): rollout devices = 1 node x trainer.n_devices, parameter_sync_step =
+    data.train_batch_size / actor.ppo_mini_batch_size. (The checkpoint engine's "auto" is
+    decided at start, once the fleet knows which host each server runs on.)"""
     if config.trainer.trainer_mode != "separate_async":
         return
     rollout = config.rollout
     if not {"rollout.nnodes", "rollout.n_gpus_per_node"} & given:
         rollout.nnodes, rollout.n_gpus_per_node = 1, config.trainer.n_devices
-    if "rollout.checkpoint_engine.backend" not in given:
-        rollout.checkpoint_engine.backend = "nccl" if config.model.device.startswith("cuda") else "shm"
     batch, mini = config.data.train_batch_size, config.actor.ppo_mini_batch_size
     if "trainer.separate_async.parameter_sync_step" not in given and mini and batch % mini == 0:
         config.trainer.separate_async.parameter_sync_step = batch // mini
@@ -181,18 +162,12 @@ def validate(config: TandemConfig) -> None:
     if problem:
         raise ConfigError(problem)
 
-    disagg = rollout.disaggregation
-    if disagg.enabled:
-        if rollout.name not in DISAGGREGATION_BACKENDS:
-            _fail("rollout.disaggregation.enabled", f"prefill/decode disaggregation needs rollout.name "
-                  f"in {DISAGGREGATION_BACKENDS}, not {rollout.name!r}; disable it or switch backend.")
-        if disagg.prefill_replicas != 1:
-            _fail("rollout.disaggregation.prefill_replicas", "must be exactly 1 with disaggregation")
-        if rollout.data_parallel_size != 1:
-            _fail("rollout.data_parallel_size", "must be 1 with prefill/decode disaggregation")
+    problem = fleet_problem(config)
+    if problem:
+        raise ConfigError(problem)
 
     ckpt = rollout.checkpoint_engine
-    _choice("rollout.checkpoint_engine.backend", ckpt.backend, checkpoint_engine_names())
+    _choice("rollout.checkpoint_engine.backend", ckpt.backend, ("auto", *checkpoint_engine_names()))
     problem = engine_kwargs_problem(ckpt.backend, dict(ckpt.engine_kwargs))
     if problem:
         _fail("rollout.checkpoint_engine.engine_kwargs", problem)
@@ -292,7 +267,7 @@ def validate(config: TandemConfig) -> None:
                   f"needs train_batch_size == trainer.separate_async.parameter_sync_step ({sync_step})"
                   f" x actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) = "
                   f"{sync_step * actor.ppo_mini_batch_size}")
-    elif rollout.torch_threads:
+    elif rollout.torch_threads and not rollout_devices(config):
         _fail("rollout.torch_threads", f"is {rollout.torch_threads}, but in trainer_mode="
               f"{trainer.trainer_mode} the rollout engine runs inside the training workers, whose "
               "threads are actor.torch_threads; set rollout.torch_threads=0")

@@ -44,9 +44,9 @@ class DisaggregationConfig:
 class CheckpointEngineConfig:
     """The weight-sync transport from the training actor into the rollout engine."""
 
-    # a name in tandem.weight_sync.registry; the hybrid layout always uses naive, a rollout
-    # in its own process (standalone, colocated) never can
-    backend: str = "naive"
+    # auto: naive in-process (hybrid); across processes shm when every server shares the
+    # sender's host, else nccl (cuda) / gloo (cpu); or a name in tandem.weight_sync.registry
+    backend: str = "auto"
     update_weights_bucket_megabytes: int = 512
     timeout_s: float = 300.0  # deadline of every wait of a sync (rendezvous, bucket, phase)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -274,6 +274,9 @@ class TrainerConfig:
     separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
     async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
     n_devices: int = 1  # devices (CPU workers or GPUs) for the actor and hybrid rollout
+    # deadline of the fleet's waits outside a weight sync: engine start, every control call to a
+    # server, and each collective of the training group (FSDP)
+    timeout_s: float = 600.0
     ray_address: str = ""  # join this Ray cluster ("auto", "ip:6379"); "" = $RAY_ADDRESS or start one
     placement_strategy: str = "PACK"  # training workers' bundles: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
 

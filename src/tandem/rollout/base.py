@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Iterable, Mapping
 import torch
 
 from tandem.config.schema import RolloutConfig
-from tandem.types import TokenOutput
+from tandem.types import GenerateRequest, TokenOutput
 
 MEMORY_TAGS = ("weights", "kv_cache")
 
@@ -25,7 +25,8 @@ MEMORY_TAGS = ("weights", "kv_cache")
 #   "gpu"         "yes" on CUDA; "no" on CPU
 #   "no"          not available; the method keeps the documented fallback (see CAPABILITY_FALLBACKS)
 CAPABILITIES = ("logprobs_raw", "logprobs_processed", "abort_partial", "per_request_seed",
-                "sleep_weights", "sleep_kv_cache", "clear_kv_cache", "update_weights")
+                "sleep_weights", "sleep_kv_cache", "clear_kv_cache", "update_weights",
+                "multi_modal_inputs", "adapters")
 CAPABILITY_LEVELS = ("yes", "workaround", "gpu", "no")
 # The behaviour a backend without the capability guarantees instead (checked by tests/conformance).
 CAPABILITY_FALLBACKS = {
@@ -37,6 +38,8 @@ CAPABILITY_FALLBACKS = {
     "sleep_kv_cache": "sleep(['kv_cache']) keeps the KV cache in memory; generation keeps working",
     "clear_kv_cache": "clear_kv_cache() raises NotImplementedError",
     "update_weights": "update_weights() raises NotImplementedError",
+    "multi_modal_inputs": "check_request() raises ValueError naming GenerateRequest.multi_modal_data",
+    "adapters": "check_request() raises ValueError naming GenerateRequest.adapter",
 }
 
 
@@ -94,9 +97,19 @@ class BaseRollout(ABC):
                device: str = "cpu") -> "BaseRollout":
         """Build the engine for the HF model at model_path with the rollout config."""
 
+    @classmethod
+    def check_request(cls, request: GenerateRequest, device: str = "cpu") -> None:
+        """Refuse what this backend cannot serve (inputs beyond tokens, a LoRA adapter) with a
+        ValueError naming the field, instead of generating as if it were not there."""
+        if request.multi_modal_data and not cls.supports("multi_modal_inputs", device):
+            raise ValueError(f"request {request.request_id!r}: the {cls.__name__} backend takes no "
+                             "GenerateRequest.multi_modal_data; send token ids only")
+        if request.adapter is not None and not cls.supports("adapters", device):
+            raise ValueError(f"request {request.request_id!r}: the {cls.__name__} backend serves no "
+                             f"adapters (GenerateRequest.adapter={request.adapter!r}); leave it None")
+
     @abstractmethod
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling_params: Mapping[str, Any]) -> TokenOutput:
+    async def generate(self, request: GenerateRequest) -> TokenOutput:
         """Sample a continuation; one logprob per token; extra_fields["global_steps"] set."""
 
     @abstractmethod

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Iterable
 
 import torch
 
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.base import CAPABILITIES, MEMORY_TAGS, BaseRollout, check_tags
 from tandem.rollout.engine import AsyncEngine
-from tandem.types import TokenOutput
+from tandem.types import GenerateRequest, TokenOutput
 
 
 class NativeRollout(BaseRollout):
     """Continuous batching, paged KV cache, prefix cache, per-token logprobs; CPU or CUDA."""
 
-    capabilities = {name: "yes" for name in CAPABILITIES}
+    capabilities = {**{name: "yes" for name in CAPABILITIES}, "multi_modal_inputs": "no",
+                    "adapters": "no"}
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -29,9 +30,8 @@ class NativeRollout(BaseRollout):
         return cls(AsyncEngine(resolve_model_path(str(model_path)), config or RolloutConfig(),
                                dtype, device))
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling_params: Mapping[str, Any]) -> TokenOutput:
-        return await self.engine.generate(request_id, prompt_ids, sampling_params)
+    async def generate(self, request: GenerateRequest) -> TokenOutput:
+        return await self.engine.generate(request)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

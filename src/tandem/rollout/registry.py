@@ -23,11 +23,6 @@ def rollout_backend_names() -> tuple[str, ...]:
     return tuple(_ROLLOUT_BACKENDS)
 
 
-def register_rollout_backend(name: str, target: str) -> None:
-    """Register a backend as "module:attribute"; a later registration of the same name wins."""
-    _ROLLOUT_BACKENDS[name] = target
-
-
 def unavailable_reason(name: str) -> str | None:
     """Why backend `name` cannot run in this environment, or None when it can."""
     if name not in _ROLLOUT_BACKENDS:
@@ -39,11 +34,6 @@ def unavailable_reason(name: str) -> str | None:
             return (f"rollout backend {name!r} needs the {package!r} package, not installed: "
                     f"{remedy}")
     return None
-
-
-def available_rollout_backends() -> dict[str, str | None]:
-    """Every registered name -> None if usable here, else the reason it is not."""
-    return {name: unavailable_reason(name) for name in _ROLLOUT_BACKENDS}
 
 
 def get_rollout_class(name: str) -> type:

@@ -17,14 +17,8 @@ import torch
 
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags, checked_version
-from tandem.rollout.vllm import weight_buckets
-from tandem.types import SamplingParams, TokenOutput
-
-# bytes of tensors per update_weights_from_tensor call
-SGLANG_BUCKET_BYTES = 512 << 20
-# SGLang finish_reason["type"] -> tandem stop_reason
-STOP_REASONS = {"stop": "completed", "length": "length", "abort": "aborted"}
-
+from tandem.rollout.external import checked_buckets, safetensors_shapes, stop_reason
+from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 
 def sglang_sampling_params(params: SamplingParams, prompt_len: int, context_len: int) -> dict:
     """tandem's validated sampling dict as SGLang sampling_params; the budget is capped by the
@@ -38,12 +32,9 @@ def sglang_sampling_params(params: SamplingParams, prompt_len: int, context_len:
     return out
 
 
-def stop_reason(finish_reason: Mapping[str, Any] | None) -> str:
+def sglang_stop_reason(finish_reason: Mapping[str, Any] | None) -> str:
     """SGLang's meta_info["finish_reason"] as tandem's stop_reason; None means aborted."""
-    kind = "abort" if finish_reason is None else finish_reason.get("type")
-    if kind not in STOP_REASONS:
-        raise RuntimeError(f"SGLang finished a request with finish_reason={finish_reason!r}")
-    return STOP_REASONS[kind]
+    return stop_reason("SGLang", "abort" if finish_reason is None else finish_reason.get("type"))
 
 
 class SGLangRollout(BaseRollout):
@@ -52,11 +43,14 @@ class SGLangRollout(BaseRollout):
 
     capabilities = {"logprobs_raw": "yes", "logprobs_processed": "no", "abort_partial": "yes",
                     "per_request_seed": "yes", "sleep_weights": "yes", "sleep_kv_cache": "yes",
-                    "clear_kv_cache": "yes", "update_weights": "yes"}
+                    "clear_kv_cache": "yes", "update_weights": "yes", "multi_modal_inputs": "no",
+                    "adapters": "no"}
 
-    def __init__(self, engine: Any, context_len: int, shapes: dict[str, tuple],
-                 tp_size: int) -> None:
+    def __init__(self, engine: Any, context_len: int, vocab_size: int, shapes: dict[str, tuple],
+                 tp_size: int, bucket_bytes: int = 512 << 20) -> None:
         self.engine, self.context_len, self.shapes = engine, context_len, shapes
+        self.vocab_size = vocab_size
+        self.bucket_bytes = bucket_bytes  # tensors per update_weights_from_tensor call
         self.tp_size = tp_size
         self.version = 0
         self.running: set[str] = set()
@@ -69,7 +63,6 @@ class SGLangRollout(BaseRollout):
     def create(cls, model_path: str | Path, config: RolloutConfig | None = None,
                dtype: str = "bfloat16", device: str = "cuda") -> "SGLangRollout":
         import sglang
-        from safetensors import safe_open
 
         from tandem.models import resolve_model_path
 
@@ -88,24 +81,21 @@ class SGLangRollout(BaseRollout):
             disable_radix_cache=not config.enable_prefix_caching,
             max_running_requests=config.max_num_seqs,
             chunked_prefill_size=config.max_num_batched_tokens)
-        shapes: dict[str, tuple] = {}
-        for file in sorted(path.glob("*.safetensors")):
-            with safe_open(file, "pt") as handle:
-                shapes.update((key, tuple(handle.get_slice(key).get_shape()))
-                              for key in handle.keys())
-        if "model.embed_tokens.weight" in shapes:
-            shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
-        context_len = engine.tokenizer_manager.model_config.context_len
-        return cls(engine, context_len, shapes, config.tensor_model_parallel_size)
+        from transformers import AutoConfig
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling_params: Mapping[str, Any]) -> TokenOutput:
+        hf_config = AutoConfig.from_pretrained(path)
+        shapes = safetensors_shapes(path, tied_embeddings=True)
+        context_len = engine.tokenizer_manager.model_config.context_len
+        return cls(engine, context_len, hf_config.vocab_size, shapes,
+                   config.tensor_model_parallel_size,
+                   config.checkpoint_engine.update_weights_bucket_megabytes << 20)
+
+    async def generate(self, request: GenerateRequest) -> TokenOutput:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        params = SamplingParams.from_dict(sampling_params)
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt or len(prompt) >= self.context_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens: need 1 to {self.context_len - 1}")
+        request_id = request.request_id
+        params = SamplingParams.from_dict(request.sampling)
+        prompt = request.checked_prompt(self.vocab_size, self.context_len)
         if request_id in self.running:
             raise ValueError(f"request_id {request_id!r} is already running; ids must be unique")
         request = GenerateReqInput(rid=request_id, input_ids=prompt, return_logprob=params.logprobs,
@@ -126,7 +116,7 @@ class SGLangRollout(BaseRollout):
         if self.sizes is None:
             await self._measure()
         return TokenOutput(tokens, logprobs if params.logprobs else None,
-                           stop_reason(meta.get("finish_reason")), {"global_steps": self.version})
+                           sglang_stop_reason(meta.get("finish_reason")), {"global_steps": self.version})
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.running:
@@ -181,7 +171,7 @@ class SGLangRollout(BaseRollout):
         from sglang.srt.utils import MultiprocessingSerializer
 
         # checked in full before the engine is touched: a bad tensor leaves the old version
-        buckets = list(weight_buckets(named_tensors, self.shapes, SGLANG_BUCKET_BYTES))
+        buckets = list(checked_buckets(named_tensors, self.shapes, self.bucket_bytes))
         if not buckets:
             raise ValueError(f"update_weights: the stream held no tensor; stamping version "
                              f"{version} on the old weights would claim an update that never "

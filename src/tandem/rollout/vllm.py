@@ -11,23 +11,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import numbers
 import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable
 
 import torch
 
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags, checked_version
-from tandem.types import SamplingParams, TokenOutput
+from tandem.rollout.external import checked_buckets, safetensors_shapes, stop_reason
+from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 
 logger = logging.getLogger(__name__)
 
-# bytes of tensors sent to the workers per collective_rpc during update_weights
-VLLM_BUCKET_BYTES = 256 << 20
-# vLLM finish_reason -> tandem stop_reason
-STOP_REASONS = {"stop": "completed", "length": "length", "abort": "aborted"}
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 
 
@@ -43,38 +39,6 @@ def vllm_sampling_kwargs(params: SamplingParams, prompt_len: int, max_model_len:
     if params.seed is not None:
         kwargs["seed"] = params.seed
     return kwargs
-
-
-def stop_reason(finish_reason: str | None) -> str:
-    """vLLM's finish_reason as tandem's stop_reason; anything else is an engine failure."""
-    if finish_reason not in STOP_REASONS:
-        raise RuntimeError(f"vLLM finished a request with finish_reason={finish_reason!r}; "
-                           f"expected one of {sorted(STOP_REASONS)}")
-    return STOP_REASONS[finish_reason]
-
-
-def weight_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple],
-                   bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group checked, CPU-contiguous (name, tensor) pairs into buckets of about bucket_bytes."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        if name not in shapes:
-            raise ValueError(f"update_weights: unknown weight {name!r} (expected HF names such "
-                             f"as {next(iter(shapes))!r})")
-        if tuple(tensor.shape) != tuple(shapes[name]):
-            raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the "
-                             f"model expects {tuple(shapes[name])}")
-        if not tensor.is_floating_point():
-            raise TypeError(f"update_weights: {name!r} has dtype {tensor.dtype}; weights must be "
-                            "floating point")
-        bucket.append((name, tensor.detach().to("cpu").contiguous()))
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
 
 
 # ---- functions run inside vLLM's workers (collective_rpc) ----------------------------------
@@ -141,12 +105,14 @@ class VLLMRollout(BaseRollout):
 
     capabilities = {"logprobs_raw": "yes", "logprobs_processed": "yes", "abort_partial": "yes",
                     "per_request_seed": "workaround", "sleep_weights": "gpu", "sleep_kv_cache": "gpu",
-                    "clear_kv_cache": "yes", "update_weights": "yes"}
+                    "clear_kv_cache": "yes", "update_weights": "yes", "multi_modal_inputs": "no",
+                    "adapters": "no"}
 
     def __init__(self, engine: Any, device: str, max_model_len: int, vocab_size: int,
-                 shapes: dict[str, tuple]) -> None:
+                 shapes: dict[str, tuple], bucket_bytes: int = 512 << 20) -> None:
         self.engine, self.device = engine, device
         self.max_model_len, self.vocab_size, self.shapes = max_model_len, vocab_size, shapes
+        self.bucket_bytes = bucket_bytes  # tensors per collective_rpc of update_weights
         self.version = 0
         self.running: dict[str, asyncio.Event] = {}
         self.counters = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0,
@@ -156,7 +122,6 @@ class VLLMRollout(BaseRollout):
     @classmethod
     def create(cls, model_path: str | Path, config: RolloutConfig | None = None,
                dtype: str = "float32", device: str = "cpu") -> "VLLMRollout":
-        from safetensors import safe_open
         from transformers import AutoConfig
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -194,39 +159,19 @@ class VLLMRollout(BaseRollout):
             enforce_eager=not on_gpu,
             enable_chunked_prefill=cpu_batch.get("enable_chunked_prefill"))
         engine = AsyncLLM.from_engine_args(args)
-        shapes: dict[str, tuple] = {}
-        for file in sorted(path.glob("*.safetensors")):
-            with safe_open(file, "pt") as handle:
-                shapes.update((key, tuple(handle.get_slice(key).get_shape()))
-                              for key in handle.keys())
-        tied = getattr(hf_config, "tie_word_embeddings", False)
-        if tied and "model.embed_tokens.weight" in shapes:
-            shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
-        return cls(engine, device, engine.model_config.max_model_len, hf_config.vocab_size, shapes)
+        shapes = safetensors_shapes(path, getattr(hf_config, "tie_word_embeddings", False))
+        bucket_bytes = config.checkpoint_engine.update_weights_bucket_megabytes << 20
+        return cls(engine, device, engine.model_config.max_model_len, hf_config.vocab_size, shapes,
+                   bucket_bytes)
 
     # ---- requests -------------------------------------------------------------------------
-    def _check_prompt(self, prompt_ids: list[int]) -> list[int]:
-        prompt = list(prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)
-        if not prompt:
-            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("prompt_ids must be a list of ints")
-        prompt = [int(t) for t in prompt]
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"prompt_ids must lie in [0, {self.vocab_size}); got min "
-                             f"{min(prompt)}, max {max(prompt)}")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the model's "
-                             f"context of {self.max_model_len} tokens")
-        return prompt
-
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling_params: Mapping[str, Any]) -> TokenOutput:
+    async def generate(self, request: GenerateRequest) -> TokenOutput:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams.from_dict(sampling_params)
-        prompt = self._check_prompt(prompt_ids)
+        request_id = request.request_id
+        params = SamplingParams.from_dict(request.sampling)
+        prompt = request.checked_prompt(self.vocab_size, self.max_model_len)
         if request_id in self.running:
             raise ValueError(f"request_id {request_id!r} is already running; ids must be unique")
         vllm_params = VLLMSamplingParams(**vllm_sampling_kwargs(params, len(prompt),
@@ -260,7 +205,7 @@ class VLLMRollout(BaseRollout):
             await self._measure()
         if finish is None:  # the stream ended without a final output: vLLM dropped the request
             finish = "abort"
-        return TokenOutput(tokens, logprobs if params.logprobs else None, stop_reason(finish),
+        return TokenOutput(tokens, logprobs if params.logprobs else None, stop_reason("vLLM", finish),
                            {"global_steps": self.version})
 
     async def abort(self, request_id: str) -> None:
@@ -320,7 +265,7 @@ class VLLMRollout(BaseRollout):
                              version: int, partial: bool = False) -> None:
         version = checked_version(version, self.version)
         # checked in full before the engine is touched: a bad tensor leaves the old version
-        buckets = list(weight_buckets(named_tensors, self.shapes, VLLM_BUCKET_BYTES))
+        buckets = list(checked_buckets(named_tensors, self.shapes, self.bucket_bytes))
         if not buckets:
             raise ValueError(f"update_weights: the stream held no tensor; stamping version "
                              f"{version} on the old weights would claim an update that never "

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any, Mapping
+from typing import Any
 
 from ray.exceptions import RayActorError
 
 from tandem.serving.remote import call, is_actor, resolve, submit
-from tandem.types import TokenOutput
+from tandem.types import GenerateRequest, TokenOutput
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class ServerStalled(RuntimeError):
 
 
 class ServerClient:
-    """generate(request_id, prompt_ids, sampling_params) -> TokenOutput through the balancer.
+    """generate(GenerateRequest) -> TokenOutput through the balancer.
 
     `balancer` is a LoadBalancer (local) or its Ray actor; `servers` maps server ids to local
     RolloutServer objects or Ray handles (ids missing here are looked up in the balancer).
@@ -53,8 +53,7 @@ class ServerClient:
         # Shipped to another process (an agent-loop worker): in-flight bookkeeping stays here.
         return {**self.__dict__, "_pending_releases": set()}
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling_params: Mapping[str, Any]) -> TokenOutput:
+    async def generate(self, request: GenerateRequest) -> TokenOutput:
         """Acquire a server, generate once with a fresh backend id, always release the server.
 
         A call whose server actor died (DEAD_SERVER_ERRORS) or stalled (no answer to a probe
@@ -64,10 +63,9 @@ class ServerClient:
         extra_fields gets min_global_steps / max_global_steps (both = global_steps) unless set.
         """
         while True:  # ends: each failure removes a server, which acquire() never returns again
-            server_id = await self._acquire(request_id)
+            server_id = await self._acquire(request.request_id)
             try:
-                output = await self._generate_on(server_id, request_id, prompt_ids,
-                                                 sampling_params)
+                output = await self._generate_on(server_id, request)
                 break
             except (*DEAD_SERVER_ERRORS, ServerStalled) as error:
                 stalled = isinstance(error, ServerStalled)
@@ -80,15 +78,15 @@ class ServerClient:
         output.extra_fields.setdefault("max_global_steps", steps)
         return output
 
-    async def _generate_on(self, server_id: str, request_id: str, prompt_ids: list[int],
-                           sampling_params: Mapping[str, Any]) -> TokenOutput:
+    async def _generate_on(self, server_id: str, request: GenerateRequest) -> TokenOutput:
         try:
             server = await self._server(server_id)
-            backend_request_id = f"{request_id}-{uuid.uuid4().hex}"
+            backend_request = request.replace(
+                request_id=f"{request.request_id}-{uuid.uuid4().hex}",
+                prompt_ids=list(request.prompt_ids), sampling=dict(request.sampling))
             return await self._unless_stalled(server, server_id, resolve(
-                submit(server, "generate", backend_request_id, list(prompt_ids),
-                       dict(sampling_params)),
-                self.timeout_s, f"generate({request_id!r}) on server {server_id!r}"))
+                submit(server, "generate", backend_request), self.timeout_s,
+                f"generate({request.request_id!r}) on server {server_id!r}"))
         finally:
             # Submitted before any await: the release happens even if we are cancelled here.
             release = asyncio.ensure_future(resolve(submit(self.balancer, "release", server_id),

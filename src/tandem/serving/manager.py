@@ -1,4 +1,5 @@
-"""The server manager: replicas = devices // footprint, one global load balancer, clients.
+"""The server manager: replicas = devices // footprint, one global load balancer, clients, and
+the one control path: `control(verb, ...)` reaches every server of every replica.
 
 Servers that are Ray actors get a LoadBalancerActor; servers living in this process (the hybrid
 in-process mode) get a plain LoadBalancer, so the whole path runs on the caller's event loop.
@@ -8,18 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Sequence
 
 import ray
-import torch
 from ray.util.placement_group import PlacementGroup
 
-from tandem.config.load import ConfigError
+from tandem.config.choices import ConfigError
+from tandem.config.footprint import replica_count, replica_world_size
 from tandem.config.schema import RolloutConfig
-from tandem.rollout.base import MEMORY_TAGS
 from tandem.serving.balancer import BalancerStatus, LoadBalancer, LoadBalancerActor
 from tandem.serving.client import DEAD_SERVER_ERRORS, ServerClient
-from tandem.serving.footprint import check_backend_fits, replica_count, replica_world_size
 from tandem.serving.remote import call, is_actor
 from tandem.serving.replica import ReplicaLayout, RolloutReplica, ServerOptions
 from tandem.serving.resumable_client import MAX_ABORTS_WITHOUT_PROGRESS, ResumableClient
@@ -55,7 +54,6 @@ class ServerManager:
         """
         layout = ReplicaLayout(layout)
         world_size = replica_world_size(config)
-        check_backend_fits(config, world_size)
         if layout is ReplicaLayout.COLOCATED and placement_group is not None:
             bundle_indices = list(bundle_indices if bundle_indices is not None
                                   else range(placement_group.bundle_count))
@@ -108,7 +106,7 @@ class ServerManager:
         """Open generation on an initialised replica (undoing a remove_replica(abort=True)) and
         route new requests to it too."""
         # A replica still rerouting would answer every call "aborted" with no token, forever.
-        await replica.resume_generation()
+        await replica.control("resume_generation")
         # the handle inside an object reference: the balancer's process keeps it without
         # deserializing it, which would import the server's class (torch and the model code)
         handle = [ray.put(replica.main_server)] if replica.is_remote else None
@@ -127,7 +125,7 @@ class ServerManager:
         # self.servers keeps the handle: a request routed there just before removal still gets it.
         replica = self.replicas.pop(server_id)
         if abort:
-            await replica.abort_all_requests(reroute=True)
+            await replica.control("abort_all_requests", True)
         return replica
 
     async def status(self) -> BalancerStatus:
@@ -144,12 +142,12 @@ class ServerManager:
 
     async def stats(self) -> dict[str, dict[str, Any]]:
         """server_id -> that replica's main-server counters."""
-        return {sid: stats[0] for sid, stats in (await self._all("stats")).items()}
+        return {sid: stats[0] for sid, stats in (await self.control("stats")).items()}
 
     async def weight_versions(self) -> dict[str, int | None]:
         """server_id -> the weight version its main server serves (None: it did not answer)."""
-        results = await asyncio.gather(*(r.weight_versions() for r in self.replicas.values()),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(r.control("weight_version")
+                                         for r in self.replicas.values()), return_exceptions=True)
         return {sid: None if isinstance(result, BaseException) else result[0]
                 for sid, result in zip(self.replicas, results)}
 
@@ -158,14 +156,16 @@ class ServerManager:
         return sorted(sid for sid, served in (await self.weight_versions()).items()
                       if served != version)
 
-    # -- trainer control, fanned out to every replica -------------------------------------
+    # -- the one control path -----------------------------------------------------------------
 
-    async def _all(self, method: str, *args: Any) -> dict[str, Any]:
-        """server_id -> result of every replica's call. A replica whose actor died leaves the
-        fleet (and the balancer) instead of failing the call: a dead server never blocks the
-        trainer's control calls. Any other error is raised once every call has returned."""
+    async def control(self, verb: str, *args: Any) -> dict[str, list[Any]]:
+        """server_id -> the results of `verb` (serving.server.CONTROL_VERBS) on each server of
+        that replica, every call within its deadline (ControlTimeout names verb and server).
+        A replica whose actor died leaves the fleet (and the balancer) instead of failing the
+        call: a dead server never blocks the trainer. Any other error is raised once every call
+        has returned, with a note naming the server."""
         replicas = dict(self.replicas)
-        results = await asyncio.gather(*(getattr(r, method)(*args) for r in replicas.values()),
+        results = await asyncio.gather(*(r.control(verb, *args) for r in replicas.values()),
                                        return_exceptions=True)
         outcome = dict(zip(replicas, results))
         for server_id, result in outcome.items():
@@ -174,61 +174,24 @@ class ServerManager:
                                type(result).__name__)
                 self.replicas.pop(server_id, None)
                 await call(self.balancer, "report_dead", server_id, 0)
-        errors = [r for r in results if isinstance(r, BaseException)
-                  and not isinstance(r, DEAD_SERVER_ERRORS)]
-        if errors:
-            raise errors[0]
+        for server_id, result in outcome.items():
+            if isinstance(result, BaseException) and not isinstance(result, DEAD_SERVER_ERRORS):
+                result.add_note(f"{verb}() on server {server_id!r}")
+                raise result
         return {sid: r for sid, r in outcome.items() if not isinstance(r, BaseException)}
 
-    async def sleep(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
-        """Release the tagged memory everywhere; generation waits until wake_up()."""
-        await self._all("sleep", list(tags))
-
-    async def wake_up(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
-        """Restore the tagged memory everywhere."""
-        await self._all("wake_up", list(tags))
-
-    async def abort_all_requests(self) -> int:
-        """Pause generation everywhere and abort running requests; returns how many ran."""
-        return sum((await self._all("abort_all_requests")).values())
-
-    async def resume_generation(self) -> None:
-        """Reopen generation everywhere; waiting (re-asked) requests proceed."""
-        await self._all("resume_generation")
-
-    async def release_kv_cache(self) -> None:
-        """Free every KV cache (after abort_all_requests())."""
-        await self._all("release_kv_cache")
-
-    async def resume_kv_cache(self) -> None:
-        """Re-allocate every KV cache."""
-        await self._all("resume_kv_cache")
-
-    async def clear_kv_cache(self) -> None:
-        """Drop every cached prefix."""
-        await self._all("clear_kv_cache")
-
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int, bucket_megabytes: int | None = None) -> None:
-        """Stream (name, tensor) pairs to every replica in buckets; stamp `version`.
-
-        Each bucket crosses the Ray object store once (ray.put) however many servers read it;
-        in-process servers get the tensors themselves, no copy. Call abort_all_requests() (or
-        let generation finish) first: servers refuse updates while requests generate.
-        """
-        megabytes = (bucket_megabytes
-                     or self.config.checkpoint_engine.update_weights_bucket_megabytes)
-        remote = any(r.is_remote for r in self.replicas.values())
-        for bucket in weight_buckets(named_tensors, megabytes << 20):
-            await self._all("update_weights", ray.put(bucket) if remote else bucket, version)
-
     async def shutdown(self) -> None:
-        """Stop every replica and the balancer."""
-        await self._all("shutdown")
+        """Stop every replica and the balancer (a dead server's replica only drops its
+        placement group); the first other error is raised afterwards."""
+        results = await asyncio.gather(*(r.shutdown() for r in self.replicas.values()),
+                                       return_exceptions=True)
         if is_actor(self.balancer):
             ray.kill(self.balancer)
         self.replicas.clear()
         self.servers.clear()
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, DEAD_SERVER_ERRORS):
+                raise result
 
 
 def _device_pool(config: RolloutConfig, layout: ReplicaLayout, hosts: Sequence[Any] | None,
@@ -252,19 +215,3 @@ def _device_pool(config: RolloutConfig, layout: ReplicaLayout, hosts: Sequence[A
         raise ConfigError("rollout.nnodes / rollout.n_gpus_per_node: the standalone layout runs on "
                           "devices of its own; set both to at least 1 (or pass total_devices)")
     return devices, True
-
-
-def weight_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                   bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group (name, tensor) pairs into lists of at most bucket_bytes (a bigger tensor alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket

@@ -14,6 +14,10 @@ import ray
 from ray.actor import ActorHandle
 
 
+class NoAnswerError(TimeoutError):
+    """A call got no answer within its deadline (the callee's own TimeoutError is not one)."""
+
+
 def is_actor(target: Any) -> bool:
     """True for a Ray actor handle, False for a local object."""
     return isinstance(target, ActorHandle)
@@ -50,7 +54,7 @@ async def resolve(pending: Any, timeout_s: float | None = None, what: str = "cal
         raise
     if not done:
         await _cancel(pending, future, cancel_remote)
-        raise TimeoutError(f"{what} got no answer within {timeout_s} s")
+        raise NoAnswerError(f"{what} got no answer within {timeout_s} s")
     return future.result()
 
 

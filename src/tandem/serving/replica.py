@@ -3,8 +3,10 @@
 HYBRID: the engine lives inside workers that already exist (training workers, or the driver
 process itself); no new process, no new devices. COLOCATED: a new server process placed on
 bundles of an existing Ray placement group (devices shared with another role). STANDALONE: a
-new server process on a placement group of its own devices. Every replica here spans one node
-and runs one server, which is its main server; control calls fan out over `servers`.
+new server process on a placement group of its own devices: one bundle holding the whole
+footprint (TP devices), so the engine's own workers see every device it was told about. Every
+replica here spans one node and runs one server, its main server; `control` fans a verb out
+over `servers`, each call within its deadline.
 """
 
 from __future__ import annotations
@@ -12,19 +14,17 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tandem.config.load import ConfigError
+from tandem.config.footprint import replica_world_size
 from tandem.config.schema import RolloutConfig
-from tandem.rollout.base import MEMORY_TAGS
 from tandem.rollout.registry import get_rollout_class
-from tandem.serving.footprint import check_backend_fits, replica_world_size
-from tandem.serving.remote import call, is_actor
-from tandem.serving.server import RolloutServerActor, ServerInfo
+from tandem.serving.remote import NoAnswerError, call, is_actor
+from tandem.serving.server import CONTROL_VERBS, RolloutServerActor, ServerInfo
 
 
 class ReplicaLayout(str, Enum):
@@ -48,7 +48,7 @@ class ServerOptions:
     pause_timeout_s: float = 3600.0  # how long generate() waits while paused or asleep
     drain_timeout_s: float = 60.0  # how long abort_all_requests() waits for calls to return
     start_timeout_s: float = 600.0  # placement plus engine start
-    control_timeout_s: float = 600.0  # sleep / wake / update_weights / abort fan-out calls
+    control_timeout_s: float = 600.0  # every control verb (abort, sleep, wake, KV, weights)
 
     def bundle(self) -> dict[str, float]:
         """Resources of one device: one GPU (plus a CPU) on cuda, one CPU otherwise."""
@@ -70,6 +70,10 @@ def actor_resources(resources: dict[str, float]) -> dict[str, Any]:
             **({"resources": custom} if custom else {})}
 
 
+class ControlTimeout(NoAnswerError):
+    """A control verb got no answer from a server within its deadline; names verb and server."""
+
+
 class RolloutReplica:
     """One model copy: world_size devices, one server, initialised by one of three layouts."""
 
@@ -78,7 +82,6 @@ class RolloutReplica:
         self.config = config
         self.options = options
         self.world_size = replica_world_size(config)
-        check_backend_fits(config, self.world_size)
         self.backend_class = get_rollout_class(config.name)
         self.server_id = f"replica-{replica_rank}"
         self.layout: ReplicaLayout | None = None
@@ -113,18 +116,14 @@ class RolloutReplica:
                           self.options.threads())
 
     async def init_standalone(self) -> None:
-        """Reserve world_size devices in a placement group of its own and start a server there."""
-        per_node = self.config.n_gpus_per_node
-        if per_node and self.world_size > per_node:
-            raise ConfigError(f"rollout.n_gpus_per_node: a replica needs {self.world_size} devices "
-                              f"but a node has {per_node}; replicas must fit on one node")
+        """Reserve world_size devices as one bundle of a placement group of its own and start a
+        server holding all of them (load-time checks keep a footprint within one node)."""
         self._begin(ReplicaLayout.STANDALONE)
-        bundle = self.options.bundle()
-        group = placement_group([bundle] * self.world_size, strategy="STRICT_PACK")
+        bundle = {name: amount * self.world_size for name, amount in self.options.bundle().items()}
+        group = placement_group([bundle], strategy="STRICT_PACK")
         self.placement_group, self._owns_placement_group = group, True
         await resolve_ready(group, self.options.start_timeout_s,
-                            f"standalone replica {self.replica_rank} "
-                            f"({self.world_size} x {bundle})")
+                            f"standalone replica {self.replica_rank} ({bundle})")
         await self._start([self._place_server(group, 0, bundle)], self.options.threads())
 
     def _begin(self, layout: ReplicaLayout) -> None:
@@ -149,10 +148,15 @@ class RolloutReplica:
     async def _start(self, servers: list[Any], torch_threads: int | None) -> None:
         options = self.options
         self.servers = servers
-        self.infos = list(await asyncio.gather(*(
-            call(server, "start", self.backend_class, options.model_path, self.config,
-                 options.dtype, options.device, torch_threads,
-                 timeout_s=options.start_timeout_s) for server in servers)))
+        try:
+            self.infos = list(await asyncio.gather(*(
+                call(server, "start", self.backend_class, options.model_path, self.config,
+                     options.dtype, options.device, torch_threads,
+                     timeout_s=options.start_timeout_s) for server in servers)))
+        except NoAnswerError:
+            raise ControlTimeout(f"replica {self.replica_rank} ({self.server_id!r}): the "
+                                 f"{self.config.name} engine did not start within "
+                                 f"{options.start_timeout_s} s (trainer.timeout_s)") from None
 
     # -- what the manager and balancer see --------------------------------------------------
 
@@ -175,56 +179,28 @@ class RolloutReplica:
 
     # -- control, fanned out to every server concurrently -----------------------------------
 
-    async def _fan_out(self, method: str, *args: Any) -> list[Any]:
-        return list(await asyncio.gather(*(
-            call(server, method, *args, timeout_s=self.options.control_timeout_s)
-            for server in self.servers)))
+    async def control(self, verb: str, *args: Any) -> list[Any]:
+        """Call `verb` (a name in CONTROL_VERBS) on every server at once; each answer within
+        options.control_timeout_s, else ControlTimeout naming the verb and the server."""
+        if verb not in CONTROL_VERBS:
+            raise ValueError(f"unknown control verb {verb!r}; one of {', '.join(CONTROL_VERBS)}")
+        return list(await asyncio.gather(*(self._control_one(index, verb, *args)
+                                            for index in range(len(self.servers)))))
 
-    async def sleep(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
-        """Release the tagged memory on every server."""
-        await self._fan_out("sleep", list(tags))
-
-    async def wake_up(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
-        """Restore the tagged memory on every server."""
-        await self._fan_out("wake_up", list(tags))
-
-    async def abort_all_requests(self, reroute: bool = False) -> int:
-        """Pause and abort; returns how many requests were running (reroute: see the server)."""
-        return sum(await self._fan_out("abort_all_requests", reroute))
-
-    async def resume_generation(self) -> None:
-        """Reopen generation after abort_all_requests()."""
-        await self._fan_out("resume_generation")
-
-    async def release_kv_cache(self) -> None:
-        """Free the KV caches (weights stay)."""
-        await self._fan_out("release_kv_cache")
-
-    async def resume_kv_cache(self) -> None:
-        """Re-allocate the KV caches."""
-        await self._fan_out("resume_kv_cache")
-
-    async def clear_kv_cache(self) -> None:
-        """Drop every cached prefix."""
-        await self._fan_out("clear_kv_cache")
-
-    async def update_weights(self, named_tensors: Any, version: int) -> None:
-        """Load one bucket of (name, tensor) pairs (a list, or an ObjectRef to one) everywhere."""
-        await self._fan_out("update_weights", named_tensors, version)
-
-    async def weight_versions(self) -> list[int]:
-        """The weight version each server stamps on tokens now."""
-        return await self._fan_out("weight_version")
-
-    async def stats(self) -> list[dict[str, Any]]:
-        """Each server's counters."""
-        return await self._fan_out("stats")
+    async def _control_one(self, index: int, verb: str, *args: Any) -> Any:
+        timeout_s = self.options.control_timeout_s
+        try:
+            return await call(self.servers[index], verb, *args, timeout_s=timeout_s)
+        except NoAnswerError:
+            where = self.infos[index].address if index < len(self.infos) else "not started"
+            raise ControlTimeout(f"{verb}() on server {self.server_id!r} ({where}) got no answer "
+                                 f"within {timeout_s} s (ServerOptions.control_timeout_s)") from None
 
     async def shutdown(self) -> None:
         """Stop the engines; kill processes and placement groups this replica created."""
         try:
             if self.servers:
-                await self._fan_out("shutdown")
+                await self.control("shutdown")
         finally:
             if self.layout is not ReplicaLayout.HYBRID:
                 for server in self.servers:

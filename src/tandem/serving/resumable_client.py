@@ -10,10 +10,8 @@ generation resumes, so nothing spins here. Should aborted replies keep coming wi
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 from tandem.serving.client import ServerClient
-from tandem.types import SamplingParams, TokenOutput
+from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 
 
 # Aborted replies in a row without a new token before a request gives up: far more than weight
@@ -37,22 +35,23 @@ class ResumableClient:
         self.resume = resume
         self.max_aborts_without_progress = max_aborts_without_progress
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling_params: Mapping[str, Any]) -> TokenOutput:
+    async def generate(self, request: GenerateRequest) -> TokenOutput:
         """Generate up to max_tokens in total across aborts; the caller's dict is not mutated.
 
         extra_fields: global_steps (last version), min_global_steps / max_global_steps (first
         and last versions that produced tokens), resumes (how many times it asked again).
         """
-        budget = SamplingParams.from_dict(sampling_params).max_tokens
-        params = dict(sampling_params)
+        request_id = request.request_id
+        budget = SamplingParams.from_dict(request.sampling).max_tokens
+        params = dict(request.sampling)
         token_ids: list[int] = []
         log_probs: list[float] | None = [] if params.get("logprobs", True) else None
         versions: list[tuple[int, int, int]] = []  # (min, max, last) of segments with tokens
         resumes = stalled = 0
         while True:
             params["max_tokens"] = budget - len(token_ids)
-            output = await self.client.generate(request_id, list(prompt_ids) + token_ids, params)
+            output = await self.client.generate(request.replace(
+                prompt_ids=list(request.prompt_ids) + token_ids, sampling=dict(params)))
             token_ids.extend(output.token_ids)
             log_probs = _join_log_probs(log_probs, output, request_id)
             if output.token_ids:

@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import ray
 import torch
@@ -28,7 +28,7 @@ import torch
 from tandem.config.schema import RolloutConfig
 from tandem.quiet import quiet_libraries
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags
-from tandem.types import TokenOutput
+from tandem.types import GenerateRequest, TokenOutput
 from tandem.weight_sync.base import SyncPlan
 from tandem.weight_sync.participants import receive_into
 
@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 
 # How often abort_all_requests() re-issues the backend abort while calls are still returning.
 _ABORT_POLL_S = 0.05
+# The verbs the trainer sends to every server of every replica (ServerManager.control): a new
+# one is a method of RolloutServer (and, if the engine does it, of BaseRollout) named here.
+CONTROL_VERBS = ("abort_all_requests", "resume_generation", "sleep", "wake_up",
+                 "release_kv_cache", "resume_kv_cache", "clear_kv_cache", "update_weights",
+                 "weight_version", "stats", "info", "shutdown")
 
 
 @dataclass
@@ -45,6 +50,7 @@ class ServerInfo:
     server_id: str
     backend: str  # the backend class name
     node_ip: str
+    node_id: str | None  # the Ray node (None outside Ray): "same host" for transports
     pid: int
     placement_group_id: str | None  # hex id when placed in a Ray placement group
     weight_version: int
@@ -71,6 +77,7 @@ class RolloutServer:
         self.pause_timeout_s = pause_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self._backend: BaseRollout | None = None
+        self._device = "cpu"
         self._paused = False
         self._rerouting = False  # removed from the balancer: late calls return "aborted" at once
         self._asleep: set[str] = set()
@@ -93,6 +100,7 @@ class RolloutServer:
             # Ray sets OMP_NUM_THREADS=1 in actors with fractional CPUs; CPU engines need more.
             torch.set_num_threads(torch_threads)
         self._backend = backend_class.create(model_path, config, dtype=dtype, device=device)
+        self._device = device
         self._update_gate()
         info = self.info()
         if info.niceness > 0 and device == "cpu":
@@ -110,12 +118,14 @@ class RolloutServer:
 
     def info(self) -> ServerInfo:
         """Node, process, placement group and weight version of this server."""
-        placement_group_id = None
+        placement_group_id = node_id = None
         if ray.is_initialized():
-            placement_group_id = ray.get_runtime_context().get_placement_group_id()
+            context = ray.get_runtime_context()
+            placement_group_id, node_id = context.get_placement_group_id(), context.get_node_id()
         return ServerInfo(self.server_id, type(self.backend).__name__,
-                          ray.util.get_node_ip_address(), os.getpid(), placement_group_id,
-                          self.backend.weight_version, os.nice(0), torch.get_num_threads())
+                          ray.util.get_node_ip_address(), node_id, os.getpid(),
+                          placement_group_id, self.backend.weight_version, os.nice(0),
+                          torch.get_num_threads())
 
     def stats(self) -> dict[str, Any]:
         """Server counters (requests by outcome, tokens returned) plus the backend's own."""
@@ -125,23 +135,23 @@ class RolloutServer:
                 "sync": dict(self._sync) if self._sync is not None else None,
                 "backend": backend_stats() if callable(backend_stats) else {}}
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling_params: Mapping[str, Any]) -> TokenOutput:
+    async def generate(self, request: GenerateRequest) -> TokenOutput:
         """Generate through the backend once generation is open (waits while paused/asleep)."""
         backend = self.backend
+        type(backend).check_request(request, self._device)
         await self._wait_open()
         if self._rerouting:
             self._counts["aborted"] += 1
-            return TokenOutput([], [] if sampling_params.get("logprobs", True) else None,
+            return TokenOutput([], [] if request.sampling.get("logprobs", True) else None,
                                "aborted", {"global_steps": backend.weight_version})
         self._generating += 1
         self._idle.clear()
         self._counts["requests"] += 1
         try:
-            output = await backend.generate(request_id, prompt_ids, sampling_params)
+            output = await backend.generate(request)
         except asyncio.CancelledError:
             self._counts["cancelled"] += 1
-            await backend.abort(request_id)  # the caller is gone: free the engine's work
+            await backend.abort(request.request_id)  # the caller is gone: free the engine's work
             raise
         except BaseException:
             self._counts["failed"] += 1

@@ -1,9 +1,10 @@
-"""trainer_mode=colocate_async: one set of devices (hybrid workers), but generation never waits
-for a batch boundary (seed §12.2).
+"""trainer_mode=colocate_async: generation never waits for a batch boundary, but stops for each
+update on the same devices (seed §12.2).
 
-A producer keeps prompt groups generating in the background into the rollout buffer. Each step,
-in `fit_colocate_async` below: take a batch of finished groups within max_staleness ->
-abort unfinished requests -> sleep the rollout -> train (trainer.train_on) -> sync weights ->
+A producer keeps prompt groups generating in the background into the rollout buffer. The phase
+order of each step is `fit_colocate_async` below: take a batch of finished groups within
+max_staleness -> abort unfinished requests -> sleep the rollout -> reward -> old_log_prob ->
+ref_log_prob -> values -> advantages -> update -> wake weights -> sync -> wake KV cache ->
 resume generation. The resumable client finishes the aborted requests with the new weights:
 their tokens so far are kept, the budget shrinks, no token is generated twice, and each
 trajectory records the first and last weight versions it used.
@@ -25,15 +26,21 @@ from tandem.trainer.rollout_buffer import RolloutBuffer, check_staleness
 async def fit_colocate_async(trainer: RLTrainer,
                              on_validation: ValidationHook | None = None) -> dict[str, float]:
     """Train for trainer.total_steps; returns the last validation metrics (see fit_sync)."""
-    config = trainer.config.trainer
+    config, fleet = trainer.config.trainer, trainer.fleet
     policy = config.async_rollout
-    validation = await trainer.begin(on_validation)
+    if config.resume:
+        await trainer.load_latest_checkpoint()
+    await fleet.wake_rollout(["weights"])
+    await fleet.sync_weights(trainer.step)
+    await fleet.wake_rollout(["kv_cache"])
+    trainer.startup.mark("weights")
+    validation = await trainer.validate_first(on_validation)
     batch_size = trainer.config.data.train_batch_size
     buffer = RolloutBuffer(policy.buffer_groups or 2 * batch_size)
     producer = RolloutProducer(trainer, buffer, start_batch=trainer.step)
     producer.start()
     bar = progress_bar(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
-               initial=trainer.step, total=config.total_steps, disable=not config.progress)
+                       initial=trainer.step, total=config.total_steps, disable=not config.progress)
     try:
         for _ in bar:
             timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{trainer.algorithm_name} [{phase}]"))
@@ -44,23 +51,42 @@ async def fit_colocate_async(trainer: RLTrainer,
                 for group in stale:
                     producer.resubmit(group)
             with timer.phase("abort"):
-                await trainer.manager.abort_all_requests()
+                await fleet.abort()
             with timer.phase("sleep"):
-                await trainer.sleep_rollout()
+                await fleet.sleep_rollout()
             trajectories = [t for group in groups for t in group.trajectories]
             check_staleness(trajectories, trainer.step, policy.max_staleness)
-            batch, metrics = await trainer.train_on(trajectories, timer)
+            with timer.phase("reward"):
+                trainer.compute_rewards(trajectories)
+            batch = trainer.make_batch(trajectories)
+            with timer.phase("old_log_prob"):
+                await trainer.compute_old_log_probs(batch)
+            with timer.phase("ref_log_prob"):
+                await trainer.compute_ref_log_probs(batch)
+            with timer.phase("values"):
+                await trainer.compute_values(batch)
+            with timer.phase("advantages"):
+                metrics = trainer.compute_advantages(batch)
+            with timer.phase("update"):
+                metrics.update(await trainer.update(batch))
             trainer.step += 1
             with timer.phase("sync"):
-                metrics.update(await trainer.sync_weights())
+                await fleet.wake_rollout(["weights"])
+                metrics.update(await fleet.sync_weights(trainer.step))
+                await fleet.wake_rollout(["kv_cache"])
             with timer.phase("resume"):
-                await trainer.manager.resume_generation()
+                await fleet.resume()
             metrics.update(buffer_metrics)
-            metrics = await trainer.finish_step(trajectories, batch, metrics, timer, on_validation)
+            metrics = await trainer.step_record(trajectories, [batch], metrics, timer)
+            if trainer.validation_due():
+                metrics.update(await trainer.validate_and_report(on_validation))
+            if trainer.checkpoint_due():
+                await trainer.save_checkpoint()
+            await trainer.log_step(metrics)
             bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.2f}",
                             lag=f"{metrics['staleness/lag_mean']:.2f}")
     finally:
         await producer.stop()
-        await trainer.manager.abort_all_requests()
-        await trainer.manager.resume_generation()
-    return await trainer.end(on_validation, validation)
+        await fleet.abort()
+        await fleet.resume()
+    return await trainer.validate_last(on_validation, validation)

@@ -1,12 +1,13 @@
 """One device of the HYBRID layout: the training engines and a rollout engine in one process.
 
 The worker *is* a rollout server (the balancer routes generate calls to it) and also holds the
-actor (and the reference / critic when the config needs them). Weight sync is therefore
-in-process: the `naive` checkpoint engine hands the actor's (name, tensor) stream to the
-rollout engine (whatever rollout.checkpoint_engine.backend says). For rollout servers in their
-own processes the worker is the sending side of a sync (build_sync_plan, send_weights) driven
-by tandem.weight_sync.manager. With trainer.n_devices > 1 the workers form a torch.distributed group and the
-actor is sharded with FSDP2; each worker still hosts a full rollout engine (rollout DP).
+actor (and the reference / critic when the config needs them). Weight sync into its own engine
+is therefore in-process: the `naive` checkpoint engine hands the actor's (name, tensor) stream
+to the rollout engine (load_actor_weights, driven by trainer.in_process_sync). For rollout
+servers in their own processes the worker is the sending side of a sync (build_sync_plan,
+send_weights) driven by trainer.cross_process_sync. With trainer.n_devices > 1 the workers form
+a torch.distributed group and the actor is sharded with FSDP2; each worker still hosts a full
+rollout engine (one replica per worker).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from tandem.rollout.base import MEMORY_TAGS, BaseRollout
 from tandem.serving.server import RolloutServer, ServerInfo
 from tandem.training.engine import TrainingEngine
 from tandem.weight_sync.base import CheckpointEngine, SyncPlan
-from tandem.weight_sync.participants import (checkpoint_engine_name, make_checkpoint_engine,
-                                             run_in_fresh_thread, send_from)
+from tandem.weight_sync.naive import NaiveCheckpointEngine
+from tandem.weight_sync.participants import make_checkpoint_engine, run_in_fresh_thread, send_from
 
 T = TypeVar("T")
 
@@ -50,7 +51,8 @@ class HybridWorker(RolloutServer):
         if world_size > 1:
             from tandem.training.fsdp import init_process_group
 
-            init_process_group(rank, world_size, init_method, config.model.device)
+            init_process_group(rank, world_size, init_method, config.model.device,
+                               config.trainer.timeout_s)
         torch.manual_seed(config.trainer.seed + rank)
         self.config = config
         self.rank = rank
@@ -58,10 +60,8 @@ class HybridWorker(RolloutServer):
         self.reference = TrainingEngine.from_config(config, "reference") if needs_reference(config) else None
         self.critic = TrainingEngine.from_config(config, "critic", critic_total_steps) if config.critic.enable else None
         ckpt = config.rollout.checkpoint_engine
-        naive = checkpoint_engine_name(ckpt, hybrid=True)
-        self.checkpoint_engine = make_checkpoint_engine(
-            naive, ckpt.update_weights_bucket_megabytes, ckpt.timeout_s,
-            **(dict(ckpt.engine_kwargs) if ckpt.backend == naive else {}))
+        self.checkpoint_engine = NaiveCheckpointEngine(ckpt.update_weights_bucket_megabytes,
+                                                       ckpt.timeout_s)
         self._sync_engine: CheckpointEngine | None = None  # rank 0's sender of a separate sync
         self._actor_path = resolve_model_path(config.model.path)
         # set when the engine started from the same files as a wholly loaded actor: the actor's
@@ -157,32 +157,30 @@ class HybridWorker(RolloutServer):
         # a tensor's version counts its in-place changes (optimizer steps, copies, edits)
         return [parameter._version for parameter in self.actor.model.parameters()]
 
-    async def sync_weights(self, version: int) -> dict[str, float]:
-        """Wake weights, load the actor's weights through the checkpoint engine, wake KV. The
-        first sync of a fresh run (version 0, actor and engine loaded from the same files, nothing
-        changed since) has nothing to copy and is skipped."""
-        import time
-
-        start = time.perf_counter()
-        await self.wake_up(["weights"])
+    async def load_actor_weights(self, version: int) -> None:
+        """Load the actor's weights into this process's engine through the naive checkpoint
+        engine and stamp `version` (the engine's weights must be awake). The first sync of a
+        fresh run (version 0, actor and engine loaded from the same files, nothing changed
+        since) has nothing to copy and is skipped."""
         unchanged = self._engine_matches_actor_at == self._actor_versions()
         if not (version == 0 and unchanged):
             await self.checkpoint_engine.sync(self.actor.export_weights(), self, version)
         self._engine_matches_actor_at = None
-        await self.wake_up(["kv_cache"])
-        return {"sync/seconds": time.perf_counter() - start}
 
-    async def build_sync_plan(self, n_receivers: int, version: int,
+    async def build_sync_plan(self, engine: str, n_receivers: int, version: int,
                               receiver_versions: list[int] | None = None) -> SyncPlan:
-        """Rank 0: make this sync's sender (the configured non-naive engine) and its plan, which
-        the sync manager hands to every receiving server (build_topology)."""
+        """Rank 0: make this sync's sender (checkpoint engine `engine`, which the fleet chose;
+        its store on this node's IP unless engine_kwargs.master_addr says otherwise) and its
+        plan, which the cross-process sync hands to every receiving server (build_topology)."""
         if self.rank != 0:
             raise RuntimeError(f"build_sync_plan on rank {self.rank}: only rank 0 sends")
-        if self._sync_engine is None:  # kept across syncs: delta remembers what it sent
-            ckpt = self.config.rollout.checkpoint_engine
+        if self._sync_engine is None or self._sync_engine.name != engine:
+            ckpt = self.config.rollout.checkpoint_engine  # kept across syncs: delta remembers
+            kwargs = dict(ckpt.engine_kwargs)
+            if engine in ("gloo", "nccl", "shm") or kwargs.get("transport") in ("gloo", "nccl"):
+                kwargs.setdefault("master_addr", ray.util.get_node_ip_address())
             self._sync_engine = make_checkpoint_engine(
-                checkpoint_engine_name(ckpt, hybrid=False), ckpt.update_weights_bucket_megabytes,
-                ckpt.timeout_s, **dict(ckpt.engine_kwargs))
+                engine, ckpt.update_weights_bucket_megabytes, ckpt.timeout_s, **kwargs)
             self._sync_engine.prepare()
         return self._sync_engine.build_topology(n_receivers, version, receiver_versions)
 

@@ -91,10 +91,10 @@ def without_token_auth_notice() -> Iterator[None]:
 
 
 def standalone_rollout_devices(config: TandemConfig) -> int:
-    """Devices of the standalone rollout replicas (separate_async only; else 0)."""
-    if config.trainer.trainer_mode != "separate_async":
-        return 0
-    return config.rollout.nnodes * config.rollout.n_gpus_per_node
+    """Devices of the standalone rollout replicas (0: the engines live in the workers)."""
+    from tandem.config.footprint import rollout_devices
+
+    return rollout_devices(config)
 
 
 def torch_threads(config: TandemConfig, cores: int | None = None) -> tuple[int, int]:
@@ -102,9 +102,9 @@ def torch_threads(config: TandemConfig, cores: int | None = None) -> tuple[int, 
 
     A set value (actor.torch_threads, rollout.torch_threads) is used as is; 0 ("auto") gives
     each such process an even share of the cores of this machine (`cores`) that the set values
-    leave. The processes that compute at the same time share: in separate_async the training
-    workers and the standalone servers; otherwise only the training workers, whose own rollout
-    engine alternates with training in the same process.
+    leave. The processes that compute at the same time share: with standalone replicas the
+    training workers and the standalone servers; otherwise only the training workers, whose own
+    rollout engine alternates with training in the same process.
     """
     cores = cores or len(os.sched_getaffinity(0))
     workers, servers = config.trainer.n_devices, standalone_rollout_devices(config)
@@ -120,7 +120,7 @@ async def log_torch_threads(config: TandemConfig, workers: list[Any], manager: A
     the same time ask for more threads than this machine has cores."""
     hybrid = list(await asyncio.gather(*(worker.torch_threads.remote() for worker in workers)))
     training = [threads["training"] for threads in hybrid]
-    separate = config.trainer.trainer_mode == "separate_async"
+    separate = standalone_rollout_devices(config) > 0
     if separate:
         engines = [info.torch_threads for replica in manager.replicas.values() for info in replica.infos]
     else:
@@ -128,7 +128,8 @@ async def log_torch_threads(config: TandemConfig, workers: list[Any], manager: A
     cores = len(os.sched_getaffinity(0))
     logger.info("torch threads (%d cores here, trainer_mode=%s): training %s, rollout engines %s; %s",
                 cores, config.trainer.trainer_mode, training, engines,
-                "both at the same time" if separate else "each worker alternates generation and training")
+                "standalone replicas beside the workers" if separate
+                else "each worker alternates generation and training")
     busy = sum(training) + (sum(engines) if separate else 0)
     if busy > cores and cluster_address(config) is None:  # on a cluster the processes spread over nodes
         logger.warning("%d torch threads compute at the same time on %d cores: OpenMP threads will "
@@ -165,6 +166,14 @@ def in_bundle(group: PlacementGroup, index: int, resources: dict[str, float]) ->
     strategy = PlacementGroupSchedulingStrategy(placement_group=group,
                                                 placement_group_bundle_index=index)
     return {"scheduling_strategy": strategy, **actor_resources(resources)}
+
+
+async def within(awaitable: Any, timeout_s: float, what: str) -> Any:
+    """Await with a deadline; a TimeoutError naming `what` instead of a silent hang."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"{what}: no answer within {timeout_s} s") from None
 
 
 @ray.remote(num_cpus=0)

@@ -1,6 +1,6 @@
-"""What every trainer mode shares: Ray workers and servers, data, rewards, the phases of a PPO
-step as named calls, validation, metrics and checkpoints. The modes (sync.py, ...) only decide
-the order of these calls."""
+"""What every trainer mode shares: data, rewards, the phases of a PPO step as named calls,
+validation, metrics records and checkpoints. The processes (workers, servers, weight sync) are
+the fleet's (fleet.py); the modes (sync.py, ...) decide the order of these calls."""
 
 from __future__ import annotations
 
@@ -10,33 +10,29 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-import ray
 import torch
-from ray.util.placement_group import PlacementGroup, remove_placement_group
 from tensordict import TensorDict
 
 from tandem import algorithms
 from tandem.agent.dataset import DatasetRow, PromptDataset
 from tandem.agent.runner import AgentLoopRunner, AllSessionsFailed
+from tandem.batch.balance import balance_batch
 from tandem.batch.jagged import field_lengths, field_values, make_field, trajectories_to_batch
-from tandem.batch.balance import balance_batch, token_imbalance
-from tandem.batch.padding import drop_padding_samples, pad_for_data_parallel
+from tandem.batch.padding import pad_for_data_parallel
 from tandem.batch.trajectory import Trajectory
 from tandem.config.load import to_yaml
 from tandem.config.schema import TandemConfig
 from tandem.models.tiny import resolve_model_path
 from tandem.progress import progress_bar
 from tandem.rewards import compute_reward
-from tandem.serving.manager import ServerManager
-from tandem.serving.replica import ServerOptions
-from tandem.serving.resumable_client import ResumableClient
-from tandem.trainer import placement, ppo
-from tandem.trainer.hybrid_worker import HybridWorkerActor, needs_reference
+from tandem.trainer import ppo
+from tandem.trainer.fleet import Fleet
+from tandem.trainer.hybrid_worker import needs_reference
 from tandem.trainer.metrics import MetricsLogger, PhaseTimer
 from tandem.trainer.startup import StartupClock
+from tandem.trainer.step_metrics import batch_metrics, rollout_metrics, trajectory_metrics
 from tandem.training import checkpoint
 from tandem.training.fsdp import shard_batch
-from tandem.weight_sync.manager import WeightSyncManager
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +41,7 @@ ValidationHook = Callable[[int, dict[str, float]], None]
 
 
 class RLTrainer:
-    """Holds the workers, servers and data of one run; `step` is the actor's weight version."""
+    """Holds the fleet and the data of one run; `step` is the actor's weight version."""
 
     def __init__(self, config: TandemConfig, evaluation_only: bool = False) -> None:
         """evaluation_only: read a run's directory without writing to it (tandem eval)."""
@@ -72,48 +68,25 @@ class RLTrainer:
         self.kl_controller = algorithms.kl_controller_from_config(config.algorithm.kl_ctrl)
         self.step = 0
         self.skipped_steps = 0  # steps whose sessions all failed (skip_step)
-        self.workers: list[Any] = []
-        self.placement_group: PlacementGroup | None = None
-        self.manager: ServerManager | None = None
+        self.fleet = Fleet(config, self.model_path, self.startup)
         self.runner: AgentLoopRunner | None = None
-        self.weight_sync: WeightSyncManager | None = None  # separate_async: actor -> standalone servers
         self.startup.mark("data")
 
     # ---- start and stop ---------------------------------------------------------------
 
     async def start(self) -> None:
-        """Join (trainer.ray_address / $RAY_ADDRESS) or start Ray, place one hybrid worker
-        (actor + rollout engine) per device bundle, rendezvous them, start the balancer; in
-        separate_async the balancer's servers are standalone replicas on devices of their own."""
+        """Start the fleet (Ray, workers, servers, weight sync) and the agent loops."""
         config = self.config
-        n = config.trainer.n_devices
-        separate = config.trainer.trainer_mode == "separate_async"
-        if not ray.is_initialized():
-            placement.init_ray(config)
-        self.startup.mark("ray")
-        self.placement_group = await placement.reserve_devices(config)
-        worker_threads, server_threads = placement.torch_threads(config)
-        init_method = await placement.rank0_rendezvous(self.placement_group) if n > 1 else None
-        bundle = placement.device_bundle(config)
-        self.workers = [HybridWorkerActor.options(**placement.in_bundle(self.placement_group, rank, bundle)).remote(
-            config, rank, n, init_method, self.total_optimizer_steps(config.actor.ppo_epochs),
-            self.total_optimizer_steps(config.critic.ppo_epochs), worker_threads) for rank in range(n)]
-        await asyncio.gather(*(worker.ping.remote() for worker in self.workers))
-        self.startup.mark("workers")
-        options = ServerOptions(model_path=str(self.model_path), dtype=config.model.dtype,
-                                device=config.model.device, torch_threads=server_threads)
-        if separate:  # on CPU a device is one core (a Ray bundle of 1 CPU)
-            self.manager = await ServerManager.create(config.rollout, options, "standalone")
-            self.weight_sync = WeightSyncManager(self.workers, self.manager,
-                                                 config.rollout.checkpoint_engine)
-        else:
-            self.manager = await ServerManager.create(config.rollout, options, "hybrid",
-                                                      hosts=self.workers)
-        await placement.log_torch_threads(config, self.workers, self.manager)
-        self.startup.mark("servers")
+        await self.fleet.start(self.total_optimizer_steps(config.actor.ppo_epochs),
+                               self.total_optimizer_steps(config.critic.ppo_epochs))
         reward_fn = self._reward_fn if config.reward.placement == "agent_loop" else None
         self.runner = AgentLoopRunner.from_tokenizer(self.client(), self.tokenizer, config.rollout,
                                                      reward_fn=reward_fn)
+
+    @property
+    def workers(self) -> list[Any]:
+        """The training workers (rank order)."""
+        return self.fleet.workers
 
     @property
     def algorithm_name(self) -> str:
@@ -121,23 +94,14 @@ class RLTrainer:
         return "GRPO" if self.config.algorithm.adv_estimator == "grpo" else "PPO"
 
     def client(self):
-        """The client agent loops use: plain in sync mode; in the async modes the resumable one,
-        which finishes requests aborted by a weight sync with the new weights."""
-        if self.config.trainer.trainer_mode == "sync":
-            return self.manager.client()
-        return ResumableClient(self.manager.client())
+        """The client of the agent loops (the fleet's: resumable in the async modes)."""
+        return self.fleet.client()
 
     async def stop(self) -> None:
-        """Stop the agent loops, servers and workers; leave Ray to its owner."""
+        """Stop the agent loops and the fleet; leave Ray to its owner."""
         if self.runner is not None:
             await self.runner.close()
-        if self.manager is not None:
-            await self.manager.shutdown()
-        for worker in self.workers:
-            ray.kill(worker)
-        if self.placement_group is not None:
-            remove_placement_group(self.placement_group)
-            self.placement_group = None
+        await self.fleet.stop()
         if self.metrics is not None:
             self.metrics.close()
 
@@ -175,29 +139,22 @@ class RLTrainer:
         return result.score, result.extra
 
     def compute_rewards(self, trajectories: list[Trajectory]) -> None:
-        """Colocated order: score trajectories after sampling (reward.placement=after_sampling)."""
+        """Colocated order: score trajectories after sampling when reward.placement=
+        after_sampling (with agent_loop the loops scored them already)."""
+        if self.config.reward.placement != "after_sampling":
+            return
         for trajectory in trajectories:
             trajectory.reward, trajectory.reward_extra = self._reward_fn(trajectory)
 
-    # ---- rollout memory and weights ---------------------------------------------------
-
-    async def sleep_rollout(self) -> None:
-        """Release the rollout's KV cache and weights while the actor trains (free_cache_engine)."""
-        if self.config.rollout.free_cache_engine:
-            await self.manager.sleep(["kv_cache", "weights"])
+    # ---- weights outside a mode (tandem eval / serve) ----------------------------------
 
     async def sync_weights(self) -> dict[str, float]:
-        """Actor -> rollout in every worker: wake weights, load (version = self.step), wake KV.
-        separate_async: the sync manager's cross-process sync into the standalone servers."""
-        if self.weight_sync is not None:
-            report = await self.weight_sync.sync(self.step)
-            if report.behind():
-                logger.warning("servers not on version %d after the sync: %s (left out: %s)",
-                               self.step, report.behind(), report.left_out)
-            return {**report.timings, "time/sync_inner": report.timings["sync/total_s"],
-                    "sync/servers_behind": float(len(report.behind()))}
-        results = await asyncio.gather(*(w.sync_weights.remote(self.step) for w in self.workers))
-        return {"time/sync_inner": max(r["sync/seconds"] for r in results)}
+        """Actor -> every engine as version self.step, memory woken around it (the modes spell
+        these three phases out themselves)."""
+        await self.fleet.wake_rollout(["weights"])
+        metrics = await self.fleet.sync_weights(self.step)
+        await self.fleet.wake_rollout(["kv_cache"])
+        return metrics
 
     # ---- the batch and the training phases -----------------------------------------------
 
@@ -275,55 +232,7 @@ class RLTrainer:
         metrics.update(ppo.rollout_gap_metrics(batch, self.config))
         return metrics
 
-    async def train_on(self, trajectories: list[Trajectory], timer: PhaseTimer) -> tuple[TensorDict, dict[str, float]]:
-        """The training phases every mode shares, in order: reward (after_sampling) ->
-        old_log_prob -> ref_log_prob -> values -> advantages -> update. Returns (batch, metrics)."""
-        with timer.phase("reward"):
-            if self.config.reward.placement == "after_sampling":
-                self.compute_rewards(trajectories)
-        batch = self.make_batch(trajectories)
-        with timer.phase("old_log_prob"):
-            await self.compute_old_log_probs(batch)
-        with timer.phase("ref_log_prob"):
-            await self.compute_ref_log_probs(batch)
-        with timer.phase("values"):
-            await self.compute_values(batch)
-        with timer.phase("advantages"):
-            metrics = self.compute_advantages(batch)
-        with timer.phase("update"):
-            metrics.update(await self.update(batch))
-        return batch, metrics
-
     # ---- metrics, validation, checkpoints -----------------------------------------------
-
-    def batch_metrics(self, trajectories: list[Trajectory],
-                      batches: TensorDict | list[TensorDict]) -> dict[str, float]:
-        """Reward, accuracy, lengths and turns of the real (non-padding) samples of the step's
-        batch (or mini-batches: separate_async trains several per step)."""
-        batches = [batches] if isinstance(batches, TensorDict) else batches
-        metrics = _trajectory_metrics(trajectories, "reward")
-        sums: dict[str, float] = {"samples": 0.0, "tokens": 0.0, "entropy": 0.0, "kl": 0.0}
-        for batch in batches:
-            real = drop_padding_samples(batch)
-            mask = ppo.dense(real, "response_mask")
-            sums["samples"] += mask.shape[0]
-            sums["tokens"] += float(mask.sum())
-            if "entropy" in real.keys():
-                sums["entropy"] += float((ppo.dense(real, "entropy") * mask).sum())
-            if "ref_log_prob" in real.keys():
-                kl = algorithms.kl_penalty(ppo.dense(real, "old_log_probs"),
-                                           ppo.dense(real, "ref_log_prob"), "k1", mask)
-                sums["kl"] += float((kl * mask).sum())
-            # the worst mini-batch of the step decides the imbalance metrics
-            for key, value in token_imbalance(batch, self.config.trainer.n_devices,
-                                              self.mini_batch_trajectories()).items():
-                metrics[key] = max(metrics.get(key, 0.0), value)
-        metrics["response/policy_tokens_mean"] = sums["tokens"] / max(sums["samples"], 1.0)
-        if "entropy" in batches[0].keys():
-            metrics["actor/entropy"] = sums["entropy"] / max(sums["tokens"], 1.0)
-        if "ref_log_prob" in batches[0].keys():
-            metrics["actor/ref_kl"] = sums["kl"] / max(sums["tokens"], 1.0)
-        return metrics
 
     async def validate(self) -> dict[str, float]:
         """Every held-out prompt with val_kwargs sampling; reward/accuracy metrics under val/."""
@@ -336,9 +245,8 @@ class RLTrainer:
             logger.warning("validation at step %d: %s; no validation metrics this time",
                            self.step, error)
             return {"val/failed_sessions": float(len(self.runner.take_failures()))}
-        if self.config.reward.placement == "after_sampling":
-            self.compute_rewards(trajectories)
-        return {**_trajectory_metrics(trajectories, "val"),
+        self.compute_rewards(trajectories)
+        return {**trajectory_metrics(trajectories, "val"),
                 "val/failed_sessions": len(self.runner.take_failures())}
 
     async def validate_and_report(self, on_validation: ValidationHook | None = None) -> dict[str, float]:
@@ -348,24 +256,21 @@ class RLTrainer:
             on_validation(self.step, metrics)
         return metrics
 
-    async def begin(self, on_validation: ValidationHook | None = None) -> dict[str, float]:
-        """Every mode's start: resume (trainer.resume), sync the actor's weights into the rollout,
-        validate at step 0 (a resumed run validated its step before it stopped)."""
-        if self.config.trainer.resume:
-            await self.load_latest_checkpoint()
-        await self.sync_weights()
-        self.startup.mark("weights")
-        validation: dict[str, float] = {}
-        if self.step == 0:
-            validation = await self.validate_and_report(on_validation)
-            if validation:
-                self.metrics.log(0, {**validation, **await self.startup_metrics()})
+    async def validate_first(self, on_validation: ValidationHook | None = None
+                             ) -> dict[str, float]:
+        """Validation at step 0, logged with the start-up metrics (a resumed run validated its
+        step before it stopped); {} otherwise."""
+        if self.step != 0:
+            return {}
+        validation = await self.validate_and_report(on_validation)
+        if validation:
+            self.metrics.log(0, {**validation, **await self.startup_metrics()})
         return validation
 
-    async def end(self, on_validation: ValidationHook | None,
-                  validation: dict[str, float]) -> dict[str, float]:
-        """Every mode's end: the final validation once total_steps are done; returns the last
-        validation metrics (`validation` when the run stopped early)."""
+    async def validate_last(self, on_validation: ValidationHook | None,
+                            validation: dict[str, float]) -> dict[str, float]:
+        """The final validation once total_steps are done; returns the last validation metrics
+        (`validation` when the run stopped early)."""
         if self.step >= self.config.trainer.total_steps:
             validation = await self.validate_and_report(on_validation)
             if validation:
@@ -384,38 +289,42 @@ class RLTrainer:
                                      "rollout/failed_sessions": float(len(self.runner.take_failures())),
                                      "weight_version": self.step})
 
-    async def finish_step(self, trajectories: list[Trajectory], batch: TensorDict | list[TensorDict],
-                          metrics: dict[str, float], timer: PhaseTimer,
-                          on_validation: ValidationHook | None = None) -> dict[str, float]:
-        """After the sync: batch and timing metrics, periodic validation and checkpoint, then
-        one metrics record for the step. Returns the step's metrics."""
+    async def step_record(self, trajectories: list[Trajectory], batches: list[TensorDict],
+                          metrics: dict[str, float], timer: PhaseTimer) -> dict[str, float]:
+        """The step's metrics record: `metrics` plus batch, timing, rollout and fault metrics,
+        the sessions that failed (left out of the batch) and the weight version."""
+        config = self.config
+        record = dict(metrics)
+        record.update(batch_metrics(trajectories, batches, config.trainer.n_devices,
+                                    self.mini_batch_trajectories()))
+        record.update(timer.metrics())
+        record.update(rollout_metrics(trajectories, timer.times))
+        record.update(await self.fleet.rollout.fault_metrics())  # dead servers, retried requests
+        record["rollout/failed_sessions"] = len(self.runner.take_failures())
+        record["weight_version"] = self.step
+        return record
+
+    def validation_due(self) -> bool:
+        """Whether this step validates (every trainer.test_freq steps, not the last)."""
         config = self.config.trainer
-        metrics.update(self.batch_metrics(trajectories, batch))
-        metrics.update(timer.metrics())
-        metrics.update(await self.manager.fault_metrics())  # dead servers, retried requests
-        metrics["rollout/failed_sessions"] = len(self.runner.take_failures())  # left out of the batch
-        # trajectories whose tokens span a sync: partial rollouts the resumable client finished
-        metrics["rollout/cross_version_fraction"] = sum(
-            t.min_global_steps != t.max_global_steps for t in trajectories) / max(len(trajectories), 1)
-        generated = sum(int(t.response_mask.sum()) for t in trajectories)
-        # sync mode: tokens per second of generation; async modes: per second of the whole step
-        seconds = timer.times.get("generate") or sum(timer.times.values())
-        metrics["throughput/generated_tokens_per_second"] = generated / max(seconds, 1e-9)
-        metrics["weight_version"] = self.step
-        if config.test_freq and self.step % config.test_freq == 0 and self.step < config.total_steps:
-            metrics.update(await self.validate_and_report(on_validation))
-        if config.save_freq and self.step % config.save_freq == 0:
-            await self.save_checkpoint()
-        metrics.update(await self.startup_metrics())  # once, in the run's first record
-        self.metrics.log(self.step, metrics)
-        return metrics
+        return bool(config.test_freq) and self.step % config.test_freq == 0 \
+            and self.step < config.total_steps
+
+    def checkpoint_due(self) -> bool:
+        """Whether this step saves a checkpoint (every trainer.save_freq steps)."""
+        return bool(self.config.trainer.save_freq) and self.step % self.config.trainer.save_freq == 0
+
+    async def log_step(self, record: dict[str, float]) -> None:
+        """Write the step's record (with the start-up metrics in the run's first one)."""
+        record.update(await self.startup_metrics())
+        self.metrics.log(self.step, record)
 
     async def startup_metrics(self) -> dict[str, float]:
         """Once, after the first generation: time/startup and its parts, also logged as one
         line (trainer.startup); {} afterwards."""
         if self.startup.reported:
             return {}
-        stats = (await self.manager.stats()).values()
+        stats = (await self.fleet.rollout.stats()).values()
         return self.startup.report([s["backend"]["first_token_time"] for s in stats
                                     if s["backend"].get("first_token_time") is not None])
 
@@ -449,25 +358,3 @@ class RLTrainer:
             self.metrics.truncate_after(self.step)
         logger.info("resumed from %s (step %d)", directory, self.step)
         return True
-
-
-def _trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
-    real = [t for t in trajectories if not t.is_padding]
-    if not real:
-        return {}
-    count = len(real)
-    metrics = {f"{prefix}/mean" if prefix == "reward" else f"{prefix}/reward":
-               sum(t.reward or 0.0 for t in real) / count}
-    accuracies = [t.reward_extra.get("acc") for t in real if "acc" in t.reward_extra]
-    if accuracies:
-        metrics[f"{prefix}/acc"] = sum(accuracies) / len(accuracies)
-    tools = [t.metadata["tool_calls"] > 0 for t in real if "tool_calls" in t.metadata]
-    if tools:
-        metrics[f"{prefix}/tool_use"] = sum(tools) / len(tools)
-    forked = [t.metadata["forks"] > 0 for t in real if "forks" in t.metadata]
-    if forked:  # openai_agent: trajectories of sessions whose history did not extend (re-rendered)
-        metrics[f"{prefix}/forked"] = sum(forked) / len(forked)
-    metrics[f"{prefix}/response_length"] = sum(len(t.responses) for t in real) / count
-    metrics[f"{prefix}/num_turns"] = sum(t.num_turns for t in real) / count
-    return metrics
-

@@ -3,9 +3,10 @@ generating while the actor trains on the hybrid workers (seed §12.3).
 
 A producer keeps prompt groups generating into the rollout buffer without pause. Each step, in
 `fit_separate_async` below: parameter_sync_step times {take one mini-batch of finished groups
-within max_staleness -> train on it (trainer.train_on: one optimizer step per epoch)} -> sync
-the actor's weights into every standalone server through the non-naive checkpoint engine
-(WeightSyncManager: abort -> release KV -> transfer -> resume). The resumable client finishes
+within max_staleness -> reward -> old_log_prob -> ref_log_prob -> values -> advantages ->
+update (one optimizer step per epoch)} -> sync the actor's weights into every standalone server
+through the checkpoint engine (CrossProcessSync: abort -> release KV -> transfer -> resume KV ->
+resume generation; the servers never sleep, so nothing is woken). The resumable client finishes
 the requests a sync aborted with the new weights (no token generated twice). The servers stop
 only for the sync and when back-pressure holds the producer (the buffer is full). With
 trainer.separate_async.spillover the training workers' engines generate too while the trainer
@@ -26,27 +27,32 @@ from tandem.trainer.producer import RolloutProducer
 from tandem.trainer.rl_trainer import RLTrainer, ValidationHook
 from tandem.trainer.rollout_buffer import RolloutBuffer, check_staleness
 from tandem.trainer.spillover import Spillover
+from tandem.trainer.step_metrics import idle_metrics, merge_mini_batch_metrics
 
 
 async def fit_separate_async(trainer: RLTrainer,
                              on_validation: ValidationHook | None = None) -> dict[str, float]:
     """Train for trainer.total_steps (one step = parameter_sync_step mini-batch updates, then
     one weight sync); returns the last validation metrics (see fit_sync)."""
-    config = trainer.config.trainer
+    config, fleet = trainer.config.trainer, trainer.fleet
     policy = config.async_rollout
     sync_step = config.separate_async.parameter_sync_step
     mini_batch = trainer.config.actor.ppo_mini_batch_size
-    validation = await trainer.begin(on_validation)
+    if config.resume:
+        await trainer.load_latest_checkpoint()
+    await fleet.sync_weights(trainer.step)
+    trainer.startup.mark("weights")
+    validation = await trainer.validate_first(on_validation)
     spill = None
     if config.separate_async.spillover:
-        spill = Spillover(trainer, config.separate_async.spill_below_groups or mini_batch)
+        spill = Spillover(fleet, config.separate_async.spill_below_groups or mini_batch)
         await spill.start()
     buffer = RolloutBuffer(policy.buffer_groups or 2 * trainer.config.data.train_batch_size)
     producer = RolloutProducer(trainer, buffer, start_batch=trainer.step)
     producer.start()
     idle = RolloutIdleClock(buffer)
     bar = progress_bar(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
-               initial=trainer.step, total=config.total_steps, disable=not config.progress)
+                       initial=trainer.step, total=config.total_steps, disable=not config.progress)
     try:
         for _ in bar:
             timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{trainer.algorithm_name} [{phase}]"))
@@ -57,7 +63,7 @@ async def fit_separate_async(trainer: RLTrainer,
                 with timer.phase("wait_rollout"):
                     # spill only while the actor still holds the served version (no update yet)
                     if spill is not None and index == 0 and spill.should_join(buffer.depth):
-                        await spill.join()
+                        await spill.join(trainer.step)
                     groups, stale, buffer_metrics = await buffer.take(
                         mini_batch, trainer.step, policy.max_staleness, policy.on_stale)
                 if spill is not None:
@@ -68,20 +74,37 @@ async def fit_separate_async(trainer: RLTrainer,
                         producer.resubmit(group)
                 mini = [t for group in groups for t in group.trajectories]
                 check_staleness(mini, trainer.step, policy.max_staleness)
-                batch, metrics = await trainer.train_on(mini, timer)
+                with timer.phase("reward"):
+                    trainer.compute_rewards(mini)
+                batch = trainer.make_batch(mini)
+                with timer.phase("old_log_prob"):
+                    await trainer.compute_old_log_probs(batch)
+                with timer.phase("ref_log_prob"):
+                    await trainer.compute_ref_log_probs(batch)
+                with timer.phase("values"):
+                    await trainer.compute_values(batch)
+                with timer.phase("advantages"):
+                    metrics = trainer.compute_advantages(batch)
+                with timer.phase("update"):
+                    metrics.update(await trainer.update(batch))
                 trajectories += mini
                 batches.append(batch)
                 parts.append({**metrics, **buffer_metrics})
             trainer.step += 1
             with timer.phase("sync"):
-                sync_metrics = await trainer.sync_weights()
+                sync_metrics = await fleet.sync_weights(trainer.step)
             metrics = merge_mini_batch_metrics(parts)
             metrics.update(sync_metrics)
-            metrics.update(idle_metrics(timer, idle.seconds, sync_metrics["sync/total_s"]))
+            metrics.update(idle_metrics(timer.times, idle.seconds, sync_metrics["sync/total_s"]))
             if spill is not None:
                 metrics["spill/tokens"] = float(spill.spilled_tokens - spilled)
                 metrics["spill/joins_total"] = float(spill.joins)
-            metrics = await trainer.finish_step(trajectories, batches, metrics, timer, on_validation)
+            metrics = await trainer.step_record(trajectories, batches, metrics, timer)
+            if trainer.validation_due():
+                metrics.update(await trainer.validate_and_report(on_validation))
+            if trainer.checkpoint_due():
+                await trainer.save_checkpoint()
+            await trainer.log_step(metrics)
             bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.2f}",
                             lag=f"{metrics['staleness/lag_mean']:.2f}")
     finally:
@@ -89,30 +112,9 @@ async def fit_separate_async(trainer: RLTrainer,
         if spill is not None:
             await spill.leave()
         await producer.stop()
-        await trainer.manager.abort_all_requests()
-        await trainer.manager.resume_generation()
-    return await trainer.end(on_validation, validation)
-
-
-def merge_mini_batch_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """One record for a step's mini-batches: means, except maxima (lag_max), sums (buffer
-    wait) and the latest value of running totals."""
-    merged = {key: sum(p.get(key, 0.0) for p in parts) / len(parts)
-              for key in {key for p in parts for key in p}}
-    merged["staleness/lag_max"] = max(p["staleness/lag_max"] for p in parts)
-    merged["buffer/wait_seconds"] = sum(p["buffer/wait_seconds"] for p in parts)
-    for key in ("staleness/dropped_total", "staleness/regenerated_total"):
-        merged[key] = parts[-1][key]
-    return merged
-
-
-def idle_metrics(timer: PhaseTimer, backpressure_s: float, sync_s: float) -> dict[str, float]:
-    """Trainer idle = waiting for data; rollout idle = held back by a full buffer + paused by the sync."""
-    wall = max(sum(timer.times.values()), 1e-9)
-    trainer_idle = timer.times.get("wait_rollout", 0.0)
-    rollout_idle = min(backpressure_s + sync_s, wall)
-    return {"idle/trainer_seconds": trainer_idle, "idle/trainer_fraction": trainer_idle / wall,
-            "idle/rollout_seconds": rollout_idle, "idle/rollout_fraction": rollout_idle / wall}
+        await fleet.abort()
+        await fleet.resume()
+    return await trainer.validate_last(on_validation, validation)
 
 
 class RolloutIdleClock:

@@ -2,11 +2,13 @@
 workers' own (hybrid) engines join the balancer next to the standalone replicas, and leave
 before the next update.
 
-join: sync the actor's weights into each worker's engine in-process (naive, version = step) ->
-add it to the balancer. leave: remove it from the balancer with abort (its running requests
-come back "aborted" and the resumable client continues them on the standalone servers) ->
-sleep it (free its memory for training). The actor's weights must be the served version, so the
-fit loop spills only before the first mini-batch update after a sync.
+join: wake the workers' engines -> sync the actor's weights into them in-process (version =
+the trainer's step) -> add them to the balancer. leave: remove them from the balancer with
+abort (their running requests come back "aborted" and the resumable client continues them on
+the standalone servers) -> sleep them (free their memory for training). The actor's weights
+must be the served version, so the fit loop spills only before the first mini-batch update
+after a sync. Every call is bounded: control calls by trainer.timeout_s, the sync by
+rollout.checkpoint_engine.timeout_s.
 """
 
 from __future__ import annotations
@@ -15,18 +17,20 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from tandem.serving.replica import RolloutReplica
+from tandem.trainer.in_process_sync import InProcessSync
 
 if TYPE_CHECKING:
-    from tandem.trainer.rl_trainer import RLTrainer
+    from tandem.trainer.fleet import Fleet
 
 
 class Spillover:
-    """The training workers' engines as replicas that can join and leave `trainer.manager`."""
+    """The training workers' engines as replicas that can join and leave `fleet.rollout`."""
 
-    def __init__(self, trainer: "RLTrainer", below_groups: int) -> None:
-        self.trainer = trainer
+    def __init__(self, fleet: "Fleet", below_groups: int) -> None:
+        self.fleet = fleet
         self.below_groups = below_groups  # join when fewer finished groups than this wait
         self.replicas: list[RolloutReplica] = []
+        self.weight_sync: InProcessSync | None = None
         self.joined = False
         self.joins = 0
         self._tokens_at_join = 0
@@ -34,25 +38,28 @@ class Spillover:
 
     async def start(self) -> None:
         """Start one engine per training worker (asleep until the first join)."""
-        trainer = self.trainer
-        for rank, worker in enumerate(trainer.workers):
-            replica = RolloutReplica(rank, trainer.config.rollout, trainer.manager.options)
+        fleet = self.fleet
+        for rank, worker in enumerate(fleet.workers):
+            replica = RolloutReplica(rank, fleet.config.rollout, fleet.rollout.options)
             replica.server_id = f"spill-{rank}"  # beside the standalone replica-<rank>
             await replica.init_hybrid([worker])
             self.replicas.append(replica)
+        self.weight_sync = InProcessSync(fleet.workers, [r.server_id for r in self.replicas],
+                                         fleet.config.rollout.checkpoint_engine.timeout_s)
         await self._sleep()
 
     def should_join(self, depth: int) -> bool:
         """Whether the trainer is about to wait with fewer than below_groups finished groups."""
         return not self.joined and depth < self.below_groups
 
-    async def join(self) -> None:
-        """Load the actor's weights (version = trainer.step) and route requests here too."""
-        trainer = self.trainer
-        await asyncio.gather(*(w.sync_weights.remote(trainer.step) for w in trainer.workers))
+    async def join(self, version: int) -> None:
+        """Wake, load the actor's weights as `version`, and route requests here too."""
+        await self._control("wake_up", ["weights"])
+        await self.weight_sync.sync(version)
+        await self._control("wake_up", ["kv_cache"])
         self._tokens_at_join = await self._tokens()
         for replica in self.replicas:
-            await trainer.manager.add_replica(replica)
+            await self.fleet.rollout.add_replica(replica)
         self.joined = True
         self.joins += 1
 
@@ -61,15 +68,18 @@ class Spillover:
         if not self.joined:
             return
         for replica in self.replicas:
-            await self.trainer.manager.remove_replica(replica.server_id, abort=True)
+            await self.fleet.rollout.remove_replica(replica.server_id, abort=True)
         self.spilled_tokens += await self._tokens() - self._tokens_at_join
         self.joined = False
         await self._sleep()
 
+    async def _control(self, verb: str, *args) -> list:
+        return await asyncio.gather(*(replica.control(verb, *args) for replica in self.replicas))
+
     async def _tokens(self) -> int:
-        stats = await asyncio.gather(*(replica.stats() for replica in self.replicas))
-        return sum(server["tokens"] for servers in stats for server in servers)
+        return sum(server["tokens"] for servers in await self._control("stats")
+                   for server in servers)
 
     async def _sleep(self) -> None:
-        if self.trainer.config.rollout.free_cache_engine:
-            await asyncio.gather(*(replica.sleep(["kv_cache", "weights"]) for replica in self.replicas))
+        if self.fleet.config.rollout.free_cache_engine:
+            await self._control("sleep", ["kv_cache", "weights"])

@@ -1,9 +1,11 @@
-"""trainer_mode=sync: one set of devices, used in turn by the rollout engine and the actor.
+"""trainer_mode=sync: generation and training take turns (seed §12.1).
 
-The phase order is `fit_sync` below (seed §12.1): at start, sync weights into the rollout;
-each step: generate -> sleep rollout -> reward -> old_log_prob -> ref_log_prob -> values ->
-advantages -> update -> sync weights and wake (weights first, load, then KV cache). A step
-whose sessions all fail is skipped (RLTrainer.skip_step): no update, a warning and a metric.
+The phase order is `fit_sync` below: at start, resume and sync the actor's weights into the
+rollout (memory woken around it); each step: generate -> sleep the rollout -> reward ->
+old_log_prob -> ref_log_prob -> values -> advantages -> update -> wake weights -> sync -> wake
+KV cache -> metrics, validation, checkpoint. On the hybrid layout sleep and wake free the
+devices for training; standalone replicas (rollout devices of their own) keep their memory. A
+step whose sessions all fail is skipped (RLTrainer.skip_step): no update, a warning and a metric.
 """
 
 from __future__ import annotations
@@ -17,10 +19,16 @@ from tandem.trainer.rl_trainer import RLTrainer, ValidationHook
 async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = None) -> dict[str, float]:
     """Train for trainer.total_steps; returns the last validation metrics. on_validation(step,
     metrics) is called after each validation (before training, every test_freq, at the end)."""
-    config = trainer.config.trainer
-    validation = await trainer.begin(on_validation)
+    config, fleet = trainer.config.trainer, trainer.fleet
+    if config.resume:
+        await trainer.load_latest_checkpoint()
+    await fleet.wake_rollout(["weights"])
+    await fleet.sync_weights(trainer.step)
+    await fleet.wake_rollout(["kv_cache"])
+    trainer.startup.mark("weights")
+    validation = await trainer.validate_first(on_validation)
     bar = progress_bar(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
-               initial=trainer.step, total=config.total_steps, disable=not config.progress)
+                       initial=trainer.step, total=config.total_steps, disable=not config.progress)
     for _ in bar:
         timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{trainer.algorithm_name} [{phase}]"))
         try:
@@ -30,12 +38,31 @@ async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = No
             await trainer.skip_step(error)
             continue
         with timer.phase("sleep"):
-            await trainer.sleep_rollout()
-        batch, metrics = await trainer.train_on(trajectories, timer)
+            await fleet.sleep_rollout()
+        with timer.phase("reward"):
+            trainer.compute_rewards(trajectories)
+        batch = trainer.make_batch(trajectories)
+        with timer.phase("old_log_prob"):
+            await trainer.compute_old_log_probs(batch)
+        with timer.phase("ref_log_prob"):
+            await trainer.compute_ref_log_probs(batch)
+        with timer.phase("values"):
+            await trainer.compute_values(batch)
+        with timer.phase("advantages"):
+            metrics = trainer.compute_advantages(batch)
+        with timer.phase("update"):
+            metrics.update(await trainer.update(batch))
         trainer.step += 1
         with timer.phase("sync"):
-            metrics.update(await trainer.sync_weights())
-        metrics = await trainer.finish_step(trajectories, batch, metrics, timer, on_validation)
+            await fleet.wake_rollout(["weights"])
+            metrics.update(await fleet.sync_weights(trainer.step))
+            await fleet.wake_rollout(["kv_cache"])
+        metrics = await trainer.step_record(trajectories, [batch], metrics, timer)
+        if trainer.validation_due():
+            metrics.update(await trainer.validate_and_report(on_validation))
+        if trainer.checkpoint_due():
+            await trainer.save_checkpoint()
+        await trainer.log_step(metrics)
         bar.set_postfix(reward=f"{metrics.get('reward/mean', 0):.2f}",
                         gap=f"{metrics.get('rollout_gap/abs_diff_mean', 0):.1e}")
-    return await trainer.end(on_validation, validation)
+    return await trainer.validate_last(on_validation, validation)

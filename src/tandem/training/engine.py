@@ -23,7 +23,7 @@ from tandem.batch.jagged import field_lengths, padded_field, select_samples
 from tandem.batch.layouts import prompt_groups
 from tandem.config.schema import OptimConfig, TandemConfig
 from tandem.training import checkpoint
-from tandem.training.export import DeltaExporter, LocalShard, TensorDelta, iter_full_weights, iter_local_shards
+from tandem.training.export import LocalShard, iter_full_weights, iter_local_shards
 from tandem.training.forward import ForwardOutput, MiniBatchInfo, actor_forward, critic_forward
 from tandem.training.fsdp import all_reduce, dp_rank_and_size, shard_model
 from tandem.training.lm_head import plain_linear_head
@@ -67,7 +67,6 @@ class TrainingEngine:
         self.optimizer = build_optimizer(self.model.parameters(), optim) if optim is not None else None
         self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps) if optim is not None else None
         self.global_step = 0  # optimizer steps taken
-        self._delta_exporter = DeltaExporter()
 
     @classmethod
     def from_config(cls, config: TandemConfig, role: str, total_steps: int | None = None,
@@ -283,10 +282,6 @@ class TrainingEngine:
     def export_local_shards(self) -> Iterator[LocalShard]:
         """This rank's shards, without communication."""
         return iter_local_shards(self.model)
-
-    def export_delta(self) -> Iterator[TensorDelta]:
-        """Changes of this rank's shards since the previous export_delta (all of them the first time)."""
-        return self._delta_exporter.export(self.model)
 
     def save_checkpoint(self, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
         """Weights, optimizer, scheduler, step and RNG; every rank calls it."""

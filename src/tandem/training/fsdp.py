@@ -23,14 +23,20 @@ def rendezvous_address() -> str:
     return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
 
-def init_process_group(rank: int, world_size: int, init_method: str, device: str = "cpu") -> None:
-    """Join the data-parallel group (init_method from rendezvous_address() on rank 0's node)."""
+def init_process_group(rank: int, world_size: int, init_method: str, device: str = "cpu",
+                       timeout_s: float = 600.0) -> None:
+    """Join the data-parallel group (init_method from rendezvous_address() on rank 0's node);
+    its rendezvous and every collective fail after timeout_s (trainer.timeout_s) instead of
+    waiting forever for a rank that died."""
+    from datetime import timedelta
+
     if dist.is_initialized():
         raise RuntimeError("init_process_group: torch.distributed is already initialised in this process")
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
 
 
 def dp_rank_and_size() -> tuple[int, int]:

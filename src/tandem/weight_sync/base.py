@@ -1,7 +1,7 @@
 """The checkpoint-engine interface: one weight sync is
 prepare -> build_topology -> init_process_group -> send || receive -> finalize.
 
-Contract between the transports (this package) and the sync manager that drives them:
+Contract between the transports (this package) and the trainer's cross-process sync that drives them:
 
 - The sending process (training rank 0) calls `build_topology(n_receivers, version,
   receiver_versions)` and hands the returned picklable `SyncPlan` to every receiver; each

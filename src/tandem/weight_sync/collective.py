@@ -4,9 +4,11 @@ Each bucket travels as three broadcasts: a (header bytes, bucket bytes) size pai
 chunk metadata, then the bucket itself; a zero header ends the stream, after which the store's
 done/commit handshake (control.py) confirms that every receiver has everything. The sender keeps two
 buffers and issues the broadcasts asynchronously, so packing bucket k+1 overlaps sending bucket
-k. The process group is made per sync from the sender's own TCPStore
-(`ProcessGroupGloo` / `ProcessGroupNCCL` built directly, so the default, training group of the
-process is never touched) and destroyed in `finalize`.
+k. The process group is made per sync from the sender's own TCPStore, served on `master_addr`
+(the sender's node IP, which the trainer passes; loopback by default), with gloo listening on
+the interface that routes to the sender (`ProcessGroupGloo` / `ProcessGroupNCCL` built
+directly, so the default, training group of the process is never touched) and destroyed in
+`finalize`.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import torch.distributed as dist
 
 from tandem.weight_sync.base import CheckpointEngine, NamedTensors, SyncPlan, WeightSyncError
 from tandem.weight_sync.bucketing import Unpacker, bucket_size, fill_bucket, plan_buckets
-from tandem.weight_sync.control import (await_commit, commit, connect_store, put, serve_store,
-                                        wait_keys)
+from tandem.weight_sync.control import (await_commit, commit, local_address_towards, rendezvous,
+                                        serve_store)
 
 
 class CollectiveCheckpointEngine(CheckpointEngine):
@@ -54,15 +56,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
     def init_process_group(self, plan: SyncPlan, rank: int) -> None:
         """Meet every participant, then build the private group (all ranks, concurrently)."""
         super().init_process_group(plan, rank)
-        if rank == 0:
-            if self._store is None:
-                raise RuntimeError("init_process_group(rank=0) needs this engine's build_topology first")
-        else:
-            self._store = connect_store(plan.details, plan.timeout_s)
-        put(self._store, f"joined/{rank}", b"1", "init_process_group")
-        peers = {f"joined/{r}": self._peer_of(r) for r in range(plan.n_receivers + 1) if r != rank}
-        wait_keys(self._store, peers if rank == 0 else {"joined/0": "sender"},
-                  plan.timeout_s, "init_process_group")
+        self._store = rendezvous(self._store, plan, rank)
         try:
             self._group = self._make_group(dist.PrefixStore("group/", self._store), rank,
                                            plan.n_receivers + 1, timedelta(seconds=plan.timeout_s))
@@ -70,7 +64,14 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             raise WeightSyncError("init_process_group", self._others(), str(error)) from error
 
     def _make_group(self, store, rank: int, size: int, timeout: timedelta):
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        # gloo's default device binds the hostname's address, which a peer on another host (or
+        # network namespace) may not reach: listen where the route to the sender leaves
+        details = self.plan.details
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(
+            details["master_addr"], details["master_port"]))]
+        return dist.ProcessGroupGloo(store, rank, size, options)
 
     async def send_weights(self, named_tensors: NamedTensors) -> None:
         """Broadcast the stream bucket by bucket (rank 0); blocks a worker thread, not the loop."""

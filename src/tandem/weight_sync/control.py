@@ -1,13 +1,15 @@
-"""The control channel of one sync: a TCPStore served by the sender, with bounded waits that
-name the peers that did not show up."""
+"""The control channel of one sync: a TCPStore served by the sender on the address receivers
+reach it at (its node's IP across hosts), the rendezvous every transport starts with, and
+bounded waits that name the peers that did not show up."""
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from tandem.weight_sync.base import WeightSyncError
+from tandem.weight_sync.base import SyncPlan, WeightSyncError
 
 
 def serve_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, dict]:
@@ -26,6 +28,30 @@ def connect_store(details: dict, timeout_s: float) -> dist.TCPStore:
         raise WeightSyncError("init_process_group", "sender",
                               f"cannot reach the sync store at {details['master_addr']}:"
                               f"{details['master_port']} ({error})") from error
+
+
+def rendezvous(store: dist.TCPStore | None, plan: SyncPlan, rank: int) -> dist.TCPStore:
+    """init_process_group's meeting: a receiver connects to the sender's store; every rank says
+    it joined; the sender waits for every receiver, a receiver for the sender. Returns the
+    store (the sender passes the one build_topology served)."""
+    if rank == 0:
+        if store is None:
+            raise RuntimeError("init_process_group(rank=0) needs this engine's build_topology first")
+    else:
+        store = connect_store(plan.details, plan.timeout_s)
+    put(store, f"joined/{rank}", b"1", "init_process_group")
+    peers = ({f"joined/{r}": f"receiver {r}" for r in range(1, plan.n_receivers + 1)} if rank == 0
+             else {"joined/0": "sender"})
+    wait_keys(store, peers, plan.timeout_s, "init_process_group")
+    return store
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """This process's IP on the interface that routes to host:port (a UDP connect sends no
+    packet): where a receiver's transport must listen for the sender to reach it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
 
 
 def put(store: dist.TCPStore, key: str, value: bytes, phase: str) -> None:

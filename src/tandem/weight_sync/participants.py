@@ -1,5 +1,6 @@
 """What each process does in one cross-process sync: the sender (training ranks) and the
-receivers (rollout servers). The sync manager (manager.py) drives them in the seed's order.
+receivers (an engine: anything with stage_weights / commit_weights). The trainer's
+cross-process sync (tandem.trainer.cross_process_sync) drives them in the seed's order.
 
 Every blocking part of a sync (rendezvous, transfer, the FSDP gathers) runs in a fresh thread
 that exits when the sync ends: the caller's event loop keeps answering (a server still reports
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 import threading
 import time
 from contextlib import contextmanager
@@ -19,31 +19,10 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-from tandem.config.load import ConfigError
-from tandem.config.schema import CheckpointEngineConfig
 from tandem.weight_sync.base import CheckpointEngine, SyncPlan, WeightSyncError
-from tandem.weight_sync.registry import checkpoint_engine_names, get_checkpoint_engine_class
-
-logger = logging.getLogger(__name__)
+from tandem.weight_sync.registry import get_checkpoint_engine_class
 
 T = TypeVar("T")
-
-
-def checkpoint_engine_name(config: CheckpointEngineConfig, hybrid: bool) -> str:
-    """The transport a layout uses: HYBRID always `naive` (warning when the config named another,
-    seed §10.2); a rollout in its own process never `naive` (a ConfigError naming the fix)."""
-    if hybrid:
-        if config.backend != "naive":
-            logger.warning("rollout.checkpoint_engine.backend=%r is ignored: the hybrid layout "
-                           "hands weights over inside the process and always uses 'naive'",
-                           config.backend)
-        return "naive"
-    if config.backend == "naive":
-        others = ", ".join(name for name in checkpoint_engine_names() if name != "naive")
-        raise ConfigError("rollout.checkpoint_engine.backend: 'naive' only hands tensors over "
-                          "inside one process, but this rollout runs in its own process (the "
-                          f"standalone or colocated layout); set it to one of: {others}")
-    return config.backend
 
 
 def make_checkpoint_engine(name: str, bucket_megabytes: int, timeout_s: float,

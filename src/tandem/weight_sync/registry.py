@@ -18,7 +18,9 @@ _CHECKPOINT_ENGINES: dict[str, str] = {
 # misspelt one fails at load time; tests/reliability check the table against the constructors
 ENGINE_KWARGS: dict[str, tuple[str, ...]] = {
     "naive": (), "gloo": ("master_addr",), "nccl": ("master_addr",),
-    "shm": ("device", "shm_dir"), "delta": ("transport", "dtype", "max_sparse_ratio")}
+    "shm": ("device", "shm_dir", "master_addr"), "delta": ("transport", "dtype", "max_sparse_ratio"),
+    # resolved at start to shm, gloo or nccl: only what all three take
+    "auto": ("master_addr",)}
 DELTA_TRANSPORTS = ("shm", "gloo", "nccl")
 
 

@@ -8,10 +8,11 @@ advances). The buffers outlive a sync (fresh pages would cost a page fault and z
 every sync): the sender keeps them until `close()` or its exit, receivers keep their mappings
 for the next sync, and a new sender removes files left by senders that died.
 
-Control goes through the sender's TCPStore: `ready/k` holds bucket k's pickled chunk list (an
-empty value ends the stream); each receiver sets `consumed/k/rank` when its consumer has moved
-past bucket k, which frees that buffer for bucket k+2; at the end each receiver sets `done/rank`
-and its iterator finishes only once the sender has seen all of them and set `commit`.
+Control goes through the sender's TCPStore (on `master_addr`, loopback unless given): `ready/k`
+holds bucket k's pickled chunk list (an empty value ends the stream); each receiver sets
+`consumed/k/rank` when its consumer has moved past bucket k, which frees that buffer for bucket
+k+2; at the end each receiver sets `done/rank` and its iterator finishes only once the sender
+has seen all of them and set `commit`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from tandem.weight_sync.base import CheckpointEngine, NamedTensors, SyncPlan, WeightSyncError
 from tandem.weight_sync.bucketing import Unpacker, bucket_size, fill_bucket, plan_buckets
-from tandem.weight_sync.control import (await_commit, commit, connect_store, put, serve_store,
-                                        take, wait_keys)
+from tandem.weight_sync.control import (await_commit, commit, put, rendezvous, serve_store, take,
+                                        wait_keys)
 
 N_BUFFERS = 2
 
@@ -41,8 +42,10 @@ class ShmCheckpointEngine(CheckpointEngine):
     name = "shm"
 
     def __init__(self, bucket_megabytes: int = 512, timeout_s: float = 300.0,
-                 device: str = "cpu", shm_dir: str = "/dev/shm", **engine_kwargs) -> None:
+                 device: str = "cpu", shm_dir: str = "/dev/shm", master_addr: str = "127.0.0.1",
+                 **engine_kwargs) -> None:
         super().__init__(bucket_megabytes, timeout_s, **engine_kwargs)
+        self.master_addr = master_addr  # where the sender's control store listens
         if device not in ("cpu", "cuda"):
             raise ValueError(f"shm device must be 'cpu' or 'cuda', got {device!r} (engine_kwargs.device)")
         self.device, self.shm_dir = device, shm_dir
@@ -55,7 +58,7 @@ class ShmCheckpointEngine(CheckpointEngine):
                        receiver_versions: list[int] | None = None) -> SyncPlan:
         """Create the shared buffers and the control store; both go into the plan."""
         plan = super().build_topology(n_receivers, version, receiver_versions)
-        self._store, details = serve_store("127.0.0.1", self.timeout_s)
+        self._store, details = serve_store(self.master_addr, self.timeout_s)
         if not self._buffers:
             self._create_buffers()
         if self.device == "cuda":
@@ -67,21 +70,15 @@ class ShmCheckpointEngine(CheckpointEngine):
     def init_process_group(self, plan: SyncPlan, rank: int) -> None:
         """Receivers map the buffers; everyone meets; then the sender unlinks the files."""
         super().init_process_group(plan, rank)
-        if rank == 0:
-            if self._store is None:
-                raise RuntimeError("init_process_group(rank=0) needs this engine's build_topology first")
-        else:
-            self._store = connect_store(plan.details, plan.timeout_s)
+        if rank:
             try:
                 self._buffers = _attach(plan.details, plan.bucket_bytes)
             except (RuntimeError, OSError) as error:
                 raise WeightSyncError("init_process_group", "sender",
-                                      f"cannot map the shared buffers ({error})") from error
-        put(self._store, f"joined/{rank}", b"1", "init_process_group")
-        if rank == 0:
-            wait_keys(self._store, {f"joined/{r}": self._peer_of(r)
-                                    for r in range(1, plan.n_receivers + 1)},
-                      plan.timeout_s, "init_process_group")
+                                      f"cannot map the shared buffers ({error}); shm needs every "
+                                      "receiver on the sender's host (use gloo or nccl across "
+                                      "hosts)") from error
+        self._store = rendezvous(self._store, plan, rank)
 
     def _create_buffers(self) -> None:
         if self.device == "cuda":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import numbers
 import threading
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from tandem.config.load import LOGPROBS_MODES
+from tandem.config.choices import LOGPROBS_MODES
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.engine.block_manager import BlockManager
 from tandem.rollout.engine.model_runner import ModelRunner, torch_dtype
@@ -31,7 +30,7 @@ from tandem.rollout.engine.scheduler import ScheduledSequence, Scheduler
 from tandem.rollout.engine.sequence import Sequence, SequenceStatus
 from tandem.rollout.base import check_coverage, checked_version
 from tandem.rollout.engine.weight_staging import stage_weights, weight_key
-from tandem.types import SamplingParams, TokenOutput
+from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 
 logger = logging.getLogger(__name__)
 
@@ -248,13 +247,14 @@ class AsyncEngine:
         self.blocks.reset(self.blocks.num_blocks)
 
     # ---- requests -------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       sampling_params: Mapping[str, Any]) -> TokenOutput:
+    async def generate(self, request: GenerateRequest) -> TokenOutput:
+        """Queue one request and await its result (stop, budget, or abort with partial tokens)."""
         if self.closed:
             raise RuntimeError("the native engine is shut down")
         self._ensure_loop()
-        params = SamplingParams.from_dict(sampling_params)
-        prompt = self._check_prompt(prompt_ids)
+        request_id = request.request_id
+        params = SamplingParams.from_dict(request.sampling)
+        prompt = request.checked_prompt(self.runner.vocab_size, self.max_model_len)
         self._check_params(params)
         if self.weights_state != "loaded" or self.unfilled_weights:
             raise RuntimeError(self._weights_missing_message())
@@ -289,24 +289,6 @@ class AsyncEngine:
         if params.top_k > vocab:
             raise ValueError(f"sampling top_k={params.top_k}: larger than the vocabulary ({vocab} "
                              "tokens); use -1 to disable top-k")
-
-    def _check_prompt(self, prompt_ids: list[int]) -> list[int]:
-        if isinstance(prompt_ids, torch.Tensor):
-            prompt_ids = prompt_ids.tolist()
-        prompt = list(prompt_ids)
-        if not prompt:
-            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("prompt_ids must be a list of ints")
-        prompt = [int(t) for t in prompt]
-        vocab = self.runner.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt_ids must lie in [0, {vocab}); got min {min(prompt)}, "
-                             f"max {max(prompt)}")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the model's "
-                             f"context of {self.max_model_len} tokens")
-        return prompt
 
     async def abort(self, request_id: str) -> None:
         self._ensure_loop()

@@ -1,4 +1,4 @@
-"""The sync manager: one weight sync from the training workers into rollout servers that run in
+"""The cross-process weight sync: from the training workers into rollout servers that run in
 their own processes (STANDALONE and COLOCATED replicas), in the seed's order (§10.3):
 
     abort unfinished requests -> release the KV cache (weights stay) -> build topology
@@ -9,58 +9,44 @@ resumes. Every wait has the deadline rollout.checkpoint_engine.timeout_s; a serv
 or stuck before the transfer is left out of it (reported in `SyncReport.left_out`), a failure
 during it raises WeightSyncError naming the phase and the peer. Either way every server that
 took part resumes generating, each on its last complete version (loads are all or nothing).
-The HYBRID layout does not come here: its workers sync in-process with `naive`.
+The HYBRID layout does not come here: its workers sync in-process (in_process_sync.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Sequence
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from tandem.config.schema import CheckpointEngineConfig
 from tandem.serving.manager import ServerManager
 from tandem.serving.remote import call, resolve, submit
 from tandem.serving.replica import ReplicaLayout, RolloutReplica
+from tandem.trainer.sync_seam import SyncReport
 from tandem.weight_sync.base import WeightSyncError
-from tandem.weight_sync.participants import checkpoint_engine_name
 
 
-@dataclass
-class SyncReport:
-    """What one sync did: seconds per phase (metric names), the version each server serves
-    now (None: it did not answer), and the servers left out with the reason."""
-
-    version: int
-    timings: dict[str, float]
-    served: dict[str, int | None]
-    left_out: dict[str, str] = field(default_factory=dict)
-
-    def behind(self) -> list[str]:
-        """Servers not serving this sync's version."""
-        return sorted(sid for sid, version in self.served.items() if version != self.version)
-
-
-class WeightSyncManager:
+class CrossProcessSync:
     """Drives syncs from `trainers` (training workers, rank 0 first: Ray handles or local
-    objects with build_sync_plan / send_weights) into every replica of `servers`."""
+    objects with build_sync_plan / send_weights) into every replica of `servers` through the
+    checkpoint engine `engine` (never naive), every wait within timeout_s."""
 
-    def __init__(self, trainers: Sequence[Any], servers: ServerManager,
-                 config: CheckpointEngineConfig) -> None:
+    def __init__(self, trainers: Sequence[Any], servers: ServerManager, engine: str,
+                 timeout_s: float, engine_kwargs: dict[str, Any] | None = None) -> None:
         if servers.layout is ReplicaLayout.HYBRID:
-            raise ValueError("the hybrid layout syncs inside each worker with 'naive' "
-                             "(HybridWorker.sync_weights); the sync manager is for standalone and "
-                             "colocated replicas")
+            raise ValueError("the hybrid layout syncs inside each worker (InProcessSync); the "
+                             "cross-process sync is for standalone and colocated replicas")
         if not trainers:
             raise ValueError("no training workers to send weights from")
-        checkpoint_engine_name(config, hybrid=False)  # a ConfigError for 'naive'
+        if engine == "naive":
+            raise ValueError("the cross-process sync needs a transport between processes, not "
+                             "'naive' (rollout.checkpoint_engine.backend)")
         self.trainers = list(trainers)
         self.servers = servers
-        self.timeout_s = config.timeout_s
-        self.engine_kwargs = dict(config.engine_kwargs)  # receivers build the same engine
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.engine_kwargs = dict(engine_kwargs or {})  # receivers build the same engine
 
     async def sync(self, version: int) -> SyncReport:
         """One sync of the actor's weights as `version`; raises WeightSyncError on failure
@@ -89,7 +75,7 @@ class WeightSyncManager:
         """Call replica.method() on all replicas at once, each within the deadline; returns the
         ones that answered, the others go to left_out with the error."""
         begin = time.perf_counter()
-        results = await asyncio.gather(*(asyncio.wait_for(getattr(r, method)(), self.timeout_s)
+        results = await asyncio.gather(*(asyncio.wait_for(r.control(method), self.timeout_s)
                                          for r in replicas), return_exceptions=True)
         timings[f"sync/{phase}_s"] = time.perf_counter() - begin
         answered = []
@@ -108,8 +94,9 @@ class WeightSyncManager:
         begin = time.perf_counter()
         versions = [await self._within(call(server, "weight_version", timeout_s=self.timeout_s),
                                        "build_topology", name) for name, server in receivers]
-        plan = await self._within(call(self.trainers[0], "build_sync_plan", len(receivers),
-                                       version, versions, timeout_s=self.timeout_s),
+        plan = await self._within(call(self.trainers[0], "build_sync_plan", self.engine,
+                                       len(receivers), version, versions,
+                                       timeout_s=self.timeout_s),
                                   "build_topology", "sender rank 0")
         timings["sync/build_topology_s"] = time.perf_counter() - begin
         begin = time.perf_counter()

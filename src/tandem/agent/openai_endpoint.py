@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tandem.agent.recorder import ChatRecorder, Completion, RequestError
-from tandem.serving.http_guard import BadBody, BodyTooLarge, RequestGuard, parse_json_body
+from tandem.agent.http_guard import BadBody, BodyTooLarge, RequestGuard, parse_json_body
 
 SESSION_HEADER = "x-session-id"
 MAX_SESSION_ID_CHARS = 256

@@ -1,0 +1,88 @@
+"""How many devices one rollout replica occupies, how many replicas a pool holds, and which
+fleet layouts are built (checked at load time, so what the config accepts is what runs).
+
+Layout: with rollout devices of their own (rollout.nnodes x rollout.n_gpus_per_node > 0, any
+trainer mode) the rollout runs as STANDALONE replicas; without, inside the training workers
+(HYBRID; not for separate_async, whose rollout never stops for training).
+
+world_size = TP: data-parallel engine ranks, pipeline parallelism and prefill/decode
+disaggregation are refused until a backend runs them (their fields stay in the schema so a
+config naming them gets this error, not an unknown-key one).
+"""
+
+from __future__ import annotations
+
+from tandem.config.choices import ConfigError
+from tandem.config.schema import RolloutConfig, TandemConfig
+
+# Backends whose engine lives on exactly one device: a replica of theirs has world_size 1.
+SINGLE_DEVICE_BACKENDS = ("native",)
+CUDA_ONLY_BACKENDS = ("sglang",)
+
+
+def replica_world_size(config: RolloutConfig) -> int:
+    """Devices one replica occupies (its tensor-parallel size)."""
+    return config.tensor_model_parallel_size
+
+
+def replica_count(total_devices: int, world_size: int) -> int:
+    """Replicas that fit in total_devices; zero is an error naming both numbers."""
+    if world_size < 1:
+        raise ValueError(f"replica world_size must be >= 1, not {world_size}")
+    count = total_devices // world_size
+    if count == 0:
+        raise ConfigError(f"rollout: {total_devices} device(s) cannot hold one replica of "
+                          f"{world_size} devices (rollout.tensor_model_parallel_size); add devices "
+                          "(rollout.nnodes x rollout.n_gpus_per_node, or trainer.n_devices for the "
+                          "hybrid layout) or lower the tensor-parallel size.")
+    return count
+
+
+def fleet_problem(config: TandemConfig) -> str | None:
+    """The first rollout layout option the fleet would not run as written, with the fix."""
+    rollout = config.rollout
+    tp = rollout.tensor_model_parallel_size
+    if rollout.disaggregation.enabled:
+        return ("rollout.disaggregation.enabled: prefill/decode disaggregation is not built yet "
+                "(a plain engine would start and the reserved devices would idle); set it to false")
+    if rollout.data_parallel_size != 1:
+        return (f"rollout.data_parallel_size: is {rollout.data_parallel_size}, but no rollout "
+                "backend here runs data-parallel ranks inside one replica; set it to 1: the fleet "
+                "makes one replica per footprint, so more devices give more replicas")
+    if rollout.name in SINGLE_DEVICE_BACKENDS and tp != 1:
+        return (f"rollout.tensor_model_parallel_size: the {rollout.name!r} engine runs on one "
+                f"device, so it must be 1, not {tp} (the fleet makes one replica per device)")
+    if rollout.name in CUDA_ONLY_BACKENDS and not config.model.device.startswith("cuda"):
+        return (f"rollout.name: the {rollout.name!r} backend runs on CUDA only, but model.device="
+                f"{config.model.device!r}; set model.device=cuda or rollout.name=native / vllm")
+    if not rollout_devices(config):
+        if config.trainer.trainer_mode == "separate_async":
+            return None  # load.py's separate_async rules name the missing rollout devices
+        backend = rollout.checkpoint_engine.backend
+        if backend not in ("auto", "naive"):
+            return (f"rollout.checkpoint_engine.backend: is {backend!r}, but without rollout "
+                    "devices of their own (rollout.nnodes x rollout.n_gpus_per_node = 0) each "
+                    "engine lives in its training worker's process and takes the actor's weights "
+                    "in-process ('naive'); set it to auto (or naive)")
+        if tp != 1:
+            return (f"rollout.tensor_model_parallel_size: is {tp}, but without rollout devices of "
+                    "their own each engine runs inside one training worker, which holds one "
+                    "device; set it to 1, or give rollout devices (rollout.nnodes, "
+                    "rollout.n_gpus_per_node) for standalone replicas")
+        return None
+    per_node = rollout.n_gpus_per_node
+    if tp > per_node:
+        return (f"rollout.tensor_model_parallel_size: a replica of {tp} devices must fit on one "
+                f"node, which has rollout.n_gpus_per_node={per_node}; lower it or raise "
+                "n_gpus_per_node")
+    if per_node % tp:
+        return (f"rollout.n_gpus_per_node: {per_node} devices per node do not split into replicas "
+                f"of {tp} (rollout.tensor_model_parallel_size): {per_node % tp} would stay idle; "
+                f"make it a multiple of {tp}")
+    return None
+
+
+def rollout_devices(config: TandemConfig) -> int:
+    """Devices of the standalone rollout replicas (rollout.nnodes x rollout.n_gpus_per_node):
+    0 means the engines live in the training workers (the hybrid layout)."""
+    return config.rollout.nnodes * config.rollout.n_gpus_per_node

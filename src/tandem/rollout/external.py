@@ -1,0 +1,62 @@
+"""What the adapters over external engines (vllm.py, sglang.py) share: the weight shapes of the
+model's safetensors, checked weight buckets of the configured size, and the mapping of an
+engine's finish reason to tandem's stop_reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping
+
+import torch
+
+# an engine's finish reason -> tandem's stop_reason (vLLM's finish_reason, SGLang's "type")
+STOP_REASONS = {"stop": "completed", "length": "length", "abort": "aborted"}
+
+
+def stop_reason(engine: str, finish_reason: str | None) -> str:
+    """The engine's finish reason as tandem's stop_reason; anything else is an engine failure."""
+    if finish_reason not in STOP_REASONS:
+        raise RuntimeError(f"{engine} finished a request with finish_reason={finish_reason!r}; "
+                           f"expected one of {sorted(STOP_REASONS)}")
+    return STOP_REASONS[finish_reason]
+
+
+def safetensors_shapes(path: Path, tied_embeddings: bool) -> dict[str, tuple[int, ...]]:
+    """HF weight name -> shape, read from the model directory's safetensors headers; a tied
+    lm_head is listed under its own name too (update streams may carry either)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(file, "pt") as handle:
+            shapes.update((key, tuple(handle.get_slice(key).get_shape())) for key in handle.keys())
+    if tied_embeddings and "model.embed_tokens.weight" in shapes:
+        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+    return shapes
+
+
+def checked_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                    shapes: Mapping[str, tuple], bucket_bytes: int
+                    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group checked, CPU-contiguous (name, tensor) pairs into buckets of about bucket_bytes
+    (rollout.checkpoint_engine.update_weights_bucket_megabytes); an unknown name, a wrong shape
+    or a non-float tensor raises before the bucket holding it is yielded."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        if name not in shapes:
+            raise ValueError(f"update_weights: unknown weight {name!r} (expected HF names such "
+                             f"as {next(iter(shapes))!r})")
+        if tuple(tensor.shape) != tuple(shapes[name]):
+            raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the "
+                             f"model expects {tuple(shapes[name])}")
+        if not tensor.is_floating_point():
+            raise TypeError(f"update_weights: {name!r} has dtype {tensor.dtype}; weights must be "
+                            "floating point")
+        bucket.append((name, tensor.detach().to("cpu").contiguous()))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket

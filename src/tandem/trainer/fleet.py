@@ -1,0 +1,137 @@
+"""The rollout fleet of one run: Ray, placement, the training workers, the rollout servers, the
+client each mode uses and the one weight-sync seam, behind the calls a mode's phase order names.
+
+Layout, chosen once from the config (config/footprint.py): without rollout devices of their
+own the engines live in the training workers (HYBRID; weights move in-process); with them
+(rollout.nnodes x rollout.n_gpus_per_node > 0) the rollout is STANDALONE replicas, synced
+across processes (and hosts) by a checkpoint engine. Every mode runs on either layout (except
+separate_async, which needs standalone replicas); the mode only decides the order of the calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any, Iterable
+
+import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from tandem.config.footprint import rollout_devices
+from tandem.config.schema import TandemConfig
+from tandem.serving.manager import ServerManager
+from tandem.serving.replica import ReplicaLayout, ServerOptions
+from tandem.serving.resumable_client import ResumableClient
+from tandem.trainer import placement
+from tandem.trainer.cross_process_sync import CrossProcessSync
+from tandem.trainer.hybrid_worker import HybridWorkerActor
+from tandem.trainer.in_process_sync import InProcessSync
+from tandem.trainer.startup import StartupClock
+from tandem.trainer.sync_seam import WeightSync, choose_transport, receiver_nodes
+
+logger = logging.getLogger(__name__)
+
+
+class Fleet:
+    """Owns every process of a run and what moves between them; `rollout` is the server manager
+    the client and the control verbs go through."""
+
+    def __init__(self, config: TandemConfig, model_path: Path, startup: StartupClock) -> None:
+        self.config = config
+        self.model_path = model_path
+        self.startup = startup
+        self.layout = (ReplicaLayout.STANDALONE if rollout_devices(config)
+                       else ReplicaLayout.HYBRID)
+        self.workers: list[Any] = []
+        self.placement_group: PlacementGroup | None = None
+        self.rollout: ServerManager | None = None
+        self.weight_sync: WeightSync | None = None
+        self.transport = "naive"  # the checkpoint engine the sync uses (resolved at start)
+
+    async def start(self, actor_steps: int, critic_steps: int) -> None:
+        """Join or start Ray, place one training worker per device bundle (rendezvous on rank
+        0's node), start the rollout servers of the layout and the weight-sync seam."""
+        config, timeout_s = self.config, self.config.trainer.timeout_s
+        n = config.trainer.n_devices
+        placement.init_ray(config)
+        self.startup.mark("ray")
+        self.placement_group = await placement.reserve_devices(config)
+        worker_threads, server_threads = placement.torch_threads(config)
+        init_method = await placement.rank0_rendezvous(self.placement_group) if n > 1 else None
+        bundle = placement.device_bundle(config)
+        self.workers = [HybridWorkerActor.options(
+            **placement.in_bundle(self.placement_group, rank, bundle)).remote(
+            config, rank, n, init_method, actor_steps, critic_steps, worker_threads)
+            for rank in range(n)]
+        await placement.within(asyncio.gather(*(w.ping.remote() for w in self.workers)),
+                               timeout_s, "training workers start (trainer.timeout_s)")
+        self.startup.mark("workers")
+        options = ServerOptions(model_path=str(self.model_path), dtype=config.model.dtype,
+                                device=config.model.device, torch_threads=server_threads,
+                                start_timeout_s=timeout_s, control_timeout_s=timeout_s)
+        ckpt = config.rollout.checkpoint_engine
+        if self.layout is ReplicaLayout.STANDALONE:  # on CPU a device is one core
+            self.rollout = await ServerManager.create(config.rollout, options, "standalone")
+            sender_node = await self.workers[0].node_id.remote()
+            self.transport = choose_transport(ckpt.backend, config.model.device, sender_node,
+                                              receiver_nodes(self.rollout.replicas.values()),
+                                              ckpt.engine_kwargs)
+            self.weight_sync = CrossProcessSync(self.workers, self.rollout, self.transport,
+                                                ckpt.timeout_s, ckpt.engine_kwargs)
+        else:
+            self.rollout = await ServerManager.create(config.rollout, options, "hybrid",
+                                                      hosts=self.workers)
+            self.weight_sync = InProcessSync(self.workers, list(self.rollout.replicas),
+                                             ckpt.timeout_s)
+        await placement.log_torch_threads(config, self.workers, self.rollout)
+        self.startup.mark("servers")
+
+    def client(self) -> Any:
+        """The client agent loops use: plain in sync mode; in the async modes the resumable one,
+        which finishes requests aborted by a weight sync with the new weights."""
+        if self.config.trainer.trainer_mode == "sync":
+            return self.rollout.client()
+        return ResumableClient(self.rollout.client())
+
+    # ---- the calls a mode's phase order is made of ------------------------------------------
+
+    async def abort(self) -> int:
+        """Pause generation on every server and abort what runs (the resumable client keeps the
+        tokens); returns how many requests were running."""
+        return sum(sum(counts) for counts in
+                   (await self.rollout.control("abort_all_requests")).values())
+
+    async def resume(self) -> None:
+        """Reopen generation everywhere; re-asked requests proceed."""
+        await self.rollout.control("resume_generation")
+
+    async def sleep_rollout(self) -> None:
+        """Free the engines' KV cache and weights while the actor trains on the same devices
+        (rollout.free_cache_engine, HYBRID only: standalone replicas own their devices)."""
+        if self.layout is ReplicaLayout.HYBRID and self.config.rollout.free_cache_engine:
+            await self.rollout.control("sleep", ["kv_cache", "weights"])
+
+    async def wake_rollout(self, tags: Iterable[str]) -> None:
+        """Restore what sleep_rollout() freed, by tag (HYBRID only)."""
+        if self.layout is ReplicaLayout.HYBRID:
+            await self.rollout.control("wake_up", list(tags))
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        """The actor's weights into every engine as `version` through the layout's seam; the
+        step's sync metrics."""
+        report = await self.weight_sync.sync(version)
+        if report.behind():
+            logger.warning("servers not on version %d after the sync: %s (left out: %s)",
+                           version, report.behind(), report.left_out)
+        return report.metrics()
+
+    async def stop(self) -> None:
+        """Stop the servers and workers and free the placement group; leave Ray to its owner."""
+        if self.rollout is not None:
+            await self.rollout.shutdown()
+        for worker in self.workers:
+            ray.kill(worker)
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None

@@ -1,0 +1,99 @@
+"""A step's metrics from what the step produced, as pure functions (no trainer state): rewards
+and lengths of the real samples, batch-level entropy / KL / imbalance, rollout throughput and
+version spread, the async modes' merge over mini-batches and their idle times."""
+
+from __future__ import annotations
+
+from tensordict import TensorDict
+
+from tandem import algorithms
+from tandem.batch.balance import token_imbalance
+from tandem.batch.padding import drop_padding_samples
+from tandem.batch.trajectory import Trajectory
+from tandem.trainer import ppo
+
+
+def trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
+    """Mean reward (`reward/mean` or `<prefix>/reward`), accuracy, tool use, forks, response
+    length and turns of the non-padding trajectories; {} when there are none."""
+    real = [t for t in trajectories if not t.is_padding]
+    if not real:
+        return {}
+    count = len(real)
+    metrics = {f"{prefix}/mean" if prefix == "reward" else f"{prefix}/reward":
+               sum(t.reward or 0.0 for t in real) / count}
+    accuracies = [t.reward_extra.get("acc") for t in real if "acc" in t.reward_extra]
+    if accuracies:
+        metrics[f"{prefix}/acc"] = sum(accuracies) / len(accuracies)
+    tools = [t.metadata["tool_calls"] > 0 for t in real if "tool_calls" in t.metadata]
+    if tools:
+        metrics[f"{prefix}/tool_use"] = sum(tools) / len(tools)
+    forked = [t.metadata["forks"] > 0 for t in real if "forks" in t.metadata]
+    if forked:  # openai_agent: trajectories of sessions whose history did not extend (re-rendered)
+        metrics[f"{prefix}/forked"] = sum(forked) / len(forked)
+    metrics[f"{prefix}/response_length"] = sum(len(t.responses) for t in real) / count
+    metrics[f"{prefix}/num_turns"] = sum(t.num_turns for t in real) / count
+    return metrics
+
+
+def batch_metrics(trajectories: list[Trajectory], batches: list[TensorDict], n_devices: int,
+                  mini_batch: int) -> dict[str, float]:
+    """Reward, accuracy, lengths and turns of the real samples, then over the step's batches
+    (several in separate_async): policy tokens per sample, token-mean entropy and reference KL,
+    and the worst batch's data-parallel imbalance."""
+    metrics = trajectory_metrics(trajectories, "reward")
+    sums: dict[str, float] = {"samples": 0.0, "tokens": 0.0, "entropy": 0.0, "kl": 0.0}
+    for batch in batches:
+        real = drop_padding_samples(batch)
+        mask = ppo.dense(real, "response_mask")
+        sums["samples"] += mask.shape[0]
+        sums["tokens"] += float(mask.sum())
+        if "entropy" in real.keys():
+            sums["entropy"] += float((ppo.dense(real, "entropy") * mask).sum())
+        if "ref_log_prob" in real.keys():
+            kl = algorithms.kl_penalty(ppo.dense(real, "old_log_probs"),
+                                       ppo.dense(real, "ref_log_prob"), "k1", mask)
+            sums["kl"] += float((kl * mask).sum())
+        for key, value in token_imbalance(batch, n_devices, mini_batch).items():
+            metrics[key] = max(metrics.get(key, 0.0), value)
+    metrics["response/policy_tokens_mean"] = sums["tokens"] / max(sums["samples"], 1.0)
+    if "entropy" in batches[0].keys():
+        metrics["actor/entropy"] = sums["entropy"] / max(sums["tokens"], 1.0)
+    if "ref_log_prob" in batches[0].keys():
+        metrics["actor/ref_kl"] = sums["kl"] / max(sums["tokens"], 1.0)
+    return metrics
+
+
+def rollout_metrics(trajectories: list[Trajectory], phase_seconds: dict[str, float]
+                    ) -> dict[str, float]:
+    """The fraction of trajectories whose tokens span a sync (partial rollouts the resumable
+    client finished) and policy tokens per second: of generation (sync mode), else of the
+    whole step."""
+    spanning = sum(t.min_global_steps != t.max_global_steps for t in trajectories)
+    generated = sum(int(t.response_mask.sum()) for t in trajectories)
+    seconds = phase_seconds.get("generate") or sum(phase_seconds.values())
+    return {"rollout/cross_version_fraction": spanning / max(len(trajectories), 1),
+            "throughput/generated_tokens_per_second": generated / max(seconds, 1e-9)}
+
+
+def merge_mini_batch_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """One record for a step's mini-batches: means, except maxima (lag_max), sums (buffer
+    wait) and the latest value of running totals."""
+    merged = {key: sum(p.get(key, 0.0) for p in parts) / len(parts)
+              for key in {key for p in parts for key in p}}
+    merged["staleness/lag_max"] = max(p["staleness/lag_max"] for p in parts)
+    merged["buffer/wait_seconds"] = sum(p["buffer/wait_seconds"] for p in parts)
+    for key in ("staleness/dropped_total", "staleness/regenerated_total"):
+        merged[key] = parts[-1][key]
+    return merged
+
+
+def idle_metrics(phase_seconds: dict[str, float], backpressure_s: float,
+                 sync_s: float) -> dict[str, float]:
+    """Trainer idle = waiting for data; rollout idle = held back by a full buffer + paused by
+    the sync; seconds and fractions of the step's wall time."""
+    wall = max(sum(phase_seconds.values()), 1e-9)
+    trainer_idle = phase_seconds.get("wait_rollout", 0.0)
+    rollout_idle = min(backpressure_s + sync_s, wall)
+    return {"idle/trainer_seconds": trainer_idle, "idle/trainer_fraction": trainer_idle / wall,
+            "idle/rollout_seconds": rollout_idle, "idle/rollout_fraction": rollout_idle / wall}

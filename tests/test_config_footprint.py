@@ -1,0 +1,85 @@
+"""Replica footprints, replica counts, and the layout options refused at load time because the
+fleet would not run them as written (no Ray needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.config.footprint import replica_count, replica_world_size, rollout_devices
+from tandem.config.load import ConfigError, load_config
+from tandem.config.schema import RolloutConfig
+from tandem.serving.manager import ServerManager
+from tandem.serving.replica import ServerOptions
+from tandem.serving.server import RolloutServer
+
+SEPARATE = ["trainer.trainer_mode=separate_async", "data.train_batch_size=8",
+            "actor.ppo_mini_batch_size=8"]
+
+
+def test_world_size_is_the_tensor_parallel_size() -> None:
+    assert replica_world_size(RolloutConfig(name="vllm")) == 1
+    assert replica_world_size(RolloutConfig(name="vllm", tensor_model_parallel_size=2)) == 2
+
+
+def test_replica_count_divides_devices_by_footprint() -> None:
+    assert replica_count(8, 2) == 4
+    assert replica_count(7, 2) == 3
+    with pytest.raises(ConfigError, match="1 device.*cannot hold one replica of 2 devices"):
+        replica_count(1, 2)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.name=vllm", "rollout.disaggregation.enabled=true"],
+     r"rollout.disaggregation.enabled: prefill/decode disaggregation is not built yet .* set it "
+     "to false"),
+    (["rollout.name=vllm", "rollout.data_parallel_size=2"],
+     r"rollout.data_parallel_size: is 2, but no rollout backend here runs data-parallel ranks .* "
+     "set it to 1"),
+    (["rollout.data_parallel_size=2"], "rollout.data_parallel_size: is 2"),
+    ([*SEPARATE, "rollout.tensor_model_parallel_size=2", "rollout.nnodes=1", "rollout.n_gpus_per_node=2"],
+     r"rollout.tensor_model_parallel_size: the 'native' engine runs on one device"),
+    (["rollout.name=sglang"], r"rollout.name: the 'sglang' backend runs on CUDA only"),
+    (["rollout.name=vllm", "rollout.tensor_model_parallel_size=2"],
+     r"rollout.tensor_model_parallel_size: is 2, but without rollout devices of their own each "
+     "engine runs inside one training worker"),
+    (["rollout.checkpoint_engine.backend=shm"],
+     r"rollout.checkpoint_engine.backend: is 'shm', but without rollout devices"),
+    ([*SEPARATE, "rollout.name=vllm", "rollout.tensor_model_parallel_size=4",
+      "rollout.nnodes=1", "rollout.n_gpus_per_node=2"],
+     r"a replica of 4 devices must fit on one node, which has rollout.n_gpus_per_node=2"),
+    ([*SEPARATE, "rollout.name=vllm", "rollout.tensor_model_parallel_size=2",
+      "rollout.nnodes=1", "rollout.n_gpus_per_node=3"],
+     r"rollout.n_gpus_per_node: 3 devices per node do not split into replicas of 2 .* 1 would "
+     "stay idle"),
+])
+def test_layouts_the_fleet_does_not_build_are_refused_at_load_time(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
+def test_what_is_accepted_is_a_layout_the_fleet_builds() -> None:
+    hybrid = load_config()
+    assert rollout_devices(hybrid) == 0 and hybrid.rollout.checkpoint_engine.backend == "auto"
+    # rollout devices of their own make standalone replicas in any trainer mode
+    for mode in ("sync", "colocate_async"):
+        config = load_config(overrides=[f"trainer.trainer_mode={mode}", "rollout.nnodes=1",
+                                        "rollout.n_gpus_per_node=1"])
+        assert rollout_devices(config) == 1
+    tensor_parallel = load_config(overrides=[*SEPARATE, "rollout.name=vllm",
+                                             "rollout.tensor_model_parallel_size=2",
+                                             "rollout.nnodes=1", "rollout.n_gpus_per_node=4"])
+    assert replica_count(rollout_devices(tensor_parallel),
+                         replica_world_size(tensor_parallel.rollout)) == 2
+
+
+async def test_manager_rejects_bad_layouts_before_starting_anything() -> None:
+    options = ServerOptions("tiny:qwen2")
+    with pytest.raises(ConfigError, match="rollout.nnodes / rollout.n_gpus_per_node"):
+        await ServerManager.create(RolloutConfig(), options, "standalone")
+    with pytest.raises(ValueError, match="needs `hosts`"):
+        await ServerManager.create(RolloutConfig(), options, "hybrid")
+    with pytest.raises(ValueError, match="'sideways' is not a valid ReplicaLayout"):
+        await ServerManager.create(RolloutConfig(), options, "sideways")
+    with pytest.raises(ValueError, match="unknown rollout backend 'nope'"):
+        await ServerManager.create(RolloutConfig(name="nope"), options, "hybrid",
+                                   hosts=[RolloutServer()])
