@@ -166,8 +166,23 @@ async def test_fit_sync_skips_a_step_whose_sessions_all_fail(tmp_path, caplog):
     from tandem.trainer.rl_trainer import RLTrainer
     from tandem.trainer.sync import fit_sync
 
+    class Fleet:
+        def __init__(self, log: list[str]) -> None:
+            self.log = log
+
+        async def wake_rollout(self, tags):
+            pass
+
+        async def sleep_rollout(self):
+            pass
+
+        async def sync_weights(self, version):
+            self.log.append(f"sync {version}")
+            return {}
+
     class Trainer:
         skip_step = RLTrainer.skip_step
+        sync_weights = RLTrainer.sync_weights
         algorithm_name = "GRPO"
 
         def __init__(self) -> None:
@@ -175,10 +190,12 @@ async def test_fit_sync_skips_a_step_whose_sessions_all_fail(tmp_path, caplog):
             self.step = self.skipped_steps = 0
             self.metrics = MetricsLogger(tmp_path, tensorboard=False)
             self.log: list[str] = []
+            self.fleet = Fleet(self.log)
+            self.startup = type("Clock", (), {"mark": lambda _, name: None})()
             failures = [SessionFailure("u", 0, RuntimeError("reward service down"))]
             self.runner = type("Runner", (), {"take_failures": lambda _: failures})()
 
-        async def begin(self, on_validation):
+        async def validate_first(self, on_validation):
             return {}
 
         def train_rows(self, step):
@@ -190,29 +207,43 @@ async def test_fit_sync_skips_a_step_whose_sessions_all_fail(tmp_path, caplog):
                                         "reward service down", [])
             return ["trajectory"]
 
-        async def sleep_rollout(self):
+        def compute_rewards(self, trajectories):
             pass
 
-        async def train_on(self, trajectories, timer: PhaseTimer):
-            self.log.append(f"train {self.step}")
-            return None, {}
+        def make_batch(self, trajectories):
+            return None
 
-        async def sync_weights(self):
-            self.log.append(f"sync {self.step}")
+        async def compute_old_log_probs(self, batch):
+            pass
+
+        compute_ref_log_probs = compute_values = compute_old_log_probs
+
+        def compute_advantages(self, batch):
             return {}
 
-        async def finish_step(self, trajectories, batch, metrics, timer, on_validation):
-            self.metrics.log(self.step, {"trained": 1.0})
-            return metrics
+        async def update(self, batch):
+            self.log.append(f"train {self.step}")
+            return {}
 
-        async def end(self, on_validation, validation):
+        async def step_record(self, trajectories, batches, metrics, timer: PhaseTimer):
+            return {"trained": 1.0}
+
+        def validation_due(self):
+            return False
+
+        checkpoint_due = validation_due
+
+        async def log_step(self, record):
+            self.metrics.log(self.step, record)
+
+        async def validate_last(self, on_validation, validation):
             return validation
 
     trainer = Trainer()
     with caplog.at_level(logging.WARNING):
         await fit_sync(trainer)
     assert trainer.step == 3
-    assert trainer.log == ["train 0", "sync 1", "sync 2", "train 2", "sync 3"]
+    assert trainer.log == ["sync 0", "train 0", "sync 1", "sync 2", "train 2", "sync 3"]
     assert "step 1 skipped: all 1 sessions failed" in caplog.text
     assert read_metrics(tmp_path / "metrics.jsonl") == [
         {"step": 1, "trained": 1.0},
