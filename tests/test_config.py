@@ -22,7 +22,8 @@ def test_yaml_and_overrides_round_trip(tmp_path):
     path = write(tmp_path, "rollout:\n  n: 8\n  temperature: 0.7\n  logprobs_mode: processed\n"
                            "  val_kwargs:\n    n: 2\n"
                            "trainer:\n  total_steps: 3\n")
-    config = load_config(path, ["rollout.top_k=20", "rollout.checkpoint_engine.backend=shm",
+    config = load_config(path, ["rollout.top_k=20", "trainer.trainer_mode=separate_async",
+                                "rollout.checkpoint_engine.backend=shm",
                                 "rollout.checkpoint_engine.engine_kwargs.shm_dir=/dev/shm",
                                 "actor.optim.lr=3e-6"])
     assert config.rollout.n == 8 and config.rollout.temperature == 0.7

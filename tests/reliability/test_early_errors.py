@@ -83,13 +83,17 @@ CASES = [
     (no_tokenizer, "has no tokenizer"),
     (["trainer.output_dir=a_file"], "trainer.output_dir: a_file is a file"),
     (["data.train_batch_size=16"], "data.train_batch_size: is 16, more than the 8 rows"),
-    (["rollout.checkpoint_engine.backend=nccl"], "moves weights over NCCL, which needs CUDA"),
+    (["trainer.trainer_mode=separate_async", "rollout.checkpoint_engine.backend=nccl"],
+     "moves weights over NCCL, which needs CUDA"),
     (["trainer.trainer_mode=separate_async", "rollout.checkpoint_engine.backend=delta",
       "rollout.checkpoint_engine.engine_kwargs.transport=nccl"], "needs CUDA devices"),
     (["rollout.checkpoint_engine.engine_kwargs.bucket_size=1"],
-     "rollout.checkpoint_engine.engine_kwargs: naive takes no 'bucket_size'"),
-    (["rollout.checkpoint_engine.backend=delta", "rollout.checkpoint_engine.engine_kwargs.shm_dirr=/x"],
-     "delta takes no 'shm_dirr'; its options are device, dtype, max_sparse_ratio, shm_dir, transport"),
+     "rollout.checkpoint_engine.engine_kwargs: auto (naive in-process, else shm, gloo or nccl) "
+     "takes no 'bucket_size'"),
+    (["trainer.trainer_mode=separate_async", "rollout.checkpoint_engine.backend=delta",
+      "rollout.checkpoint_engine.engine_kwargs.shm_dirr=/x"],
+     "delta takes no 'shm_dirr'; its options are device, dtype, master_addr, max_sparse_ratio, "
+     "shm_dir, transport"),
     (another_model_checkpoint, "checkpoint run/checkpoints/step_3/actor/config.json is of another "
      "model than model.path: hidden_size 256 (model.path: 64)"),
 ]

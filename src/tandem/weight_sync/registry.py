@@ -18,15 +18,19 @@ _CHECKPOINT_ENGINES: dict[str, str] = {
 # misspelt one fails at load time; tests/reliability check the table against the constructors
 ENGINE_KWARGS: dict[str, tuple[str, ...]] = {
     "naive": (), "gloo": ("master_addr",), "nccl": ("master_addr",),
-    "shm": ("device", "shm_dir", "master_addr"), "delta": ("transport", "dtype", "max_sparse_ratio"),
-    # resolved at start to shm, gloo or nccl: only what all three take
-    "auto": ("master_addr",)}
+    "shm": ("device", "shm_dir", "master_addr"), "delta": ("transport", "dtype", "max_sparse_ratio")}
 DELTA_TRANSPORTS = ("shm", "gloo", "nccl")
 
 
 def engine_kwargs_problem(name: str, kwargs: dict) -> str | None:
     """Why `kwargs` do not suit checkpoint engine `name` (unknown keys; delta: its inner
     transport's keys count too), or None; engines registered from outside are not checked."""
+    if name == "auto":  # resolved at start to naive, shm, gloo or nccl: what they all could take
+        accepted = set(ENGINE_KWARGS["gloo"]) & set(ENGINE_KWARGS["shm"])
+        unknown = sorted(set(kwargs) - accepted)
+        return (f"auto (naive in-process, else shm, gloo or nccl) takes no "
+                f"{', '.join(map(repr, unknown))}; its options are {', '.join(sorted(accepted))}; "
+                "name a transport to give it more") if unknown else None
     if name not in ENGINE_KWARGS:
         return None
     accepted = set(ENGINE_KWARGS[name])
