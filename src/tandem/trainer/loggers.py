@@ -82,7 +82,8 @@ class WandbSink:
                               reinit="finish_previous")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        self.run.log({k: v for k, v in metrics.items() if _number(v)}, step=step)
+        # one record is a whole step: commit it now (a later record may reuse the step)
+        self.run.log({k: v for k, v in metrics.items() if _number(v)}, step=step, commit=True)
 
     def close(self) -> None:
         self.run.finish()
