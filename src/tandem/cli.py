@@ -119,7 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="the CPU demo: GRPO teaches a tiny model a calculator tool",
                                parents=[debug])
     demo.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the demo config")
-    demo.add_argument("--warmup-steps", type=int, default=400, help="supervised warm-up steps")
+    demo.add_argument("--warmup-steps", type=int, default=None,
+                      help="redo the supervised warm-up with this many steps (default: start from "
+                           "the shipped warmed-up model, tiny:demo)")
     demo.add_argument("--train-size", type=int, default=512, help="training problems")
     demo.add_argument("--val-size", type=int, default=64, help="held-out problems")
     return parser

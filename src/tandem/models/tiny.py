@@ -146,9 +146,25 @@ def build_tiny_model(spec: TinyModelSpec | None = None, **overrides) -> Path:
     return build_once(spec.key(), build)
 
 
+# the demo's policy after its supervised warm-up, shipped with the package (`make demo-model`
+# rebuilds it: tandem.demo.warmup); model.path "tiny:demo"
+DEMO_MODEL_DIR = Path(__file__).with_name("demo_model")
+
+
+def demo_model_path() -> Path:
+    """The shipped warmed-up demo model (HF directory with its tokenizer)."""
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        raise FileNotFoundError(f"the demo model is not in {DEMO_MODEL_DIR}; rebuild it with "
+                                "`make demo-model`")
+    return DEMO_MODEL_DIR
+
+
 def resolve_model_path(path: str) -> Path:
-    """Turn a `model.path` value into a directory: "tiny:qwen2", "tiny:llama", "smollm2", a
-    local HF directory or a hub id (tandem.models.hub: transformers' cache, offline honoured)."""
+    """Turn a `model.path` value into a directory: "tiny:qwen2", "tiny:llama", "tiny:demo"
+    (shipped), "smollm2", a local HF directory or a hub id (tandem.models.hub: transformers'
+    cache, offline honoured)."""
+    if path == "tiny:demo":
+        return demo_model_path()
     if path.startswith("tiny:"):
         return build_tiny_model(TinyModelSpec(architecture=path.split(":", 1)[1]))
     if path == "smollm2":
