@@ -33,11 +33,12 @@ def ray_init_kwargs(config: TandemConfig) -> dict[str, Any]:
     """ray.init() arguments: join an existing cluster as is (no resource arguments, which Ray
     refuses there), or start a local one sized to this machine."""
     address = cluster_address(config)
+    # logging_level: Ray's own INFO lines ("Started a local Ray instance...") stay out of the run's output
     if address is not None:
-        return {"address": address, "log_to_driver": True}
+        return {"address": address, "log_to_driver": True, "logging_level": logging.WARNING}
     # worker_niceness 0: Ray's default (15) starves the workers on a busy machine.
     return {"num_cpus": max(os.cpu_count() or 1, config.trainer.n_devices + standalone_rollout_devices(config)),
-            "include_dashboard": False,
+            "include_dashboard": False, "logging_level": logging.WARNING,
             "log_to_driver": True, "_system_config": {"worker_niceness": 0}}
 
 
