@@ -165,23 +165,33 @@ FOREIGN_NAMES = {
     "trainer.logger": "trainer.loggers",
     "trainer.tensorboard": "trainer.loggers",
     "trainer.n_gpus_per_node": "trainer.n_devices",
+    "trainer.resume_mode": "trainer.resume",
     "actor_rollout_ref.model.path": "model.path",
     "custom_reward_function.path": "reward.custom_function.path",
     "custom_reward_function.name": "reward.custom_function.name",
     "reward.custom_reward_function.path": "reward.custom_function.path",
+    "reward.custom_reward_function.name": "reward.custom_function.name",
     "algorithm.rollout_is": "algorithm.rollout_correction.importance_sampling",
     "algorithm.rollout_is_threshold": "algorithm.rollout_correction.importance_sampling_threshold",
     "algorithm.rollout_rs": "algorithm.rollout_correction.rejection",
+    "algorithm.rollout_rs_threshold": "algorithm.rollout_correction.rejection_threshold",
+    "data.max_prompt_length": "rollout.prompt_length",
+    "data.max_response_length": "rollout.response_length",
+    "actor.ppo_max_token_len_per_gpu": "actor.ppo_max_token_len_per_micro_batch",
+    # TRL's GRPOConfig
     "num_generations": "rollout.n",
     "beta": "actor.kl_loss_coef",
     "learning_rate": "actor.optim.lr",
     "max_completion_length": "rollout.response_length",
     "max_prompt_length": "rollout.prompt_length",
-    "data.max_prompt_length": "rollout.prompt_length",
-    "data.max_response_length": "rollout.response_length",
-    "per_device_train_batch_size": "actor.ppo_mini_batch_size",
+    "num_iterations": "actor.ppo_epochs",
+    "epsilon": "actor.clip_ratio_low",
+    "epsilon_high": "actor.clip_ratio_high",
+    "reward_weights": "reward.weights",
     "output_dir": "trainer.output_dir",
     "max_steps": "trainer.total_steps",
+    "save_steps": "trainer.save_freq",
+    "eval_steps": "trainer.test_freq",
     "report_to": "trainer.loggers",
 }
 
@@ -195,12 +205,15 @@ def did_you_mean(key: str) -> str:
         if foreign.rsplit(".", 1)[-1] == tail and "." not in foreign:
             return f" Did you mean {ours} (tandem's name for it)?"
     candidates = list(_all_keys(TandemConfig))
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.75)
-    if not close:  # the right name in the wrong section, or a misspelt last part
-        same_tail = [c for c in candidates if c.rsplit(".", 1)[-1] == tail]
-        close = same_tail[:1] or difflib.get_close_matches(
-            tail, [c.rsplit(".", 1)[-1] for c in candidates], n=1, cutoff=0.8)
-        close = [c for c in candidates if close and c.endswith("." + close[0])][:1] or close
+    section = key.split(".", 1)[0]
+    # the right name in the wrong place first (same section preferred), then a misspelling
+    same_tail = sorted((c for c in candidates if c.rsplit(".", 1)[-1] == tail),
+                       key=lambda c: c.split(".", 1)[0] != section)
+    close = same_tail[:1] or difflib.get_close_matches(key, candidates, n=1, cutoff=0.75)
+    if not close:
+        tails = difflib.get_close_matches(tail, [c.rsplit(".", 1)[-1] for c in candidates], n=1,
+                                          cutoff=0.8)
+        close = [c for c in candidates if tails and c.rsplit(".", 1)[-1] == tails[0]][:1]
     return f" Did you mean {close[0]}?" if close else ""
 
 

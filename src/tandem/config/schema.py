@@ -249,7 +249,7 @@ class CustomRewardFunctionConfig:
 @dataclass
 class RewardConfig:
     """Where rewards come from: the user's functions (custom_function, reward_funcs) or, with
-    neither, tandem's rule-based rewards by data source (docs/rewards.md)."""
+    neither, tandem's rule-based rewards by data source (docs/api.md, "Rewards")."""
 
     placement: str = "agent_loop"  # agent_loop (async order) | after_sampling (colocated order)
     custom_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
