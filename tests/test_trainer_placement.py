@@ -21,7 +21,9 @@ def test_joins_a_cluster_without_resource_arguments(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS")
     local = placement.ray_init_kwargs(load_config(overrides=["trainer.n_devices=64", "actor.fsdp_size=64",
                                                              "rollout.n=64"]))
-    assert "address" not in local and local["num_cpus"] >= 64
+    assert local["address"] == "local" and local["num_cpus"] >= 64  # never joins a stray cluster
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert placement.cluster_address(load_config()) is None
 
 
 def test_one_bundle_per_device():

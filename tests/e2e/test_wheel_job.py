@@ -37,8 +37,8 @@ def test_a_fresh_venv_with_the_wheel_runs_the_users_job(tmp_path):
 
     job = tmp_path / "job"
     shutil.copytree(ROOT / "examples" / "byoj", job)
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    env["RAY_ADDRESS"] = "local"  # a cluster of its own, never one another process started
+    # as a new user: no checkout on the path, Ray started by tandem (a cluster of its own)
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "RAY_ADDRESS")}
     where = run([python, "-c", "import tandem, sys; print(tandem.__file__); print(sys.path)"], job,
                 env=env).stdout
     assert str(venv) in where.splitlines()[0] and str(ROOT / "src") not in where
