@@ -72,3 +72,17 @@ def test_make_data_refuses_more_problems_than_exist(tmp_path, capsys):
     assert "ValueError: cannot draw 500 + 64 distinct 'easy' problems" in capsys.readouterr().err
     with pytest.raises(ValueError, match="distinct 'easy' problems"):
         main(["--debug", "make-data", str(tmp_path), "--kind", "easy", "--train-size", "500"])
+
+
+def test_every_timed_phase_has_its_own_timeline_colour():
+    import re
+    from pathlib import Path
+
+    from tandem.trainer.plots import TIMELINE_PHASES, phase_colours
+
+    source = Path(__file__).parents[1] / "src" / "tandem"
+    timed = {name for path in source.rglob("*.py")
+             for name in re.findall(r'phase\("([a-z_]+)"\)', path.read_text())}
+    assert timed <= set(TIMELINE_PHASES), f"not on the timeline: {timed - set(TIMELINE_PHASES)}"
+    colours = phase_colours()
+    assert len(set(colours.values())) == len(TIMELINE_PHASES) == 13

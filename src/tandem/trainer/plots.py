@@ -11,6 +11,14 @@ TIMELINE_PHASES = ("generate", "wait_rollout", "spill_leave", "abort", "sleep", 
                    "ref_log_prob", "values", "advantages", "update", "sync", "resume")
 
 
+def phase_colours() -> dict[str, tuple[float, ...]]:
+    """One distinct RGBA colour per timeline phase (tab20: tab10 repeats after 10 phases)."""
+    from matplotlib import colormaps
+
+    palette = colormaps["tab20"]
+    return {phase: tuple(palette(index)) for index, phase in enumerate(TIMELINE_PHASES)}
+
+
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
     return [p[0] for p in points], [p[1] for p in points]
@@ -61,13 +69,13 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     written.append(_save(figure, output_dir / "logprob_gap.png"))
 
     figure, axis = plt.subplots(figsize=(8, 4))
-    colors = plt.get_cmap("tab20")  # one colour per phase (tab10 repeats after 10)
+    colors = phase_colours()
     train = [r for r in records if "time/update" in r]
     for row, record in enumerate(train):
         left = 0.0
-        for index, phase in enumerate(TIMELINE_PHASES):
+        for phase in TIMELINE_PHASES:
             seconds = record.get(f"time/{phase}") or 0.0
-            axis.barh(record["step"], seconds, left=left, color=colors(index),
+            axis.barh(record["step"], seconds, left=left, color=colors[phase],
                       label=phase if row == 0 else None)
             left += seconds
     axis.set_xlabel("seconds")
