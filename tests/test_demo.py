@@ -91,3 +91,25 @@ def test_warm_up_gate_fails_clearly_when_copying_never_emerges(tmp_path, monkeyp
     # a smoke warm-up (no longer than its tool-only phase) is not gated
     smoke = WarmupRecipe(str(base), steps=1, batch_size=2, probe_problems=4)
     assert (warm_up(smoke, progress=False) / "model.safetensors").exists()
+
+
+def test_the_shipped_demo_model_loads_and_says_how_it_was_made():
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tandem.demo.warmup import DEMO_MODEL
+    from tandem.models.tiny import demo_model_path, resolve_model_path
+
+    path = resolve_model_path("tiny:demo")
+    assert path == demo_model_path()
+    recipe = json.loads((path / "recipe.json").read_text())
+    assert recipe["made_by"].startswith("python -m tandem.demo.warmup")
+    assert recipe["base_model"]["hidden_size"] == DEMO_MODEL.hidden_size
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert model.config.hidden_size == DEMO_MODEL.hidden_size
+    prompt = tokenizer.apply_chat_template(transcript(make_problem(random.Random(0)), True)[:2],
+                                           tools=calculator_schemas(), add_generation_prompt=True,
+                                           return_dict=False)
+    assert len(prompt) < 256  # fits demo.yaml's rollout.prompt_length
