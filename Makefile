@@ -37,10 +37,11 @@ bubblewrap:
 	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
 	  || { echo "the python tool's sandbox needs bubblewrap: sudo apt-get install -y bubblewrap" >&2; exit 1; }
 
-# Rebuild the shipped warmed-up demo model (src/tandem/models/demo_model, model.path tiny:demo)
-# from scratch: the supervised warm-up `tandem demo` used to run first (minutes).
+# Rebuild the shipped warmed-up models from scratch (src/tandem/models/demo_model = tiny:demo,
+# what `tandem demo` starts from; calculator_model = tiny:calculator): supervised warm-ups, minutes.
 demo-model: $(STAMP)
-	TANDEM_CACHE=$$(mktemp -d) $(PY) -m tandem.demo.warmup src/tandem/models/demo_model
+	TANDEM_CACHE=$$(mktemp -d) $(PY) -m tandem.demo.warmup src/tandem/models/calculator_model --recipe calculator
+	TANDEM_CACHE=$$(mktemp -d) $(PY) -m tandem.demo.warmup src/tandem/models/demo_model --recipe demo
 
 test: $(STAMP) bubblewrap
 	$(PY) -m pytest -q

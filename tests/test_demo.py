@@ -93,16 +93,17 @@ def test_warm_up_gate_fails_clearly_when_copying_never_emerges(tmp_path, monkeyp
     assert (warm_up(smoke, progress=False) / "model.safetensors").exists()
 
 
-def test_the_shipped_demo_model_loads_and_says_how_it_was_made():
+@pytest.mark.parametrize("name", ["tiny:demo", "tiny:calculator"])
+def test_the_shipped_models_load_and_say_how_they_were_made(name):
     import json
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tandem.demo.warmup import DEMO_MODEL
-    from tandem.models.tiny import demo_model_path, resolve_model_path
+    from tandem.models.tiny import SHIPPED_MODELS, resolve_model_path
 
-    path = resolve_model_path("tiny:demo")
-    assert path == demo_model_path()
+    path = resolve_model_path(name)
+    assert path == SHIPPED_MODELS[name]
     recipe = json.loads((path / "recipe.json").read_text())
     assert recipe["made_by"].startswith("python -m tandem.demo.warmup")
     assert recipe["base_model"]["hidden_size"] == DEMO_MODEL.hidden_size

@@ -28,7 +28,7 @@ def example(tmp_path, monkeypatch):
 
 
 def job(directory: Path, **trainer) -> dict:
-    return {"model": {"path": "tiny:demo"},
+    return {"model": {"path": "tiny:calculator"},
             "rollout": {"n": 4, "prompt_length": 256, "response_length": 48,
                         "kv_cache_memory_bytes": 64 << 20,
                         "multi_turn": {"enable": True, "max_assistant_turns": 2,

@@ -5,7 +5,7 @@ from my_reward import compute_score
 from my_tools import Arithmetic
 
 config = tandem.load_config({
-    "model": {"path": "tiny:demo"},  # or a hub id ("Qwen/Qwen2.5-0.5B-Instruct") or a directory
+    "model": {"path": "tiny:calculator"},  # or a hub id ("Qwen/Qwen2.5-0.5B-Instruct") or a directory
     "rollout": {"n": 4, "prompt_length": 256, "response_length": 48,
                 "kv_cache_memory_bytes": 64 << 20,
                 "multi_turn": {"enable": True, "max_assistant_turns": 2, "max_user_turns": 1}},

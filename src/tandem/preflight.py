@@ -46,20 +46,20 @@ def check_job(config: TandemConfig, command: str = "train", rewards: RewardScore
 def check_model(path: str) -> Path | None:
     """model.path names a model: a local HF directory, a hub id in the HF cache (downloaded
     first unless HF_HUB_OFFLINE=1), or a built-in name; its directory when known here."""
-    if path == "tiny:demo":
-        from tandem.models.tiny import demo_model_path
+    from tandem.models.tiny import SHIPPED_MODELS, shipped_model_path
 
+    if path in SHIPPED_MODELS:
         try:
-            return demo_model_path()
+            return shipped_model_path(path)
         except FileNotFoundError as error:
-            raise ConfigError(f"model.path=tiny:demo: {error}") from None
+            raise ConfigError(f"model.path={path}: {error}") from None
     if path.startswith("tiny:"):
         from tandem.models.tiny import TinyModelSpec
 
         architecture = path.split(":", 1)[1]
         if architecture not in ("qwen2", "llama"):
-            raise ConfigError(f"model.path={path!r}: tiny models are 'tiny:qwen2', 'tiny:llama' "
-                              "or 'tiny:demo'")
+            raise ConfigError(f"model.path={path!r}: tiny models are 'tiny:qwen2', 'tiny:llama', "
+                              "'tiny:demo' or 'tiny:calculator'")
         TinyModelSpec(architecture=architecture)
         return None
     if path == "smollm2":

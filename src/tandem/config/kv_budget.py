@@ -18,10 +18,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def hf_config(path: str) -> dict[str, Any] | None:
     """model.path's config.json as a dict (a tiny model's from its spec; its vocabulary is at
     most the tokenizer's), or None when unknown here."""
-    if path == "tiny:demo":
-        from tandem.models.tiny import DEMO_MODEL_DIR
+    from tandem.models.tiny import SHIPPED_MODELS
 
-        config_file = DEMO_MODEL_DIR / "config.json"
+    if path in SHIPPED_MODELS:
+        config_file = SHIPPED_MODELS[path] / "config.json"
         return json.loads(config_file.read_text()) if config_file.is_file() else None
     if path.startswith("tiny:"):
         from tandem.models.tiny import TinyModelSpec

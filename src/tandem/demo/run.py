@@ -23,6 +23,12 @@ def run_demo(overrides: list[str] = (), train_size: int = 512, val_size: int = 6
     started = time.time()
     config = load_config(DEMO_CONFIG, list(overrides))
     output = Path(config.trainer.output_dir)
+    from tandem.models.tiny import DEMO_MODEL_DIR
+
+    if warmup_steps is None and not (DEMO_MODEL_DIR / "config.json").is_file():
+        warmup_steps = 400
+        print(f"[demo] no shipped warmed-up model in {DEMO_MODEL_DIR} (`make demo-model` makes "
+              "it): warming up here first")
     if warmup_steps is None:
         model = "tiny:demo"
         print("[demo] starting from the shipped warmed-up model (tiny:demo; `make demo-model` "

@@ -181,16 +181,24 @@ def warm_up(recipe: WarmupRecipe, progress: bool = True) -> Path:
     return build_once(recipe.key(), build)
 
 
-def export_demo_model(directory: Path, steps: int = 400, progress: bool = True) -> Path:
-    """Warm DEMO_MODEL up (the default recipe) and write the HF model + tokenizer to `directory`
-    with recipe.json saying how it was made."""
+# the shipped models (`make demo-model`): name -> WarmupRecipe fields besides base_model.
+# demo: what `tandem demo` starts from; calculator: a short tool-only warm-up, so the model
+# calls the calculator in this format (its numbers often wrong), for examples and tests of tools
+SHIPPED_RECIPES = {
+    "demo": {"steps": 700, "batch_size": 8, "lr": 2e-3, "tool_only_steps": 600},
+    "calculator": {"steps": 60, "batch_size": 8, "lr": 2e-3, "tool_only_steps": 60,
+                   "warmup_steps": 5},
+}
+
+
+def export_model(directory: Path, name: str = "demo", progress: bool = True) -> Path:
+    """Warm DEMO_MODEL up with SHIPPED_RECIPES[name] and write the HF model + tokenizer to
+    `directory`, with recipe.json saying how it was made."""
     import shutil
-    import time
 
     from tandem.models.tiny import build_tiny_model
 
-    started = time.time()
-    recipe = WarmupRecipe(base_model=str(build_tiny_model(DEMO_MODEL)), steps=steps)
+    recipe = WarmupRecipe(base_model=str(build_tiny_model(DEMO_MODEL)), **SHIPPED_RECIPES[name])
     built = warm_up(recipe, progress)
     directory.mkdir(parents=True, exist_ok=True)
     for old in directory.iterdir():
@@ -200,21 +208,20 @@ def export_demo_model(directory: Path, steps: int = 400, progress: bool = True) 
             shutil.copy2(source, directory / source.name)
     fields = {k: v for k, v in asdict(recipe).items() if k != "base_model"}
     (directory / "recipe.json").write_text(json.dumps({
-        "made_by": f"python -m tandem.demo.warmup {directory} --steps {steps}",
-        "base_model": asdict(DEMO_MODEL), "recipe": fields,
-        "seconds": round(time.time() - started)}, indent=1) + "\n")
+        "made_by": f"python -m tandem.demo.warmup {directory} --recipe {name}",
+        "base_model": asdict(DEMO_MODEL), "recipe": fields}, indent=1) + "\n")
     return directory
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m tandem.demo.warmup DIR [--steps N]`: export the warmed-up demo model."""
+    """`python -m tandem.demo.warmup DIR [--recipe demo|calculator]`: export a shipped model."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m tandem.demo.warmup", description=main.__doc__)
     parser.add_argument("directory", type=Path)
-    parser.add_argument("--steps", type=int, default=400, help="supervised warm-up steps")
+    parser.add_argument("--recipe", choices=sorted(SHIPPED_RECIPES), default="demo")
     args = parser.parse_args(argv)
-    print(export_demo_model(args.directory, args.steps))
+    print(export_model(args.directory, args.recipe))
 
 
 if __name__ == "__main__":

@@ -146,25 +146,29 @@ def build_tiny_model(spec: TinyModelSpec | None = None, **overrides) -> Path:
     return build_once(spec.key(), build)
 
 
-# the demo's policy after its supervised warm-up, shipped with the package (`make demo-model`
-# rebuilds it: tandem.demo.warmup); model.path "tiny:demo"
-DEMO_MODEL_DIR = Path(__file__).with_name("demo_model")
+# Warmed-up tiny models shipped with the package (`make demo-model` rebuilds them with
+# tandem.demo.warmup): model.path -> directory. tiny:demo is what `tandem demo` starts from;
+# tiny:calculator only learned the calculator's call format (for examples and tests of tools).
+SHIPPED_MODELS = {"tiny:demo": Path(__file__).with_name("demo_model"),
+                  "tiny:calculator": Path(__file__).with_name("calculator_model")}
+DEMO_MODEL_DIR = SHIPPED_MODELS["tiny:demo"]
 
 
-def demo_model_path() -> Path:
-    """The shipped warmed-up demo model (HF directory with its tokenizer)."""
-    if not (DEMO_MODEL_DIR / "config.json").is_file():
-        raise FileNotFoundError(f"the demo model is not in {DEMO_MODEL_DIR}; rebuild it with "
+def shipped_model_path(name: str = "tiny:demo") -> Path:
+    """A shipped warmed-up model (HF directory with its tokenizer)."""
+    directory = SHIPPED_MODELS[name]
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"the {name} model is not in {directory}; rebuild it with "
                                 "`make demo-model`")
-    return DEMO_MODEL_DIR
+    return directory
 
 
 def resolve_model_path(path: str) -> Path:
-    """Turn a `model.path` value into a directory: "tiny:qwen2", "tiny:llama", "tiny:demo"
-    (shipped), "smollm2", a local HF directory or a hub id (tandem.models.hub: transformers'
+    """Turn a `model.path` value into a directory: "tiny:qwen2", "tiny:llama", "tiny:demo" and
+    "tiny:calculator" (shipped), "smollm2", a local HF directory or a hub id (tandem.models.hub: transformers'
     cache, offline honoured)."""
-    if path == "tiny:demo":
-        return demo_model_path()
+    if path in SHIPPED_MODELS:
+        return shipped_model_path(path)
     if path.startswith("tiny:"):
         return build_tiny_model(TinyModelSpec(architecture=path.split(":", 1)[1]))
     if path == "smollm2":
