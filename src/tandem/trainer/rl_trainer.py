@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import ray
 import torch
-from ray.util.placement_group import PlacementGroup, remove_placement_group
 from omegaconf import OmegaConf
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from tensordict import TensorDict
 
 from tandem import algorithms
@@ -31,11 +31,11 @@ from tandem.rewards.scorer import FAILED, RewardScorer
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ServerOptions
 from tandem.serving.resumable_client import ResumableClient
+from tandem.tools.registry import ToolRegistry
 from tandem.trainer import placement, ppo
 from tandem.trainer.hybrid_worker import HybridWorkerActor, needs_reference
 from tandem.trainer.metrics import MetricsLogger, PhaseTimer
 from tandem.trainer.startup import StartupClock
-from tandem.tools.registry import ToolRegistry
 from tandem.training import checkpoint
 from tandem.training.fsdp import shard_batch
 from tandem.weight_sync.manager import WeightSyncManager
