@@ -90,7 +90,7 @@ def test_trainer_checks_the_job_before_ray_starts(example, monkeypatch):
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
     with pytest.raises(ConfigError, match="rollout.multi_turn.tools: is empty"):
-        tandem.Trainer(job(example))  # the tool loop without tools
+        tandem.Trainer(job(example), reward_fn=lambda **kw: 0.0)  # the tool loop without tools
     with pytest.raises(ConfigError, match="no reward function for data_source 'my_word_problems'"):
         tandem.Trainer(job(example), tools=[__import__("my_tools").Arithmetic()])
     config = job(example)
