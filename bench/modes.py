@@ -78,7 +78,7 @@ async def run_mode(mode: str, args: argparse.Namespace, data: tuple[Path, Path],
         f"trainer.n_devices={devices}", f"actor.fsdp_size={devices}",
         f"trainer.trainer_mode={mode}", f"trainer.total_steps={args.steps}",
         f"trainer.async_rollout.max_staleness={args.max_staleness}",
-        "trainer.progress=false", "trainer.tensorboard=false", f"trainer.output_dir={directory / mode}"]
+        "trainer.progress=false", f"trainer.output_dir={directory / mode}"]
     config = load_config(overrides=overrides)
     trainer = RLTrainer(config)
     await trainer.start()

@@ -79,7 +79,7 @@ def run_tandem(args: argparse.Namespace, data: Path, out: Path) -> dict:
         f"rollout.n={args.n}", f"rollout.prompt_length={args.prompt_length}",
         f"rollout.response_length={args.response_length}", f"actor.optim.lr={args.lr}",
         f"trainer.total_steps={args.steps}", f"trainer.save_freq={args.steps}", "trainer.test_freq=0",
-        "trainer.progress=false", "trainer.tensorboard=false", f"trainer.output_dir={out}"])
+        "trainer.progress=false", f"trainer.output_dir={out}"])
 
     async def run() -> float:
         started = time.perf_counter()

@@ -114,3 +114,42 @@ def test_batch_at_equals_the_batches_it_skips(tmp_path):
 
     with pytest.raises(IndexError, match="no full batch 3"):
         dataset.batch_at(3, 0, 3)
+
+
+VERL_ROWS = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"q{i}"}],
+              "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i)},
+              "extra_info": {"index": i, "split": "train"}} for i in range(3)]
+
+
+def test_hf_datasets_save_to_disk_directory_with_verl_columns(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list(VERL_ROWS).save_to_disk(str(tmp_path / "gsm"))
+    data = PromptDataset([tmp_path / "gsm"])
+    assert len(data) == 3
+    row = data[2]
+    assert row.messages == [{"role": "user", "content": "q2"}]
+    assert (row.data_source, row.ground_truth, row.extra_info["index"]) == ("openai/gsm8k", "2", 2)
+    assert row.raw["ability"] == "math"
+
+
+def test_hf_datasets_dict_directory_asks_for_a_split(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(VERL_ROWS)}).save_to_disk(
+        str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=r"holds the splits \['train'\]; name one, e.g. .*dd/train"):
+        read_records(tmp_path / "dd")
+    assert len(read_records(tmp_path / "dd" / "train")) == 3
+
+
+def test_hf_datasets_data_files_with_a_configurable_prompt_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rows = [{"question": [{"role": "user", "content": "hi"}], "ground_truth": "1"}] * 2
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    data = PromptDataset.from_config(DataConfig(train_files=["json:rows.json"], prompt_key="question"))
+    assert [row.messages for row in data.rows] == [[{"role": "user", "content": "hi"}]] * 2
+    with pytest.raises(FileNotFoundError, match="dataset 'json:missing.json': no file"):
+        read_records("json:missing.json")
+    with pytest.raises(ValueError, match="not a datasets.save_to_disk directory"):
+        read_records(tmp_path)

@@ -147,8 +147,11 @@ def test_a_given_registry_must_hold_the_configured_tools():
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["rollout.multi_turn.tools=[search]"], "rollout.multi_turn.tools: unknown value 'search'"),
-    (["rollout.multi_turn.enable=true"], "rollout.multi_turn.tools: is empty"),
+    (["rollout.multi_turn.tools=[search]"], "rollout.multi_turn.tools: unknown tool 'search'"),
+    (["rollout.multi_turn.tools=[nowhere.py:Search]"], "rollout.multi_turn.tools: 'nowhere.py:Search': no file"),
+    (["rollout.multi_turn.tools=[tandem.tools.calculator:Nothing]"],
+     "defines no 'Nothing'"),
+    (["rollout.multi_turn.tools=[tandem.tools.calculator:evaluate_expression]"], "not a class"),
 ])
 def test_tool_names_are_checked_at_config_load(overrides, words):
     from tandem.config.load import ConfigError, load_config

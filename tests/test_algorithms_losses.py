@@ -126,9 +126,9 @@ def test_masked_tokens_get_exactly_zero_value_gradient(grid, mode):
 def test_aggregation_hand_computed_and_padding_rows_change_nothing():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    # verl's seq-mean-token-sum-norm has no mean over sequences: (1 + 2 + 4) / horizon
+    # seq-mean-token-sum-norm as current verl: (1 + 2 + 4) / horizon / the 2 non-empty rows
     expected = {"token-mean": 7 / 3, "token-sum": 7.0, "seq-mean-token-sum": 3.5,
-                "seq-mean-token-mean": 2.75, "seq-mean-token-sum-norm": 1.75}
+                "seq-mean-token-mean": 2.75, "seq-mean-token-sum-norm": 7 / 4 / 2}
     padded_loss = torch.cat([loss, torch.tensor([[7.0, 8.0, 9.0]])])
     padded_mask = torch.cat([mask, torch.zeros(1, 3, dtype=mask.dtype)])
     for mode, value in expected.items():
@@ -148,7 +148,7 @@ def test_aggregation_gradients_hand_computed_with_garbage_at_masked_tokens():
         "token-sum": (7.0, on),
         "seq-mean-token-sum": (3.5, on / 2),
         "seq-mean-token-mean": ((1.5 + 4) / 2, torch.tensor([[0.25, 0.25, 0], [0.5, 0, 0], [0, 0, 0]])),
-        "seq-mean-token-sum-norm": (7 / 5, on / 5),
+        "seq-mean-token-sum-norm": (7 / 5 / 2, on / 10),
     }
     for mode, (value, gradient) in expected.items():
         result = aggregate_loss(loss, mask, mode, horizon=5)

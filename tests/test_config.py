@@ -139,3 +139,31 @@ def test_grpo_with_groups_of_one_is_rejected_naming_the_fix():
     # a critic's baseline needs no group, and validation never computes advantages
     load_config(overrides=["algorithm.adv_estimator=gae", "critic.enable=true", "rollout.n=1",
                            "rollout.val_kwargs.n=1"])
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("trainer.totl_steps=3", "Did you mean trainer.total_steps?"),
+    ("rollout.tools=[calculator]", "Did you mean rollout.multi_turn.tools?"),
+    ("trainer.total_training_steps=3", "Did you mean trainer.total_steps (tandem's name for it)?"),
+    ("trainer.default_local_dir=x", "Did you mean trainer.output_dir (tandem's name for it)?"),
+    ("algorithm.rollout_is=token", "Did you mean algorithm.rollout_correction.importance_sampling"),
+    ("num_generations=8", "Did you mean rollout.n (tandem's name for it)?"),
+])
+def test_a_misspelt_or_foreign_key_gets_a_suggestion(override, suggestion):
+    from tandem.config.load import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=[override])
+    assert "unknown config key" in str(error.value) and suggestion in str(error.value)
+
+
+def test_a_config_from_a_dict_and_yaml_errors_with_line_and_column(tmp_path):
+    from tandem.config.load import ConfigError, load_config
+
+    config = load_config({"rollout": {"n": 3}, "trainer": {"loggers": ["console"]}},
+                         overrides=["rollout.n=5"])
+    assert config.rollout.n == 5 and config.trainer.loggers == ["console"]
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout:\n  n: 4\n  temperature: [1.0\ntrainer: {}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:4:8: not valid YAML: did not find expected ','"):
+        load_config(path)

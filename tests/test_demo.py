@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from tandem.demo.tasks import calculator_schemas, make_problem, transcript
 from tandem.demo.warmup import WarmupRecipe, transcript_trajectory
-from tandem.models.tiny import build_tiny_model
+from tandem.models.tiny import SHIPPED_MODELS, build_tiny_model
 from tandem.tools.calculator import evaluate_expression
 
 
@@ -91,3 +91,31 @@ def test_warm_up_gate_fails_clearly_when_copying_never_emerges(tmp_path, monkeyp
     # a smoke warm-up (no longer than its tool-only phase) is not gated
     smoke = WarmupRecipe(str(base), steps=1, batch_size=2, probe_problems=4)
     assert (warm_up(smoke, progress=False) / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param("tiny:demo", marks=pytest.mark.skipif(
+        not (SHIPPED_MODELS["tiny:demo"] / "config.json").is_file(),
+        reason="tiny:demo is not shipped yet: run `make demo-model` on a quiet box and commit "
+               "src/tandem/models/demo_model")),
+    "tiny:calculator"])
+def test_the_shipped_models_load_and_say_how_they_were_made(name):
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tandem.demo.warmup import DEMO_MODEL
+    from tandem.models.tiny import resolve_model_path
+
+    path = resolve_model_path(name)
+    assert path == SHIPPED_MODELS[name]
+    recipe = json.loads((path / "recipe.json").read_text())
+    assert recipe["made_by"].startswith("python -m tandem.demo.warmup")
+    assert recipe["base_model"]["hidden_size"] == DEMO_MODEL.hidden_size
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert model.config.hidden_size == DEMO_MODEL.hidden_size
+    prompt = tokenizer.apply_chat_template(transcript(make_problem(random.Random(0)), True)[:2],
+                                           tools=calculator_schemas(), add_generation_prompt=True,
+                                           return_dict=False)
+    assert len(prompt) < 256  # fits demo.yaml's rollout.prompt_length

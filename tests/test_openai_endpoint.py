@@ -212,17 +212,46 @@ async def test_n_choices_are_branches_and_stop_strings_cut_tokens(tokenizer):
         assert choice.finish_reason == "stop" and "calculator" not in choice.message.content
 
 
-async def test_streaming_returns_chunks_with_the_same_reply(tokenizer):
+async def test_streaming_returns_openai_chunks_with_the_same_reply(tokenizer):
     async with Endpoint(tokenizer) as endpoint:
         stream = await endpoint.client("s").chat.completions.create(
             model="tiny", messages=QUESTION, tools=calculator_schemas(), seed=1, stream=True,
             stream_options={"include_usage": True})
         chunks = [chunk async for chunk in stream]
         [trajectory] = endpoint.recorder.close("s")
-        assert chunks[0].choices[0].finish_reason == "tool_calls"
-        call = chunks[0].choices[0].delta.tool_calls[0]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        calls = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+        assert len(calls) == 1
+        call = calls[0].choices[0].delta.tool_calls[0]
         assert call.index == 0 and call.function.name == "calculator"
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == "tool_calls" and set(finishes[:-1]) == {None}
         assert chunks[-1].usage.completion_tokens == len(trajectory.responses)
+
+        # a plain reply comes token by token and adds up to the non-streamed content
+        plain = 0
+        for seed in range(8):  # the scripted engine's seed decides between a call and a reply
+            reply = await endpoint.client(f"r{seed}").chat.completions.create(
+                model="tiny", messages=QUESTION, tools=calculator_schemas(), seed=seed)
+            if reply.choices[0].message.tool_calls:
+                continue
+            stream = await endpoint.client(f"q{seed}").chat.completions.create(
+                model="tiny", messages=QUESTION, tools=calculator_schemas(), seed=seed, stream=True)
+            pieces = [c.choices[0].delta.content for c in [chunk async for chunk in stream]
+                      if c.choices and c.choices[0].delta.content]
+            assert len(pieces) > 1 and "".join(pieces) == reply.choices[0].message.content
+            plain += 1
+        assert plain
+
+
+async def test_penalties_at_their_defaults_and_health(tokenizer):
+    async with Endpoint(tokenizer, api_key="secret") as endpoint:
+        response = await endpoint.client("s", api_key="secret").chat.completions.create(
+            model="tiny", messages=QUESTION, frequency_penalty=0, presence_penalty=0.0, seed=1)
+        assert response.choices[0].finish_reason in ("stop", "tool_calls", "length")
+        async with httpx.AsyncClient() as http:  # no bearer token needed for the probe
+            health = await http.get(endpoint.url.removesuffix("/v1") + "/health")
+        assert (health.status_code, health.json()) == (200, {"status": "ok"})
 
 
 @pytest.mark.parametrize("request_fields, error_type, status, code, words", [
@@ -234,8 +263,10 @@ async def test_streaming_returns_chunks_with_the_same_reply(tokenizer):
     ({"top_logprobs": 5, "logprobs": True}, openai.BadRequestError, 400, None,
      "the engine returns the sampled token's logprob only"),
     ({"tool_choice": "required"}, openai.BadRequestError, 400, None, "tool_choice='required'"),
-    ({"extra_body": {"frequency_penalty": 0.5}}, openai.BadRequestError, 400, "invalid_request",
-     "frequency_penalty"),
+    ({"frequency_penalty": 0.5}, openai.BadRequestError, 400, "invalid_request",
+     "frequency_penalty=0.5 is not supported"),
+    ({"presence_penalty": -1.0}, openai.BadRequestError, 400, "invalid_request",
+     "presence_penalty=-1.0 is not supported"),
 ])
 async def test_bad_requests_get_openai_errors(tokenizer, request_fields, error_type, status, code,
                                               words):

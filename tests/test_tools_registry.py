@@ -50,3 +50,82 @@ async def test_call_turns_mistakes_into_error_results():
 def test_build_builtin_registry():
     registry = build_tool_registry(["calculator"])
     assert registry.names() == ["calculator"] and "python" not in registry
+
+
+USER_TOOLS = '''
+from tandem import ToolResult
+
+
+class Echo:
+    name = "echo"
+    description = "Repeat the text."
+    parameters = {"type": "object", "properties": {"text": {"type": "string"}},
+                  "required": ["text"]}
+
+    async def execute(self, arguments, context):
+        return ToolResult(arguments["text"].upper())
+
+
+class NotATool:
+    name = "broken"
+    description = "no schema, no execute"
+
+
+class Raises:
+    name = "raises"
+    description = "fails to construct"
+    parameters = {"type": "object", "properties": {}}
+
+    def __init__(self):
+        raise RuntimeError("needs a key")
+
+    async def execute(self, arguments, context):
+        return ToolResult("")
+'''
+
+
+def test_user_tools_by_file_path_and_by_module(tmp_path, monkeypatch):
+    import asyncio
+
+    (tmp_path / "my_tools.py").write_text(USER_TOOLS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    by_file = build_tool_registry(["calculator", f"{tmp_path / 'my_tools.py'}:Echo"])
+    assert by_file.names() == ["calculator", "echo"]
+    assert asyncio.run(by_file.call("echo", {"text": "hi"})).text == "HI"
+    by_module = build_tool_registry(["my_tools:Echo"])
+    assert by_module.names() == ["echo"]
+
+
+class Instance:
+    name = "instance"
+    description = "given in Python"
+    parameters = {"type": "object", "properties": {}}
+
+    async def execute(self, arguments, context):
+        from tandem import ToolResult
+
+        return ToolResult("ok")
+
+
+def test_tool_instances_join_the_configured_ones():
+    registry = build_tool_registry(["calculator"], [Instance()])
+    assert registry.names() == ["calculator", "instance"]
+    with pytest.raises(ValueError, match="Trainer\\(tools=...\\): .* is not a tool: it lacks"):
+        build_tool_registry([], [object()])
+
+
+@pytest.mark.parametrize("entry, words", [
+    ("my_tools:NotATool", "lacks \\['parameters', 'execute'\\]"),
+    ("my_tools:Raises", "Raises\\(\\) raised RuntimeError: needs a key"),
+    ("my_tools:Missing", "defines no 'Missing'"),
+])
+def test_bad_tool_entries_name_the_entry(tmp_path, monkeypatch, entry, words):
+    from tandem.config.load import ConfigError, load_config
+
+    (tmp_path / "my_tools.py").write_text(USER_TOOLS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=f"rollout.multi_turn.tools: '{entry}'.*{words}"):
+        build_tool_registry([entry])
+    if "Raises" not in entry:  # construction happens when the run builds its tools
+        with pytest.raises(ConfigError, match=words):
+            load_config({"rollout": {"multi_turn": {"enable": True, "tools": [entry]}}})

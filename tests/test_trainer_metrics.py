@@ -9,7 +9,7 @@ from tandem.trainer.plots import plot_run
 
 
 def test_metrics_jsonl_and_truncation(tmp_path):
-    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger = MetricsLogger(tmp_path)
     for step in (1, 2, 3):
         logger.log(step, {"reward/mean": step / 10, "bad": math.nan})
     records = read_metrics(tmp_path / "metrics.jsonl")
@@ -29,7 +29,7 @@ def test_phase_timer_accumulates():
 
 
 def test_plots_are_written(tmp_path):
-    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger = MetricsLogger(tmp_path)
     logger.log(0, {"val/acc": 0.1})
     for step in (1, 2):
         logger.log(step, {"reward/mean": 0.2 * step, "reward/acc": 0.2 * step,
@@ -42,7 +42,7 @@ def test_plots_are_written(tmp_path):
 
 
 def test_async_runs_get_a_staleness_plot(tmp_path):
-    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger = MetricsLogger(tmp_path)
     for step, lag1 in ((1, 0.0), (2, 0.5)):
         logger.log(step, {"time/wait_rollout": 0.3, "time/update": 0.5, "staleness/lag_mean": lag1,
                           "staleness/lag_0_fraction": 1 - lag1, "staleness/lag_1_fraction": lag1,
@@ -72,3 +72,17 @@ def test_make_data_refuses_more_problems_than_exist(tmp_path, capsys):
     assert "ValueError: cannot draw 500 + 64 distinct 'easy' problems" in capsys.readouterr().err
     with pytest.raises(ValueError, match="distinct 'easy' problems"):
         main(["--debug", "make-data", str(tmp_path), "--kind", "easy", "--train-size", "500"])
+
+
+def test_every_timed_phase_has_its_own_timeline_colour():
+    import re
+    from pathlib import Path
+
+    from tandem.trainer.plots import TIMELINE_PHASES, phase_colours
+
+    source = Path(__file__).parents[1] / "src" / "tandem"
+    timed = {name for path in source.rglob("*.py")
+             for name in re.findall(r'phase\("([a-z_]+)"\)', path.read_text())}
+    assert timed <= set(TIMELINE_PHASES), f"not on the timeline: {timed - set(TIMELINE_PHASES)}"
+    colours = phase_colours()
+    assert len(set(colours.values())) == len(TIMELINE_PHASES) == 13

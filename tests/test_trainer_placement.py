@@ -1,6 +1,7 @@
 """Where the trainer runs: joining a cluster vs starting Ray, device bundles, placement groups."""
 
 import asyncio
+import logging
 
 import pytest
 import ray
@@ -13,13 +14,16 @@ from tandem.trainer import placement
 def test_joins_a_cluster_without_resource_arguments(monkeypatch):
     """Ray refuses num_cpus when connecting to an existing cluster (the old start-up passed it)."""
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
-    assert placement.ray_init_kwargs(load_config()) == {"address": "10.0.0.5:6379", "log_to_driver": True}
+    assert placement.ray_init_kwargs(load_config()) == {"address": "10.0.0.5:6379", "log_to_driver": True,
+                                                        "logging_level": logging.WARNING}
     config = load_config(overrides=["trainer.ray_address=auto"])
     assert placement.ray_init_kwargs(config)["address"] == "auto"  # the config wins over the env
     monkeypatch.delenv("RAY_ADDRESS")
     local = placement.ray_init_kwargs(load_config(overrides=["trainer.n_devices=64", "actor.fsdp_size=64",
                                                              "rollout.n=64"]))
-    assert "address" not in local and local["num_cpus"] >= 64
+    assert local["address"] == "local" and local["num_cpus"] >= 64  # never joins a stray cluster
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert placement.cluster_address(load_config()) is None
 
 
 def test_one_bundle_per_device():

@@ -115,7 +115,7 @@ def test_local_cluster_start_drops_only_rays_token_auth_notice(monkeypatch, capl
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with caplog.at_level(logging.WARNING, logger=placement.TOKEN_AUTH_LOGGER):
         placement.init_ray(load_config())
-        assert "address" not in calls[-1]
+        assert calls[-1]["address"] == "local"  # a cluster of its own
         assert [r.getMessage() for r in caplog.records] == ["something else"]
         caplog.clear()
         placement.init_ray(load_config(overrides=["trainer.ray_address=10.0.0.5:6379"]))
@@ -181,3 +181,16 @@ async def test_first_sync_is_skipped_only_while_the_actor_is_the_loaded_checkpoi
     out = await changed.generate(GenerateRequest("b", prompt, {"temperature": 0, "max_tokens": 6}))
     assert out.token_ids == changed.actor_greedy(prompt, len(out.token_ids))
     await changed.shutdown()
+
+
+def test_a_library_run_counts_from_its_own_origin(monkeypatch):
+    monkeypatch.setattr(startup, "_early_marks", {})
+    startup.set_origin(1000.0)
+    try:
+        assert not startup.has_early_marks()
+        clock = StartupClock()
+        clock.mark("ray", at=1003.0)
+        assert clock.origin == 1000.0 and clock.parts() == {"ray": 3.0}
+    finally:
+        startup.set_origin(None)
+    assert abs(StartupClock().origin - startup.process_start_time()) < 1.0

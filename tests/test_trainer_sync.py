@@ -32,7 +32,7 @@ def tiny_config(tmp_path, *extra):
         "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_tool_response_length=8",
         "rollout.kv_cache_memory_bytes=16777216", "actor.ppo_mini_batch_size=1",
         "actor.ppo_max_token_len_per_micro_batch=2048", "actor.optim.lr=0.05",
-        "trainer.total_steps=1", "trainer.progress=false", "trainer.tensorboard=false",
+        "trainer.total_steps=1", "trainer.progress=false",
         f"trainer.output_dir={tmp_path / 'run'}", *extra])
 
 

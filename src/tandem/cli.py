@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import logging
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,86 +21,22 @@ logger = logging.getLogger("tandem")
 
 
 def checked_config(config_path: str, overrides: list[str], command: str) -> Any:
-    """The loaded config after the checks that need no torch: datasets, rewards, resume."""
-    from tandem.agent.dataset import PromptDataset
-    from tandem.config.load import ConfigError, load_config
-    from tandem.rewards import reward_input_problem
-
-    from tandem.config.kv_budget import hf_config
-    from tandem.config.model_check import checkpoint_model_problem, latest_checkpoint
+    """The loaded config after the checks that need no torch (tandem.preflight)."""
+    from tandem.config.load import load_config
+    from tandem.preflight import check_job
 
     config = load_config(config_path, overrides)
-    trainer = config.trainer
-    output = Path(trainer.output_dir)
-    if output.exists() and not output.is_dir():
-        raise ConfigError(f"trainer.output_dir: {output} is a file; a run writes its metrics, "
-                          "checkpoints and config into a directory there. Choose another path")
-    splits = ["train"] + (["val"] if config.data.val_files else [])
-    for split in splits:
-        rows = PromptDataset.from_config(config.data, split, check_row=lambda row: reward_input_problem(
-            row.data_source, row.ground_truth))
-        if split == "train" and command == "train" and len(rows) < config.data.train_batch_size:
-            raise ConfigError(f"data.train_batch_size: is {config.data.train_batch_size}, more "
-                              f"than the {len(rows)} rows of data.train_files; lower it or add "
-                              "rows")
-    checkpoints = output / "checkpoints"
-    if trainer.resume and not has_checkpoint(checkpoints):
-        problem = (f"trainer.resume=true but {checkpoints} holds no checkpoint (no `latest`, no "
-                   "step_* directory)")
-        if command == "eval":
-            raise ConfigError(f"{problem}; train first, fix trainer.output_dir, or set "
-                              "trainer.resume=false to evaluate the initial model")
-        if trainer.resume_missing == "fail":
-            raise ConfigError(f"{problem}; fix trainer.output_dir, or set trainer.resume=false "
-                              "(or trainer.resume_missing=warn) to start from step 0")
-        logger.warning("%s: starting from step 0 (trainer.resume_missing=fail makes this an "
-                       "error)", problem)
-    step = latest_checkpoint(checkpoints) if trainer.resume else None
-    model = hf_config(config.model.path)
-    if model is not None and config.model.path.startswith("tiny:"):
-        model.pop("vocab_size")  # the spec's is an upper bound, not the built model's
-    problem = step and checkpoint_model_problem(step / "actor" / "config.json", model)
-    if problem:
-        raise ConfigError(problem)
+    check_job(config, command)
     return config
 
 
-def has_checkpoint(checkpoints: Path) -> bool:
-    """Whether a run's checkpoints directory holds anything to resume from."""
-    return (checkpoints / "latest").is_file() or any(checkpoints.glob("step_*"))
-
-
 def _train(config_path: str, overrides: list[str]) -> None:
-    config = checked_config(config_path, overrides, "train")
-    from tandem.trainer import placement
+    from tandem.job import Trainer
     from tandem.trainer.startup import mark_early
 
-    mark_early("config")
-    # ray.init mostly waits for Ray's processes to come up: torch and the rest import meanwhile
-    importing = threading.Thread(target=importlib.import_module, args=("tandem.trainer.rl_trainer",),
-                                 name="tandem-imports")
-    importing.start()
-    placement.init_ray(config)
-    mark_early("ray")
-    importing.join()
-    from tandem.quiet import quiet_libraries
-
-    quiet_libraries()
-    from tandem.trainer.plots import plot_run
-    from tandem.trainer.rl_trainer import RLTrainer
-    from tandem.trainer.modes import fit
-
-    async def run() -> dict:
-        trainer = RLTrainer(config)
-        await trainer.start()
-        try:
-            return await fit(trainer)
-        finally:
-            await trainer.stop()
-
-    validation = asyncio.run(run())
-    plot_run(config.trainer.output_dir)
-    print(json.dumps(validation, indent=1))
+    trainer = Trainer(config_path, overrides=overrides)
+    mark_early("config")  # the CLI's start-up counts from the process start
+    print(json.dumps(trainer.fit(), indent=1))
 
 
 def _eval(config_path: str, overrides: list[str]) -> None:
@@ -159,7 +93,10 @@ def _serve(config_path: str, overrides: list[str]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from tandem import __version__
+
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -182,7 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="the CPU demo: GRPO teaches a tiny model a calculator tool",
                                parents=[debug])
     demo.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the demo config")
-    demo.add_argument("--warmup-steps", type=int, default=400, help="supervised warm-up steps")
+    demo.add_argument("--warmup-steps", type=int, default=None,
+                      help="redo the supervised warm-up with this many steps (default: start from "
+                           "the shipped warmed-up model, tiny:demo)")
     demo.add_argument("--train-size", type=int, default=512, help="training problems")
     demo.add_argument("--val-size", type=int, default=64, help="held-out problems")
     return parser

@@ -31,7 +31,7 @@ TINY = {
                 "multi_turn": {"enable": True, "tools": ["calculator"], "max_tool_response_length": 8}},
     "actor": {"ppo_mini_batch_size": 2, "ppo_max_token_len_per_micro_batch": 2048, "optim": {"lr": 0.05}},
     "data": {"train_batch_size": 2},
-    "trainer": {"total_steps": 2, "progress": False, "tensorboard": False},
+    "trainer": {"total_steps": 2, "progress": False},
 }
 
 

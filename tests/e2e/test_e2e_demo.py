@@ -8,7 +8,7 @@ from tandem.trainer.metrics import read_metrics
 SHORT = ["--warmup-steps", "2", "--train-size", "8", "--val-size", "2", "trainer.total_steps=1",
          "trainer.test_freq=0", "trainer.save_freq=0", "data.train_batch_size=2", "rollout.n=2",
          "actor.ppo_mini_batch_size=2", "rollout.kv_cache_memory_bytes=16777216",
-         "trainer.progress=false", "trainer.tensorboard=false"]
+         "trainer.progress=false"]
 
 
 def test_short_demo_reports_the_accuracy_it_logged(tmp_path, ray_cluster, capsys):

@@ -43,7 +43,7 @@ def config_for(directory: Path, address: str, mode: str):
         "actor.ppo_max_token_len_per_micro_batch=2048", "actor.optim.lr=0.05",
         "actor.entropy_coeff=0.01",  # a gradient even when a group's rewards tie
         f"trainer.trainer_mode={mode}", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
-        "trainer.total_steps=2", "trainer.progress=false", "trainer.tensorboard=false",
+        "trainer.total_steps=2", "trainer.progress=false",
         f"rollout.checkpoint_engine.timeout_s={SYNC_TIMEOUT_S}",
         # several buckets, so the server holds part of the stream when it is killed
         "rollout.checkpoint_engine.update_weights_bucket_megabytes=1",

@@ -49,7 +49,7 @@ def config_for(directory: Path, address: str, strategy: str):
         "rollout.kv_cache_memory_bytes=16777216", "actor.ppo_mini_batch_size=2",
         "actor.ppo_max_token_len_per_micro_batch=2048", "actor.optim.lr=0.05",
         "trainer.n_devices=2", "actor.fsdp_size=2", "trainer.total_steps=2", "trainer.progress=false",
-        "trainer.tensorboard=false", f"trainer.output_dir={directory / 'run'}",
+        f"trainer.output_dir={directory / 'run'}",
         f"trainer.ray_address={address}", f"trainer.placement_strategy={strategy}"])
 
 

@@ -133,7 +133,7 @@ def test_a_step_whose_sessions_all_fail_is_skipped(tmp_path, ray_cluster, caplog
         "rollout.n=2", "rollout.prompt_length=320", "rollout.response_length=8",
         "rollout.kv_cache_memory_bytes=16777216", "actor.ppo_mini_batch_size=1",
         "actor.ppo_max_token_len_per_micro_batch=2048", "trainer.total_steps=2",
-        "trainer.progress=false", "trainer.tensorboard=false", f"trainer.output_dir={tmp_path / 'run'}"])
+        "trainer.progress=false", f"trainer.output_dir={tmp_path / 'run'}"])
 
     async def run():
         trainer = RLTrainer(config)
@@ -188,7 +188,7 @@ async def test_fit_sync_skips_a_step_whose_sessions_all_fail(tmp_path, caplog):
         def __init__(self) -> None:
             self.config = load_config(overrides=["trainer.total_steps=3", "trainer.progress=false"])
             self.step = self.skipped_steps = 0
-            self.metrics = MetricsLogger(tmp_path, tensorboard=False)
+            self.metrics = MetricsLogger(tmp_path)
             self.log: list[str] = []
             self.fleet = Fleet(self.log)
             self.startup = type("Clock", (), {"mark": lambda _, name: None})()
@@ -207,7 +207,7 @@ async def test_fit_sync_skips_a_step_whose_sessions_all_fail(tmp_path, caplog):
                                         "reward service down", [])
             return ["trajectory"]
 
-        def compute_rewards(self, trajectories):
+        async def compute_rewards(self, trajectories):
             pass
 
         def make_batch(self, trajectories):

@@ -35,6 +35,8 @@ def outside(interval: str, kind: type) -> list[float]:
 def override(path: str, value: float) -> str:
     if path.endswith(".betas"):
         return f"{path}=[0.9,{value}]"
+    if path == "reward.weights":  # one weight per reward function (a custom one is given)
+        return f"{path}=[{value}]"
     return f"{path}={value}"
 
 
@@ -146,13 +148,13 @@ def test_an_override_replacing_a_section_says_so():
 def test_files_that_are_not_a_yaml_mapping(tmp_path):
     with pytest.raises(ConfigError, match=r"must be a YAML mapping of sections .* not a list"):
         load_config(write(tmp_path, "- 1\n- 2\n"))
-    with pytest.raises(ConfigError, match=r"is not valid YAML"):
+    with pytest.raises(ConfigError, match=r"config.yaml:2:1: not valid YAML: "):
         load_config(write(tmp_path, "rollout: [1,\n"))
     with pytest.raises(ConfigError, match=r"does not exist"):
         load_config(tmp_path / "missing.yaml")
     utf16 = tmp_path / "utf16.yaml"
     utf16.write_text("rollout:\n  n: 2\n", encoding="utf-16")
-    with pytest.raises(ConfigError, match=r"utf16.yaml is not valid YAML"):
+    with pytest.raises(ConfigError, match=r"utf16.yaml is not UTF-8 text"):
         load_config(utf16)
 
 

@@ -75,9 +75,11 @@ CASES = [
      "prompt_length + response_length = 1100 tokens, beyond the model's context of 1024"),
     (["rollout.response_length=4000", "actor.ppo_max_token_len_per_micro_batch=8192"],
      "beyond the model's context of 2048"),
-    (["model.path=nowhere"], "model.path: nowhere does not exist"),
+    # a name that is no directory may be a hub id: looked up in the HF cache (no network here)
+    (["model.path=nowhere"], "model.path='nowhere': not a local directory, and as a hub id it is "
+     "not in the HF cache"),
     (["model.path=a_file"], "model.path: a_file is a file, not an HF model directory"),
-    (["model.path=run_dir_itself"], "does not exist"),
+    (["model.path=run_dir_itself"], "not a local directory"),
     (lfs_pointer, "model.safetensors is not a safetensors file"),
     (truncated, "model.safetensors is truncated"),
     (no_tokenizer, "has no tokenizer"),

@@ -1,4 +1,5 @@
-"""Prompt datasets: parquet or JSONL rows of raw chat messages plus metadata; nothing tokenized.
+"""Prompt datasets: rows of raw chat messages plus metadata, from JSONL or parquet files or HF
+`datasets` (a save_to_disk directory, or data files); nothing tokenized.
 
 Columns read (seed §6.1): the prompt messages (data.prompt_key, default "prompt"), data_source,
 ground_truth (or reward_model.ground_truth), reward_model, extra_info, tools_kwargs and
@@ -39,11 +40,18 @@ class DatasetRow:
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """All rows of a .parquet or .jsonl/.json-lines file as plain dicts."""
+    """All rows of a .parquet or .jsonl/.json-lines file, a `datasets.save_to_disk` directory or
+    a "<builder>:<data files>" entry (`datasets.load_dataset`) as plain dicts."""
+    entry = str(path)
+    builder, sep, files = entry.partition(":")
+    if sep and builder.isidentifier() and not Path(entry).exists():
+        return _load_dataset(builder, files, entry)
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist (data.train_files / "
                                 "data.val_files)")
+    if path.is_dir():
+        return _load_from_disk(path)
     if path.suffix == ".parquet":
         import pyarrow.parquet as parquet
 
@@ -65,6 +73,42 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
         return records
     raise ValueError(f"dataset file {str(path)!r}: unknown format {path.suffix!r}; use .parquet "
                      "or .jsonl")
+
+
+def _datasets(entry: str) -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"dataset {entry!r} needs the HF datasets package: pip install "
+                         "'tandem-rl[datasets]' (or give .jsonl / .parquet files)") from None
+    datasets.disable_progress_bars()
+    return datasets
+
+
+def _load_from_disk(path: Path) -> list[dict[str, Any]]:
+    datasets = _datasets(str(path))
+    if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        raise ValueError(f"dataset directory {str(path)!r} is not a datasets.save_to_disk "
+                         "directory (no state.json / dataset_dict.json)")
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        raise ValueError(f"dataset directory {str(path)!r} holds the splits {list(loaded)}; name "
+                         f"one, e.g. {str(path / next(iter(loaded)))!r}")
+    return loaded.to_list()
+
+
+def _load_dataset(builder: str, files: str, entry: str) -> list[dict[str, Any]]:
+    datasets = _datasets(entry)
+    data_files = [item for item in files.split(",") if item]
+    missing = [item for item in data_files if not any(Path().glob(item)) and not Path(item).exists()]
+    if not data_files or missing:
+        raise FileNotFoundError(f"dataset {entry!r}: no file {missing or files!r}; give "
+                                "'<builder>:<file>[,<file>...]', e.g. 'json:data/train.json'")
+    try:
+        return datasets.load_dataset(builder, data_files=data_files, split="train").to_list()
+    except (ValueError, FileNotFoundError) as error:
+        raise ValueError(f"dataset {entry!r}: datasets.load_dataset({builder!r}, data_files=...) "
+                         f"failed: {error}") from None
 
 
 def _utf8_text(path: Path) -> str:

@@ -38,7 +38,9 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected is not None and headers.get(b"authorization") != self.expected:
+        # /health is a liveness probe (load balancers, k8s): it needs no token
+        if self.expected is not None and scope.get("path") != "/health" and \
+                headers.get(b"authorization") != self.expected:
             await _send_error(send, 401, "missing or wrong bearer token: send the endpoint's api "
                               "key as 'Authorization: Bearer <key>'", "invalid_api_key")
             return

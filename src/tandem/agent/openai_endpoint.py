@@ -63,6 +63,9 @@ class ChatRequest(BaseModel):
     user: str | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    # clients send these at their defaults (0); the engine applies neither, so only 0 is served
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
 
     @field_validator("stop")
     @classmethod
@@ -146,6 +149,10 @@ def create_app(recorder: ChatRecorder, model_name: str, api_key: str = "",
         return error_response(500, f"the rollout backend failed: {type(error).__name__}: {error}",
                               code="server_error")
 
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
@@ -160,6 +167,11 @@ def create_app(recorder: ChatRecorder, model_name: str, api_key: str = "",
         if body.tool_choice not in (None, "auto"):
             raise RequestError(400, f"tool_choice={body.tool_choice!r} is not supported; use "
                                "'auto' (the model decides)", param="tool_choice")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(body, name):
+                raise RequestError(400, f"{name}={getattr(body, name)} is not supported: the "
+                                   "engine samples without it; send 0 or leave it out",
+                                   code="invalid_request", param=name)
         if body.top_logprobs:
             raise RequestError(400, f"top_logprobs={body.top_logprobs} is not supported: the "
                                "engine returns the sampled token's logprob only; use "
@@ -187,7 +199,8 @@ def create_app(recorder: ChatRecorder, model_name: str, api_key: str = "",
                     "usage": _usage(completions)}
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_stream(response, usage), media_type="text/event-stream")
+            return StreamingResponse(_stream(response, completions, token_text, usage),
+                                     media_type="text/event-stream")
         return response
 
     return RequestGuard(app, api_key, max_request_bytes)
@@ -231,20 +244,43 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(response: dict[str, Any], include_usage: bool) -> Any:
-    """The finished response as server-sent chunks: one delta per choice, then [DONE]."""
+async def _stream(response: dict[str, Any], completions: list[Completion], token_text: Any,
+                  include_usage: bool) -> Any:
+    """The finished response as OpenAI's chunk sequence per choice: the role, the content token by
+    token, the tool calls, then an empty delta with finish_reason; [DONE] last. The chunks go
+    out once the turn is complete (the recorder records whole turns)."""
     base = {key: response[key] for key in ("id", "created", "model")}
-    for choice in response["choices"]:
-        delta = dict(choice["message"])
-        if "tool_calls" in delta:
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
-        chunk = {**base, "object": "chat.completion.chunk",
-                 "choices": [{"index": choice["index"], "delta": delta, "logprobs": choice["logprobs"],
-                              "finish_reason": choice["finish_reason"]}]}
-        yield f"data: {json.dumps(chunk)}\n\n"
+
+    def chunk(index: int, delta: dict[str, Any], finish_reason: str | None = None,
+              logprobs: Any = None) -> str:
+        body = {**base, "object": "chat.completion.chunk",
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish_reason}]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    for choice, completion in zip(response["choices"], completions):
+        index, message = choice["index"], choice["message"]
+        yield chunk(index, {"role": "assistant", "content": ""})
+        pieces = [token_text([token]) for token in completion.token_ids]
+        content = message["content"] or ""
+        # token by token when the tokens spell the content, else the content whole
+        joined = "".join(pieces)
+        if content and joined.startswith(content) and not message.get("tool_calls"):
+            text = ""
+            for piece in pieces:
+                piece = piece[:max(len(content) - len(text), 0)]
+                if piece:
+                    text += piece
+                    yield chunk(index, {"content": piece})
+        elif content:
+            yield chunk(index, {"content": content})
+        if message.get("tool_calls"):
+            yield chunk(index, {"tool_calls": [{"index": i, **call}
+                                               for i, call in enumerate(message["tool_calls"])]})
+        yield chunk(index, {}, choice["finish_reason"], choice["logprobs"])
     if include_usage:
-        chunk = {**base, "object": "chat.completion.chunk", "choices": [], "usage": response["usage"]}
-        yield f"data: {json.dumps(chunk)}\n\n"
+        body = {**base, "object": "chat.completion.chunk", "choices": [], "usage": response["usage"]}
+        yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"
 
 

@@ -74,7 +74,9 @@ class AgentLoopRunner:
             self.loop = OpenAIAgentLoop(client, chat_format, config)
         elif config.multi_turn.enable:
             tools = tools if tools is not None else build_tool_registry(config.multi_turn.tools)
-            missing = [name for name in config.multi_turn.tools if name not in tools]
+            # a given registry must hold the built-ins the config names (user classes are
+            # named by import path, not by tool name)
+            missing = [name for name in config.multi_turn.tools if ":" not in name and name not in tools]
             if missing:
                 raise ValueError(f"rollout.multi_turn.tools lists {missing}, which the given "
                                  f"ToolRegistry lacks (it has {tools.names()})")
@@ -143,6 +145,7 @@ class AgentLoopRunner:
             # the openai_agent loop returns every branch of its session
             trajectories = result if isinstance(result, list) else [result]
             for trajectory in trajectories:
+                trajectory.metadata.setdefault("row", session.row)  # batched rewards read its columns
                 if self.reward_fn is not None and trajectory.reward is None:
                     scored = self.reward_fn(trajectory, session.row)
                     if inspect.isawaitable(scored):

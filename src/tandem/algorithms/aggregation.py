@@ -30,8 +30,8 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-me
     token-sum                sum_bt m*l
     seq-mean-token-sum       sum_b (sum_t m*l) / N_seqs
     seq-mean-token-mean      sum_b (sum_t m*l / len_b) / N_seqs
-    seq-mean-token-sum-norm  sum_bt m*l / horizon   (verl's meaning: no mean over sequences;
-                             horizon is a constant, e.g. rollout.response_length)
+    seq-mean-token-sum-norm  sum_bt m*l / (horizon * N_seqs)   (Dr. GRPO as current verl
+                             computes it: horizon is a constant, e.g. rollout.response_length)
 
     N_tokens / N_seqs default to this batch's counts (sequences with no masked-in token, i.e.
     padding samples, are not counted); pass the mini-batch totals when accumulating.
@@ -50,7 +50,8 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-me
         if horizon is None or horizon <= 0:
             raise ValueError("seq-mean-token-sum-norm needs horizon, a positive constant such as "
                              "rollout.response_length (the same for every micro-batch)")
-        return masked_sum(loss, mask) / horizon
+        count = mask.bool().any(dim=-1).sum() if global_seq_count is None else global_seq_count
+        return masked_sum(loss, mask) / horizon / _at_least_one(count, loss)
     per_sequence = masked_sum(loss, mask, dim=-1)
     if mode == "seq-mean-token-mean":
         per_sequence = per_sequence / masked_count(mask, dim=-1).to(loss.dtype).clamp(min=1)

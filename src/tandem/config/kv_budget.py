@@ -18,6 +18,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def hf_config(path: str) -> dict[str, Any] | None:
     """model.path's config.json as a dict (a tiny model's from its spec; its vocabulary is at
     most the tokenizer's), or None when unknown here."""
+    from tandem.models.tiny import SHIPPED_MODELS
+
+    if path in SHIPPED_MODELS:
+        config_file = SHIPPED_MODELS[path] / "config.json"
+        return json.loads(config_file.read_text()) if config_file.is_file() else None
     if path.startswith("tiny:"):
         from tandem.models.tiny import TinyModelSpec
 
@@ -27,8 +32,20 @@ def hf_config(path: str) -> dict[str, Any] | None:
                 "intermediate_size": spec.intermediate_size,
                 "vocab_size": spec.vocab_size or spec.tokenizer_vocab_size,
                 "max_position_embeddings": spec.max_position_embeddings}
-    config_file = Path(path).expanduser() / "config.json"
-    return json.loads(config_file.read_text()) if config_file.is_file() else None
+    directory = model_directory_if_known(path)
+    config_file = directory / "config.json" if directory is not None else None
+    return json.loads(config_file.read_text()) if config_file and config_file.is_file() else None
+
+
+def model_directory_if_known(path: str) -> Path | None:
+    """model.path's directory when it is known without building or downloading anything: a
+    local directory, or a hub id already in the HF cache; None otherwise (tiny, smollm2, ...)."""
+    directory = Path(path).expanduser()
+    if (directory / "config.json").is_file():
+        return directory
+    from tandem.models.hub import cached_model_directory, looks_like_hub_id
+
+    return cached_model_directory(path) if looks_like_hub_id(path) else None
 
 
 def model_shape(path: str) -> dict[str, int] | None:

@@ -6,9 +6,10 @@ Every error is a ConfigError whose message names the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -27,13 +28,17 @@ from tandem.config.schema import RolloutConfig, RolloutCorrectionConfig, TandemC
 from tandem.types import TEMPERATURE_FLOOR
 
 
-def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> TandemConfig:
-    """Read YAML (optional), apply `a.b.c=value` overrides, validate, return a TandemConfig."""
+def load_config(source: str | Path | Mapping[str, Any] | None = None,
+                overrides: Iterable[str] = ()) -> TandemConfig:
+    """Read a YAML file or a nested dict (optional), apply `a.b.c=value` overrides, validate,
+    return a TandemConfig."""
     schema = OmegaConf.structured(TandemConfig)
     try:
         layers = [schema]
-        if path is not None:
-            layers.append(_load_yaml(Path(path)))
+        if isinstance(source, Mapping):
+            layers.append(OmegaConf.create(dict(source)))
+        elif source is not None:
+            layers.append(_load_yaml(Path(source)))
         overrides = list(overrides)
         for item in overrides:
             if "=" not in item:
@@ -92,8 +97,15 @@ def _load_yaml(path: Path) -> DictConfig:
         raise ConfigError(f"config file {path} does not exist")
     try:
         layer = OmegaConf.load(str(path))
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        context = getattr(error, "context", None)
+        raise ConfigError(f"{where}: not valid YAML: {problem}"
+                          f"{f' ({context})' if context else ''}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {error.start}); save it as UTF-8") from None
     if not isinstance(layer, DictConfig):
         raise ConfigError(f"{path} must be a YAML mapping of sections (model: ..., rollout: ...), "
                           f"not a {type(OmegaConf.to_container(layer)).__name__}")
@@ -123,7 +135,76 @@ def _unknown_key_message(error: ConfigKeyError) -> str:
         node = node[part]
     valid = ", ".join(sorted(node.keys()))
     return (f"unknown config key {full_key!r}: no option of that name exists, so it would be "
-            f"silently ignored. Valid keys under {parent or 'the root'}: {valid}")
+            f"silently ignored.{did_you_mean(full_key)} Valid keys under {parent or 'the root'}: "
+            f"{valid}")
+
+
+# names users bring from verl and TRL -> tandem's (docs/from_verl_trl.md has the whole table)
+FOREIGN_NAMES = {
+    "trainer.total_training_steps": "trainer.total_steps",
+    "trainer.default_local_dir": "trainer.output_dir",
+    "trainer.logger": "trainer.loggers",
+    "trainer.tensorboard": "trainer.loggers",
+    "trainer.n_gpus_per_node": "trainer.n_devices",
+    "trainer.resume_mode": "trainer.resume",
+    "actor_rollout_ref.model.path": "model.path",
+    "custom_reward_function.path": "reward.custom_function.path",
+    "custom_reward_function.name": "reward.custom_function.name",
+    "reward.custom_reward_function.path": "reward.custom_function.path",
+    "reward.custom_reward_function.name": "reward.custom_function.name",
+    "algorithm.rollout_is": "algorithm.rollout_correction.importance_sampling",
+    "algorithm.rollout_is_threshold": "algorithm.rollout_correction.importance_sampling_threshold",
+    "algorithm.rollout_rs": "algorithm.rollout_correction.rejection",
+    "algorithm.rollout_rs_threshold": "algorithm.rollout_correction.rejection_threshold",
+    "data.max_prompt_length": "rollout.prompt_length",
+    "data.max_response_length": "rollout.response_length",
+    "actor.ppo_max_token_len_per_gpu": "actor.ppo_max_token_len_per_micro_batch",
+    # TRL's GRPOConfig
+    "num_generations": "rollout.n",
+    "beta": "actor.kl_loss_coef",
+    "learning_rate": "actor.optim.lr",
+    "max_completion_length": "rollout.response_length",
+    "max_prompt_length": "rollout.prompt_length",
+    "num_iterations": "actor.ppo_epochs",
+    "epsilon": "actor.clip_ratio_low",
+    "epsilon_high": "actor.clip_ratio_high",
+    "reward_weights": "reward.weights",
+    "output_dir": "trainer.output_dir",
+    "max_steps": "trainer.total_steps",
+    "save_steps": "trainer.save_freq",
+    "eval_steps": "trainer.test_freq",
+    "report_to": "trainer.loggers",
+}
+
+
+def did_you_mean(key: str) -> str:
+    """' Did you mean trainer.total_steps?' for a misspelt or verl/TRL key, else ''."""
+    if key in FOREIGN_NAMES:
+        return f" Did you mean {FOREIGN_NAMES[key]} (tandem's name for it)?"
+    tail = key.rsplit(".", 1)[-1]
+    for foreign, ours in FOREIGN_NAMES.items():
+        if foreign.rsplit(".", 1)[-1] == tail and "." not in foreign:
+            return f" Did you mean {ours} (tandem's name for it)?"
+    candidates = list(_all_keys(TandemConfig))
+    section = key.split(".", 1)[0]
+    # the right name in the wrong place first (same section preferred), then a misspelling
+    same_tail = sorted((c for c in candidates if c.rsplit(".", 1)[-1] == tail),
+                       key=lambda c: c.split(".", 1)[0] != section)
+    close = same_tail[:1] or difflib.get_close_matches(key, candidates, n=1, cutoff=0.75)
+    if not close:
+        tails = difflib.get_close_matches(tail, [c.rsplit(".", 1)[-1] for c in candidates], n=1,
+                                          cutoff=0.8)
+        close = [c for c in candidates if tails and c.rsplit(".", 1)[-1] == tails[0]][:1]
+    return f" Did you mean {close[0]}?" if close else ""
+
+
+def _all_keys(cls: type, prefix: str = "") -> Iterator[str]:
+    hints = typing.get_type_hints(cls)
+    for item in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[item.name]):
+            yield from _all_keys(hints[item.name], f"{prefix}{item.name}.")
+        else:
+            yield f"{prefix}{item.name}"
 
 
 def _fail(field_name: str, message: str) -> None:
@@ -139,7 +220,7 @@ def _choice(field_name: str, value: str, valid: Iterable[str]) -> None:
 def validate(config: TandemConfig) -> None:
     """Raise ConfigError on the first invalid field; return None when the config is usable."""
     from tandem.rollout.registry import rollout_backend_names
-    from tandem.tools.registry import builtin_tool_names
+    from tandem.tools.registry import tool_class
     from tandem.weight_sync.registry import checkpoint_engine_names, engine_kwargs_problem
 
     problem = out_of_range(config)
@@ -181,13 +262,13 @@ def validate(config: TandemConfig) -> None:
     _choice("rollout.multi_turn.tool_response_truncate_side", turns.tool_response_truncate_side,
             TRUNCATE_SIDES)
     for tool in turns.tools:
-        _choice("rollout.multi_turn.tools", tool, builtin_tool_names())
+        try:
+            tool_class(tool)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     if turns.tools and not turns.enable:
         _fail("rollout.multi_turn.enable", f"is false, so the tools {list(turns.tools)} listed in "
               "rollout.multi_turn.tools would be ignored; set rollout.multi_turn.enable=true or drop them")
-    if turns.enable and not turns.tools:
-        _fail("rollout.multi_turn.tools", "is empty but rollout.multi_turn.enable=true; list the "
-              f"tools the model may call ({', '.join(builtin_tool_names())}) or disable multi_turn")
     _check_openai_agent(rollout)
 
     _choice("model.dtype", config.model.dtype, DTYPES)
@@ -236,6 +317,9 @@ def validate(config: TandemConfig) -> None:
         _fail("algorithm.adv_estimator", "gae needs a value model: set critic.enable=true "
               "(or use adv_estimator=grpo)")
     _choice("reward.placement", config.reward.placement, REWARD_PLACEMENTS)
+    from tandem.rewards.scorer import user_reward_functions
+
+    user_reward_functions(config.reward)  # a bad entry or weights list is a ConfigError
 
     if config.data.train_batch_size < actor.ppo_mini_batch_size:
         _fail("actor.ppo_mini_batch_size", f"is {actor.ppo_mini_batch_size} prompts, more than "
@@ -244,6 +328,7 @@ def validate(config: TandemConfig) -> None:
 
     trainer = config.trainer
     _choice("trainer.trainer_mode", trainer.trainer_mode, TRAINER_MODES)
+    _check_loggers(trainer.loggers)
     _choice("trainer.resume_missing", trainer.resume_missing, ("warn", "fail"))
     _choice("trainer.on_nonfinite_loss", trainer.on_nonfinite_loss, NONFINITE_LOSS_POLICIES)
     _choice("trainer.placement_strategy", trainer.placement_strategy, PLACEMENT_STRATEGIES)
@@ -285,6 +370,22 @@ def validate(config: TandemConfig) -> None:
               f"trainer.async_rollout.max_staleness={async_rollout.max_staleness} versions and be "
               f"generated only to go stale. Lower it to at most {usable} (or 0 for 2 x "
               "train_batch_size), or raise max_staleness")
+
+
+# logger name -> the module its client needs (and the extra that installs it)
+LOGGER_PACKAGES = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb",
+                   "mlflow": "mlflow"}
+
+
+def _check_loggers(loggers: list[str]) -> None:
+    import importlib.util
+
+    for name in loggers:
+        _choice("trainer.loggers", name, LOGGER_PACKAGES)
+        package = LOGGER_PACKAGES[name]
+        if package is not None and importlib.util.find_spec(package) is None:
+            _fail("trainer.loggers", f"lists {name!r}, but the {package} package is not "
+                  f"installed; pip install 'tandem-rl[{name}]' or drop {name!r}")
 
 
 def _check_memory_budget(config: TandemConfig) -> None:

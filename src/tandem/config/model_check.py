@@ -141,7 +141,13 @@ def model_problem(config: Any) -> str | None:
     if path == "smollm2":
         return None
     if not path.startswith("tiny:"):
-        problem = model_directory_problem(Path(path).expanduser())
+        from tandem.config.kv_budget import model_directory_if_known
+        from tandem.models.hub import looks_like_hub_id
+
+        directory = model_directory_if_known(path)
+        if directory is None and looks_like_hub_id(path):
+            return None  # a hub id not in the cache yet: tandem.preflight downloads and checks it
+        problem = model_directory_problem(directory or Path(path).expanduser())
         if problem:
             return problem
     hf = hf_config(path)

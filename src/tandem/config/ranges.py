@@ -50,6 +50,8 @@ RANGES: dict[str, str] = {
     "rollout.multi_turn.max_tool_response_length": "[1, inf)",
     "rollout.multi_turn.max_tool_calls_per_turn": "[1, inf)",
     "rollout.multi_turn.tool_timeout_seconds": "(0, inf)",
+    "reward.timeout_seconds": "(0, inf)",
+    "reward.weights": "(-inf, inf)",  # finite; a negative weight penalises
     "actor.ppo_mini_batch_size": "[1, inf)",
     "actor.ppo_epochs": "[1, inf)",
     "actor.ppo_max_token_len_per_micro_batch": "[1, inf)",

@@ -13,7 +13,9 @@ from typing import Any
 class ModelConfig:
     """Which HF model both copies of the policy start from."""
 
-    path: str = "tiny:qwen2"  # an HF directory, or "tiny:qwen2" / "tiny:llama" (built locally)
+    # an HF directory, a hub id found in transformers' cache (HF_HOME), or "tiny:qwen2" /
+    # "tiny:llama" (built locally) / "smollm2"
+    path: str = "tiny:qwen2"
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "cpu"  # cpu | cuda
 
@@ -74,7 +76,9 @@ class MultiTurnConfig:
     max_user_turns: int = 4
     max_tool_response_length: int = 256  # in tokens
     tool_response_truncate_side: str = "middle"  # left | right | middle
-    tools: list[str] = field(default_factory=list)  # registered tool names
+    # built-in names (calculator, python) or the user's classes: "path/to/tools.py:ClassName",
+    # "package.module:ClassName" (constructed with no arguments; the Tool contract)
+    tools: list[str] = field(default_factory=list)
     max_tool_calls_per_turn: int = 8  # calls over it are not run; the model gets one error message
     tool_timeout_seconds: float = 30.0  # per call, enforced by the loop (above the sandbox's 10 s)
 
@@ -176,8 +180,11 @@ class CriticConfig:
 
 @dataclass
 class DataConfig:
-    """Prompt datasets: parquet or JSONL rows of raw chat messages."""
+    """Prompt datasets: JSONL or parquet files, or HF `datasets` (a save_to_disk directory, or
+    data files of any format `datasets` reads), rows of raw chat messages."""
 
+    # each entry a .jsonl / .parquet file, a `datasets.save_to_disk` directory, or
+    # "<builder>:<files>" for `datasets.load_dataset(builder, data_files=files)` (e.g. "csv:a.csv")
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
@@ -231,10 +238,26 @@ class AlgorithmConfig:
 
 
 @dataclass
+class CustomRewardFunctionConfig:
+    """verl's custom_reward_function: compute_score(data_source, solution_str, ground_truth,
+    extra_info=None) -> float | dict, scoring every row."""
+
+    path: str = ""  # a .py file or an importable module; "" = none
+    name: str = "compute_score"
+
+
+@dataclass
 class RewardConfig:
-    """Rule-based rewards, found by data source."""
+    """Where rewards come from: the user's functions (custom_function, reward_funcs) or, with
+    neither, tandem's rule-based rewards by data source (docs/api.md, "Rewards")."""
 
     placement: str = "agent_loop"  # agent_loop (async order) | after_sampling (colocated order)
+    custom_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    # TRL-style batched functions fn(prompts, completions, **columns) -> list[float]:
+    # "path/to/file.py:name" or "package.module:name"
+    reward_funcs: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # one per function; empty: all 1.0
+    timeout_seconds: float = 60.0  # per call of a reward function; over it the sample fails
 
 
 @dataclass
@@ -269,7 +292,11 @@ class TrainerConfig:
     resume_missing: str = "warn"  # resume=true without a checkpoint: warn (start at step 0) | fail
     on_nonfinite_loss: str = "skip"  # skip: drop that optimizer step | stop: raise; NaN/inf loss
     seed: int = 0
-    tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
+    # console (one line per step and validation), jsonl (metrics.jsonl, always written),
+    # tensorboard, wandb, mlflow (each needs its package: pip install tandem-rl[wandb] ...)
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "tandem"  # wandb project / MLflow experiment
+    experiment_name: str = ""  # wandb run / MLflow run name; "": output_dir's last part
     progress: bool = True
     separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
     async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)

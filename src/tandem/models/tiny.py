@@ -146,8 +146,29 @@ def build_tiny_model(spec: TinyModelSpec | None = None, **overrides) -> Path:
     return build_once(spec.key(), build)
 
 
+# Warmed-up tiny models shipped with the package (`make demo-model` rebuilds them with
+# tandem.demo.warmup): model.path -> directory. tiny:demo is what `tandem demo` starts from;
+# tiny:calculator only learned the calculator's call format (for examples and tests of tools).
+SHIPPED_MODELS = {"tiny:demo": Path(__file__).with_name("demo_model"),
+                  "tiny:calculator": Path(__file__).with_name("calculator_model")}
+DEMO_MODEL_DIR = SHIPPED_MODELS["tiny:demo"]
+
+
+def shipped_model_path(name: str = "tiny:demo") -> Path:
+    """A shipped warmed-up model (HF directory with its tokenizer)."""
+    directory = SHIPPED_MODELS[name]
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"the {name} model is not in {directory}; rebuild it with "
+                                "`make demo-model`")
+    return directory
+
+
 def resolve_model_path(path: str) -> Path:
-    """Turn a `model.path` value into a directory: "tiny:qwen2", "tiny:llama", "smollm2" or a path."""
+    """Turn a `model.path` value into a directory: "tiny:qwen2", "tiny:llama", "tiny:demo" and
+    "tiny:calculator" (shipped), "smollm2", a local HF directory or a hub id (tandem.models.hub: transformers'
+    cache, offline honoured)."""
+    if path in SHIPPED_MODELS:
+        return shipped_model_path(path)
     if path.startswith("tiny:"):
         return build_tiny_model(TinyModelSpec(architecture=path.split(":", 1)[1]))
     if path == "smollm2":
@@ -155,7 +176,12 @@ def resolve_model_path(path: str) -> Path:
 
         return smollm2_path()
     directory = Path(path).expanduser()
-    if not (directory / "config.json").exists():
-        raise FileNotFoundError(f"model.path={path!r} is not an HF model directory (no config.json); "
-                                "use a local directory, 'tiny:qwen2', 'tiny:llama' or 'smollm2'")
-    return directory
+    if (directory / "config.json").exists():
+        return directory
+    from tandem.models.hub import hub_model_directory, looks_like_hub_id
+
+    if looks_like_hub_id(path):
+        return hub_model_directory(path)
+    raise FileNotFoundError(f"model.path={path!r} is not an HF model directory (no config.json); "
+                            "use a local directory, a hub id ('org/name'), 'tiny:qwen2', "
+                            "'tiny:llama' or 'smollm2'")

@@ -1,10 +1,16 @@
-"""Reward functions by data source: `fn(response_text, ground_truth, extra_info) -> RewardResult`."""
+"""Reward functions by data source: `fn(response_text, ground_truth, extra_info) -> RewardResult`.
+
+A function the user registers for a data source wins over the built-in of that name (and says
+so once, as a warning), whichever is imported first."""
 
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -20,7 +26,9 @@ RewardFn = Callable[[str, Any, dict], RewardResult]
 GroundTruthCheck = Callable[[Any], str | None]
 _REWARDS: dict[str, RewardFn] = {}
 _CHECKS: dict[str, GroundTruthCheck] = {}
+_USER_SOURCES: set[str] = set()  # data sources whose reward the user registered
 _BUILTIN_MODULES = ("tandem.rewards.arithmetic",)
+_BUILTIN_PREFIX = "tandem.rewards."
 
 
 def register_reward(data_source: str, check: GroundTruthCheck | None = None
@@ -28,11 +36,25 @@ def register_reward(data_source: str, check: GroundTruthCheck | None = None
     """Decorator: register `fn` as the reward of rows whose data_source is `data_source`;
     `check` vets a row's ground_truth when the dataset is loaded."""
     def decorate(fn: RewardFn) -> RewardFn:
+        builtin = fn.__module__.startswith(_BUILTIN_PREFIX)
+        if builtin and data_source in _USER_SOURCES:
+            _warn_replaced(data_source, _REWARDS[data_source])
+            return fn
+        if not builtin:
+            if data_source in _REWARDS and data_source not in _USER_SOURCES:
+                _warn_replaced(data_source, fn)
+            _USER_SOURCES.add(data_source)
+            _CHECKS.pop(data_source, None)  # the built-in's ground-truth rules are not the user's
         _REWARDS[data_source] = fn
         if check is not None:
             _CHECKS[data_source] = check
         return fn
     return decorate
+
+
+def _warn_replaced(data_source: str, fn: RewardFn) -> None:
+    logger.warning("reward for data_source %r: %s.%s replaces tandem's built-in", data_source,
+                   fn.__module__, getattr(fn, "__qualname__", fn))
 
 
 def _load_builtins() -> None:
@@ -61,6 +83,7 @@ def reward_input_problem(data_source: str, ground_truth: Any) -> str | None:
     _load_builtins()
     if data_source not in _REWARDS:
         return (f"no reward function for data_source {data_source!r}; registered: "
-                f"{', '.join(_REWARDS)}. Fix the row's data_source or register a reward for it")
+                f"{', '.join(_REWARDS)}. Fix the row's data_source, register a reward for it, or "
+                "name your own function in reward.custom_function (it scores every row)")
     check = _CHECKS.get(data_source)
     return check(ground_truth) if check is not None else None

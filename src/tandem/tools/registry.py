@@ -10,6 +10,7 @@ bounded, so the loop's per-call deadline (rollout.multi_turn.tool_timeout_second
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
 
@@ -127,20 +128,64 @@ def encodable(text: str) -> str:
 # name -> "module:class" of the built-in tools; imported only when built.
 BUILTIN_TOOLS = {"calculator": "tandem.tools.calculator:CalculatorTool",
                  "python": "tandem.tools.python_tool:PythonTool"}
+FIELD = "rollout.multi_turn.tools"
 
 
 def builtin_tool_names() -> tuple[str, ...]:
-    """Names accepted in rollout.multi_turn.tools."""
+    """The built-in names accepted in rollout.multi_turn.tools."""
     return tuple(BUILTIN_TOOLS)
 
 
-def build_tool_registry(names: Iterable[str]) -> ToolRegistry:
-    """A registry of built-in tools by name (the config field rollout.multi_turn.tools)."""
+def tool_class(entry: str) -> type:
+    """The class an entry of rollout.multi_turn.tools names: a built-in name,
+    "path/to/tools.py:ClassName" or "package.module:ClassName"; ValueError naming the entry."""
+    from tandem.user_code import load_object
+
+    if entry in BUILTIN_TOOLS:
+        module_name, class_name = BUILTIN_TOOLS[entry].split(":")
+        return getattr(importlib.import_module(module_name), class_name)
+    if ":" not in entry:
+        raise ValueError(f"{FIELD}: unknown tool {entry!r}; built-in tools are "
+                         f"{list(BUILTIN_TOOLS)}, and your own are named 'path/to/tools.py:ClassName' "
+                         "or 'package.module:ClassName'")
+    cls = load_object(entry, FIELD)
+    missing = [name for name in ("name", "description", "parameters", "execute")
+               if not hasattr(cls, name)] if isinstance(cls, type) else []
+    if not isinstance(cls, type) or missing:
+        what = f"lacks {missing}" if missing else f"is a {type(cls).__name__}, not a class"
+        raise ValueError(f"{FIELD}: {entry!r} {what}; a tool class has name, description, "
+                         "parameters (JSON schema) and async execute(arguments, context) "
+                         "(tandem.Tool)")
+    return cls
+
+
+def check_tool(tool: Any, where: str) -> Tool:
+    """`tool` if it follows the Tool contract, else ValueError naming `where`."""
+    problems = [name for name in ("name", "description", "parameters") if not hasattr(tool, name)]
+    if not problems and not isinstance(tool.name, str):
+        problems.append("name (a string)")
+    if not problems and not isinstance(tool.parameters, dict):
+        problems.append("parameters (a JSON-schema dict)")
+    if not inspect.iscoroutinefunction(getattr(tool, "execute", None)):
+        problems.append("async execute(arguments, context)")
+    if problems:
+        raise ValueError(f"{where}: {tool!r} is not a tool: it lacks {', '.join(problems)} "
+                         "(tandem.Tool)")
+    return tool
+
+
+def build_tool_registry(entries: Iterable[str], tools: Iterable[Tool] = ()) -> ToolRegistry:
+    """A registry of the tools rollout.multi_turn.tools names (each class constructed with no
+    arguments), then `tools` (instances, e.g. `Trainer(tools=[...])`)."""
     registry = ToolRegistry()
-    for name in names:
-        if name not in BUILTIN_TOOLS:
-            raise ValueError(f"rollout.multi_turn.tools: unknown tool {name!r}; built-in tools are "
-                             f"{list(BUILTIN_TOOLS)} (register others on a ToolRegistry yourself)")
-        module_name, class_name = BUILTIN_TOOLS[name].split(":")
-        registry.register(getattr(importlib.import_module(module_name), class_name)())
+    for entry in entries:
+        cls = tool_class(entry)
+        try:
+            tool = cls()
+        except Exception as error:
+            raise ValueError(f"{FIELD}: {entry!r}: {cls.__name__}() raised "
+                             f"{type(error).__name__}: {error}") from error
+        registry.register(check_tool(tool, f"{FIELD}: {entry!r}"))
+    for tool in tools:
+        registry.register(check_tool(tool, "Trainer(tools=...)"))
     return registry

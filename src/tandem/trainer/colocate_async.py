@@ -57,7 +57,7 @@ async def fit_colocate_async(trainer: RLTrainer,
             trajectories = [t for group in groups for t in group.trajectories]
             check_staleness(trajectories, trainer.step, policy.max_staleness)
             with timer.phase("reward"):
-                trainer.compute_rewards(trajectories)
+                await trainer.compute_rewards(trajectories)
             batch = trainer.make_batch(trajectories)
             with timer.phase("old_log_prob"):
                 await trainer.compute_old_log_probs(batch)

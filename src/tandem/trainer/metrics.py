@@ -1,4 +1,4 @@
-"""Per-step metrics: JSONL always, TensorBoard when installed and enabled."""
+"""Per-step metrics: metrics.jsonl always, plus the loggers trainer.loggers names; phase timers."""
 
 from __future__ import annotations
 
@@ -7,23 +7,22 @@ import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 
 class MetricsLogger:
-    """Appends one JSON object per step to `<output_dir>/metrics.jsonl` (and TensorBoard)."""
+    """Appends one JSON object per step to `<output_dir>/metrics.jsonl` and hands the record to
+    the other trainer.loggers (trainer/loggers.py)."""
 
-    def __init__(self, output_dir: str | Path, tensorboard: bool = True) -> None:
+    def __init__(self, output_dir: str | Path, loggers: Sequence[str] = ("jsonl",),
+                 total_steps: int = 0, project: str = "tandem", name: str = "",
+                 config: dict[str, Any] | None = None) -> None:
+        from tandem.trainer.loggers import make_sinks
+
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._writer = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._writer = SummaryWriter(str(Path(output_dir) / "tensorboard"))
-            except ImportError:  # tensorboard is an optional extra
-                self._writer = None
+        self.sinks = make_sinks(list(loggers), Path(output_dir), total_steps, project,
+                                name or Path(output_dir).resolve().name, config or {})
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps > step (a resumed run rewrites them)."""
@@ -38,16 +37,14 @@ class MetricsLogger:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
-        if self._writer is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self._writer.add_scalar(key, value, step)
-            self._writer.flush()
+        for sink in self.sinks:
+            sink.log(step, {k: v for k, v in record.items() if k != "step"})
 
     def close(self) -> None:
-        """Flush and close TensorBoard."""
-        if self._writer is not None:
-            self._writer.close()
+        """Flush and close every logger."""
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

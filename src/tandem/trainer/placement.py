@@ -25,19 +25,24 @@ TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
 
 
 def cluster_address(config: TandemConfig) -> str | None:
-    """The cluster to join: trainer.ray_address, else $RAY_ADDRESS, else None (start one)."""
-    return config.trainer.ray_address or os.environ.get("RAY_ADDRESS") or None
+    """The cluster to join: trainer.ray_address, else $RAY_ADDRESS, else None (start one;
+    "local" also means start one)."""
+    address = config.trainer.ray_address or os.environ.get("RAY_ADDRESS") or None
+    return None if address == "local" else address
 
 
 def ray_init_kwargs(config: TandemConfig) -> dict[str, Any]:
     """ray.init() arguments: join an existing cluster as is (no resource arguments, which Ray
     refuses there), or start a local one sized to this machine."""
     address = cluster_address(config)
+    # logging_level: Ray's own INFO lines ("Started a local Ray instance...") stay out of the run's output
     if address is not None:
-        return {"address": address, "log_to_driver": True}
+        return {"address": address, "log_to_driver": True, "logging_level": logging.WARNING}
     # worker_niceness 0: Ray's default (15) starves the workers on a busy machine.
-    return {"num_cpus": max(os.cpu_count() or 1, config.trainer.n_devices + standalone_rollout_devices(config)),
-            "include_dashboard": False,
+    # address "local": a cluster of its own, never the last one `ray start` left on this machine
+    return {"address": "local",
+            "num_cpus": max(os.cpu_count() or 1, config.trainer.n_devices + standalone_rollout_devices(config)),
+            "include_dashboard": False, "logging_level": logging.WARNING,
             "log_to_driver": True, "_system_config": {"worker_niceness": 0}}
 
 
@@ -49,7 +54,7 @@ def init_ray(config: TandemConfig) -> None:
     if ray.is_initialized():
         return
     kwargs = ray_init_kwargs(config)
-    if "address" in kwargs:
+    if cluster_address(config) is not None:
         check_reachable(kwargs["address"])
         ray.init(**kwargs)
         return

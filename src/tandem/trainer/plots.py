@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from tandem.trainer.metrics import read_metrics
 
-TIMELINE_PHASES = ("generate", "wait_rollout", "abort", "sleep", "reward", "old_log_prob",
+TIMELINE_PHASES = ("generate", "wait_rollout", "spill_leave", "abort", "sleep", "reward", "old_log_prob",
                    "ref_log_prob", "values", "advantages", "update", "sync", "resume")
+
+
+def phase_colours() -> dict[str, tuple[float, ...]]:
+    """One distinct RGBA colour per timeline phase (tab20: tab10 repeats after 10 phases)."""
+    from matplotlib import colormaps
+
+    palette = colormaps["tab20"]
+    return {phase: tuple(palette(index)) for index, phase in enumerate(TIMELINE_PHASES)}
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -17,8 +26,13 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot_run(output_dir: str | Path) -> list[Path]:
     """Write reward.png, logprob_gap.png, timeline.png (and staleness.png for the async modes)
-    next to metrics.jsonl; return their paths."""
-    import matplotlib
+    next to metrics.jsonl; return their paths ([] with a warning without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        logging.getLogger(__name__).warning("no plots: matplotlib is not installed (pip install "
+                                            "'tandem-rl[plots]'); metrics.jsonl has every value")
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -55,13 +69,13 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     written.append(_save(figure, output_dir / "logprob_gap.png"))
 
     figure, axis = plt.subplots(figsize=(8, 4))
-    colors = plt.get_cmap("tab10")
+    colors = phase_colours()
     train = [r for r in records if "time/update" in r]
     for row, record in enumerate(train):
         left = 0.0
-        for index, phase in enumerate(TIMELINE_PHASES):
+        for phase in TIMELINE_PHASES:
             seconds = record.get(f"time/{phase}") or 0.0
-            axis.barh(record["step"], seconds, left=left, color=colors(index),
+            axis.barh(record["step"], seconds, left=left, color=colors[phase],
                       label=phase if row == 0 else None)
             left += seconds
     axis.set_xlabel("seconds")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from tandem import algorithms
@@ -24,7 +25,8 @@ from tandem.config.load import to_yaml
 from tandem.config.schema import TandemConfig
 from tandem.models.tiny import resolve_model_path
 from tandem.progress import progress_bar
-from tandem.rewards import compute_reward
+from tandem.rewards.scorer import RewardScorer
+from tandem.tools.registry import ToolRegistry
 from tandem.trainer import ppo
 from tandem.trainer.fleet import Fleet
 from tandem.trainer.hybrid_worker import needs_reference
@@ -43,8 +45,11 @@ ValidationHook = Callable[[int, dict[str, float]], None]
 class RLTrainer:
     """Holds the fleet and the data of one run; `step` is the actor's weight version."""
 
-    def __init__(self, config: TandemConfig, evaluation_only: bool = False) -> None:
-        """evaluation_only: read a run's directory without writing to it (tandem eval)."""
+    def __init__(self, config: TandemConfig, evaluation_only: bool = False,
+                 rewards: RewardScorer | None = None, tools: ToolRegistry | None = None) -> None:
+        """evaluation_only: read a run's directory without writing to it (tandem eval).
+        rewards: the job's reward functions (default: from config.reward); tools: the tool
+        registry of the tool loop (default: rollout.multi_turn.tools)."""
         from transformers import AutoTokenizer
 
         self.startup = StartupClock()  # process start -> first token (time/startup)
@@ -53,6 +58,10 @@ class RLTrainer:
         self.evaluation_only = evaluation_only
         self.model_path = resolve_model_path(config.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.rewards = rewards or RewardScorer.from_config(config.reward, prompt_key=config.data.prompt_key)
+        if self.rewards.decode is None:  # verl's solution_str: the whole decoded response
+            self.rewards.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+        self.tools = tools
         self.train_data = PromptDataset.from_config(config.data, "train")
         self.val_data = PromptDataset.from_config(config.data, "val") if config.data.val_files else None
         self.steps_per_epoch = len(self.train_data) // config.data.train_batch_size
@@ -64,7 +73,10 @@ class RLTrainer:
         if not evaluation_only:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(to_yaml(config))
-            self.metrics = MetricsLogger(self.output_dir, config.trainer.tensorboard)
+            trainer = config.trainer
+            self.metrics = MetricsLogger(self.output_dir, trainer.loggers, trainer.total_steps,
+                                         trainer.project_name, trainer.experiment_name,
+                                         OmegaConf.to_container(OmegaConf.structured(config)))
         self.kl_controller = algorithms.kl_controller_from_config(config.algorithm.kl_ctrl)
         self.step = 0
         self.skipped_steps = 0  # steps whose sessions all failed (skip_step)
@@ -79,9 +91,9 @@ class RLTrainer:
         config = self.config
         await self.fleet.start(self.total_optimizer_steps(config.actor.ppo_epochs),
                                self.total_optimizer_steps(config.critic.ppo_epochs))
-        reward_fn = self._reward_fn if config.reward.placement == "agent_loop" else None
+        reward_fn = self.rewards.score_one if config.reward.placement == "agent_loop" else None
         self.runner = AgentLoopRunner.from_tokenizer(self.client(), self.tokenizer, config.rollout,
-                                                     reward_fn=reward_fn)
+                                                     tools=self.tools, reward_fn=reward_fn)
 
     @property
     def workers(self) -> list[Any]:
@@ -133,18 +145,12 @@ class RLTrainer:
             return await self.runner.run(rows, validate=validate, seeds=self.seeds(step, len(rows), validate),
                                          on_trajectory=lambda _: bar.update())
 
-    def _reward_fn(self, trajectory: Trajectory, row: DatasetRow | None = None) -> tuple[float, dict]:
-        result = compute_reward(trajectory.data_source, trajectory.metadata["response_text"],
-                                trajectory.ground_truth, trajectory.metadata.get("extra_info") or {})
-        return result.score, result.extra
-
-    def compute_rewards(self, trajectories: list[Trajectory]) -> None:
+    async def compute_rewards(self, trajectories: list[Trajectory]) -> None:
         """Colocated order: score trajectories after sampling when reward.placement=
-        after_sampling (with agent_loop the loops scored them already)."""
-        if self.config.reward.placement != "after_sampling":
-            return
-        for trajectory in trajectories:
-            trajectory.reward, trajectory.reward_extra = self._reward_fn(trajectory)
+        after_sampling (with agent_loop the loops scored them already); batched reward
+        functions see them all at once."""
+        if self.config.reward.placement == "after_sampling":
+            await self.rewards.score(trajectories)
 
     # ---- weights outside a mode (tandem eval / serve) ----------------------------------
 
@@ -245,7 +251,7 @@ class RLTrainer:
             logger.warning("validation at step %d: %s; no validation metrics this time",
                            self.step, error)
             return {"val/failed_sessions": float(len(self.runner.take_failures()))}
-        self.compute_rewards(trajectories)
+        await self.compute_rewards(trajectories)
         return {**trajectory_metrics(trajectories, "val"),
                 "val/failed_sessions": len(self.runner.take_failures())}
 
@@ -311,8 +317,11 @@ class RLTrainer:
             and self.step < config.total_steps
 
     def checkpoint_due(self) -> bool:
-        """Whether this step saves a checkpoint (every trainer.save_freq steps)."""
-        return bool(self.config.trainer.save_freq) and self.step % self.config.trainer.save_freq == 0
+        """Whether this step saves a checkpoint: every trainer.save_freq steps, and always the last
+        (the trained model is kept in HF format with its tokenizer in .../actor)."""
+        config = self.config.trainer
+        return (bool(config.save_freq) and self.step % config.save_freq == 0) \
+            or self.step == config.total_steps
 
     async def log_step(self, record: dict[str, float]) -> None:
         """Write the step's record (with the start-up metrics in the run's first one)."""

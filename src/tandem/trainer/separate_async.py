@@ -75,7 +75,7 @@ async def fit_separate_async(trainer: RLTrainer,
                 mini = [t for group in groups for t in group.trajectories]
                 check_staleness(mini, trainer.step, policy.max_staleness)
                 with timer.phase("reward"):
-                    trainer.compute_rewards(mini)
+                    await trainer.compute_rewards(mini)
                 batch = trainer.make_batch(mini)
                 with timer.phase("old_log_prob"):
                     await trainer.compute_old_log_probs(batch)

@@ -26,6 +26,7 @@ MILESTONES = (
 
 _IMPORTED_AT = time.time()
 _early_marks: dict[str, float] = {}  # milestones recorded before a trainer exists (the CLI's)
+_origin: float | None = None  # where start-up is counted from; None: the process start
 
 
 def process_start_time() -> float:
@@ -40,6 +41,18 @@ def process_start_time() -> float:
     return time.time() - age
 
 
+def set_origin(at: float | None) -> None:
+    """Count the next runs' start-up from wall-clock time `at` (a library call, or the demo
+    after its warm-up), not from the process start; None restores the process start."""
+    global _origin
+    _origin = at
+
+
+def has_early_marks() -> bool:
+    """Whether the CLI recorded milestones for the next trainer (it counts from the process start)."""
+    return bool(_early_marks)
+
+
 def mark_early(milestone: str) -> None:
     """Record a milestone that happens before the trainer is created (the CLI's config check)."""
     _check(milestone)
@@ -50,7 +63,9 @@ class StartupClock:
     """Milestones of one run, measured from the process start."""
 
     def __init__(self, origin: float | None = None) -> None:
-        self.origin = process_start_time() if origin is None else origin
+        if origin is None:
+            origin = _origin if _origin is not None else process_start_time()
+        self.origin = origin
         self.marks = dict(_early_marks)  # the CLI's, for the first trainer of the process only
         _early_marks.clear()
         self.reported = False

@@ -10,12 +10,13 @@ from tandem import algorithms
 from tandem.batch.balance import token_imbalance
 from tandem.batch.padding import drop_padding_samples
 from tandem.batch.trajectory import Trajectory
+from tandem.rewards.scorer import FAILED
 from tandem.trainer import ppo
 
 
 def trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
     """Mean reward (`reward/mean` or `<prefix>/reward`), accuracy, tool use, forks, response
-    length and turns of the non-padding trajectories; {} when there are none."""
+    length, turns and failed rewards of the non-padding trajectories; {} when there are none."""
     real = [t for t in trajectories if not t.is_padding]
     if not real:
         return {}
@@ -33,6 +34,7 @@ def trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str,
         metrics[f"{prefix}/forked"] = sum(forked) / len(forked)
     metrics[f"{prefix}/response_length"] = sum(len(t.responses) for t in real) / count
     metrics[f"{prefix}/num_turns"] = sum(t.num_turns for t in real) / count
+    metrics[f"{prefix}/failed_rewards"] = float(sum(t.reward_extra.get(FAILED, 0.0) for t in real))
     return metrics
 
 

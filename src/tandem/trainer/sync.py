@@ -40,7 +40,7 @@ async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = No
         with timer.phase("sleep"):
             await fleet.sleep_rollout()
         with timer.phase("reward"):
-            trainer.compute_rewards(trajectories)
+            await trainer.compute_rewards(trajectories)
         batch = trainer.make_batch(trajectories)
         with timer.phase("old_log_prob"):
             await trainer.compute_old_log_probs(batch)

@@ -1,0 +1,266 @@
+"""The reward of each trajectory, from the functions users already write.
+
+- verl's `compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict`
+  (reward.custom_function, or `Trainer(reward_fn=...)`): scores every row, whatever its
+  data_source; a dict gives the score under "score" and the rest as details (e.g. "acc").
+- TRL's batched `fn(prompts, completions, **columns) -> list[float | None]` (reward.reward_funcs,
+  or `Trainer(reward_funcs=[...])`): prompts and completions are chat messages, columns are the
+  dataset's other columns (one list each) plus completion_ids; None counts as 0.
+- Neither given: tandem's registry by data_source (tandem.rewards.registry).
+
+Async functions are awaited, others run in a thread; each call is bounded by
+reward.timeout_seconds. Several functions add up with reward.weights. A function that raises
+or times out fails only its samples: reward 0, reward_extra["reward_failed"] = 1.0 (a batched
+call that raises is retried one sample at a time to find which).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from tandem.rewards.registry import RewardResult, compute_reward, reward_names
+
+if TYPE_CHECKING:
+    from tandem.batch.trajectory import Trajectory
+    from tandem.config.schema import RewardConfig
+
+logger = logging.getLogger(__name__)
+FAILED = "reward_failed"
+
+
+@dataclass
+class RewardFunction:
+    """One scoring function: kind "registry" (by data source), "verl" (per sample) or "batched" (TRL)."""
+
+    name: str
+    fn: Callable[..., Any]
+    kind: str
+    weight: float = 1.0
+
+
+class RewardScorer:
+    """Scores trajectories with the job's reward functions; never raises for a sample's fault."""
+
+    def __init__(self, functions: Sequence[RewardFunction], timeout_seconds: float = 60.0,
+                 decode: Callable[[list[int]], str] | None = None, prompt_key: str = "prompt") -> None:
+        """decode(response token ids) -> solution_str for verl functions (verl decodes the whole
+        response, tool turns included); without it the final assistant text is used.
+        prompt_key: the dataset column batched functions get as `prompts` (data.prompt_key)."""
+        if not functions:
+            raise ValueError("RewardScorer needs at least one reward function")
+        self.functions = list(functions)
+        self.timeout_seconds = timeout_seconds
+        self.decode = decode
+        self.prompt_key = prompt_key
+        self._said_replaced: set[str] = set()
+
+    @classmethod
+    def from_config(cls, config: "RewardConfig", reward_fn: Callable | None = None,
+                    reward_funcs: Sequence[Callable] = (),
+                    decode: Callable[[list[int]], str] | None = None,
+                    prompt_key: str = "prompt") -> "RewardScorer":
+        """The scorer a job's config and Python arguments describe (see the module docstring)."""
+        functions = user_reward_functions(config, reward_fn, reward_funcs)
+        if not functions:
+            functions = [RewardFunction("registry", compute_reward, "registry")]
+        return cls(functions, config.timeout_seconds, decode, prompt_key)
+
+    @property
+    def uses_registry(self) -> bool:
+        """Whether rows are scored by data_source (so each row's data_source must be known)."""
+        return any(f.kind == "registry" for f in self.functions)
+
+    async def score_one(self, trajectory: "Trajectory", row: Any = None) -> tuple[float, dict]:
+        """(score, details) of one trajectory: the agent loop's reward_fn."""
+        if row is not None:
+            trajectory.metadata.setdefault("row", row)
+        await self.score([trajectory])
+        return trajectory.reward, trajectory.reward_extra
+
+    async def score(self, trajectories: Sequence["Trajectory"]) -> None:
+        """Set reward and reward_extra of every trajectory (weighted sum of the functions)."""
+        if not trajectories:
+            return
+        totals = [0.0] * len(trajectories)
+        extras: list[dict[str, Any]] = [{} for _ in trajectories]
+        for function in self.functions:
+            results = await self._run(function, trajectories)
+            for index, result in enumerate(results):
+                if result is None:
+                    extras[index][FAILED] = 1.0
+                    continue
+                totals[index] += function.weight * result.score
+                extras[index].update(result.extra)
+                if len(self.functions) > 1:
+                    extras[index][f"reward/{function.name}"] = result.score
+        for trajectory, total, extra in zip(trajectories, totals, extras):
+            trajectory.reward = 0.0 if extra.get(FAILED) else total
+            trajectory.reward_extra = extra
+
+    async def _run(self, function: RewardFunction, trajectories: Sequence["Trajectory"]
+                   ) -> list[RewardResult | None]:
+        if function.kind == "batched":
+            try:
+                return await self._batched(function, trajectories)
+            except Exception as error:
+                if len(trajectories) == 1:
+                    self._log_failure(function, trajectories[0], error)
+                    return [None]
+            return [(await self._run(function, [t]))[0] for t in trajectories]
+        return list(await asyncio.gather(*(self._per_sample(function, t) for t in trajectories)))
+
+    async def _per_sample(self, function: RewardFunction, trajectory: "Trajectory"
+                          ) -> RewardResult | None:
+        try:
+            if function.kind == "registry":
+                value = await self._call(function.fn, trajectory.data_source,
+                                         trajectory.metadata.get("response_text", ""),
+                                         trajectory.ground_truth,
+                                         trajectory.metadata.get("extra_info") or {})
+            else:
+                self._say_replaced(function, trajectory.data_source)
+                value = await self._call(function.fn, data_source=trajectory.data_source,
+                                         solution_str=self._solution_str(trajectory),
+                                         ground_truth=trajectory.ground_truth,
+                                         extra_info=trajectory.metadata.get("extra_info") or {})
+            return to_result(value, function.name)
+        except Exception as error:  # the sample fails, the batch goes on
+            self._log_failure(function, trajectory, error)
+            return None
+
+    async def _batched(self, function: RewardFunction, trajectories: Sequence["Trajectory"]
+                       ) -> list[RewardResult | None]:
+        prompts, completions, columns = batched_inputs(trajectories, self.prompt_key)
+        values = await self._call(function.fn, prompts, completions, **columns)
+        if not isinstance(values, (list, tuple)) or len(values) != len(trajectories):
+            raise ValueError(f"reward function {function.name} returned {type(values).__name__} "
+                             f"of length {len(values) if hasattr(values, '__len__') else '?'}; "
+                             f"a batched reward returns one float per completion "
+                             f"({len(trajectories)})")
+        return [RewardResult(0.0) if value is None else to_result(value, function.name)
+                for value in values]
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if inspect.iscoroutinefunction(fn):
+            call = fn(*args, **kwargs)
+        else:
+            call = asyncio.to_thread(fn, *args, **kwargs)  # a slow reward never blocks the loop
+        try:
+            value = await asyncio.wait_for(call, self.timeout_seconds)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no result within reward.timeout_seconds={self.timeout_seconds}") from None
+        if inspect.isawaitable(value):
+            value = await asyncio.wait_for(value, self.timeout_seconds)
+        return value
+
+    def _solution_str(self, trajectory: "Trajectory") -> str:
+        if self.decode is None:
+            return trajectory.metadata.get("response_text", "")
+        policy = trajectory.responses.tolist()
+        return self.decode(policy)
+
+    def _say_replaced(self, function: RewardFunction, data_source: str) -> None:
+        if data_source in self._said_replaced or data_source not in reward_names():
+            return
+        self._said_replaced.add(data_source)
+        logger.warning("data_source %r: your reward %s scores these rows instead of tandem's "
+                       "built-in", data_source, function.name)
+
+    @staticmethod
+    def _log_failure(function: RewardFunction, trajectory: "Trajectory", error: Exception) -> None:
+        logger.warning("reward %s failed for %s/%s (reward 0): %s: %s", function.name,
+                       trajectory.uid, trajectory.session_id, type(error).__name__, error)
+
+
+def to_result(value: Any, name: str) -> RewardResult:
+    """A function's return value (float, RewardResult, or verl's dict with "score") as a RewardResult."""
+    if isinstance(value, RewardResult):
+        result = value
+    elif isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"reward function {name} returned a dict without 'score' "
+                             f"(keys {sorted(value)}); return a float or {{'score': ..., ...}}")
+        result = RewardResult(value["score"], {k: v for k, v in value.items() if k != "score"})
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        result = RewardResult(float(value))
+    else:
+        raise TypeError(f"reward function {name} returned {type(value).__name__}; return a float, "
+                        "a dict with 'score' or a RewardResult")
+    score = float(result.score)
+    if not math.isfinite(score):
+        raise ValueError(f"reward function {name} returned a non-finite score {score}")
+    return RewardResult(score, dict(result.extra))
+
+
+def batched_inputs(trajectories: Sequence["Trajectory"], prompt_key: str = "prompt"
+                   ) -> tuple[list[Any], list[Any], dict[str, list[Any]]]:
+    """TRL's (prompts, completions, columns) of trajectories: chat messages, and each dataset
+    column other than the prompt as one list (plus completion_ids, the policy's token ids)."""
+    prompts, completions, rows = [], [], []
+    for trajectory in trajectories:
+        row = trajectory.metadata.get("row")
+        messages = trajectory.metadata.get("messages") or []
+        prompt = list(row.messages) if row is not None else []
+        prompts.append(prompt)
+        completions.append(messages[len(prompt):] or [
+            {"role": "assistant", "content": trajectory.metadata.get("response_text", "")}])
+        rows.append(row)
+    names = {key for row in rows if row is not None for key in row.raw} - {prompt_key}
+    columns = {name: [row.raw.get(name) if row is not None else None for row in rows]
+               for name in sorted(names)}
+    columns.setdefault("ground_truth", [t.ground_truth for t in trajectories])
+    columns.setdefault("data_source", [t.data_source for t in trajectories])
+    columns["completion_ids"] = [
+        [int(token) for token, mask in zip(t.responses.tolist(), t.response_mask.tolist()) if mask]
+        for t in trajectories]
+    return prompts, completions, columns
+
+
+def user_reward_functions(config: "RewardConfig", reward_fn: Callable | None = None,
+                          reward_funcs: Sequence[Callable] = ()) -> list[RewardFunction]:
+    """The user's functions in order (custom function, then batched ones) with reward.weights;
+    a bad entry or a weights list of the wrong length is a ConfigError naming the field."""
+    from tandem.config.load import ConfigError
+    from tandem.user_code import UserCodeError, load_object
+
+    functions: list[RewardFunction] = []
+    custom = config.custom_function
+    if reward_fn is not None and custom.path:
+        raise ConfigError("reward.custom_function.path is set and Trainer(reward_fn=...) was given: "
+                          "name one per-sample reward function, not two")
+    try:
+        if custom.path:
+            entry = f"{custom.path}:{custom.name}"
+            reward_fn = load_object(entry, "reward.custom_function")
+        batched = [load_object(entry, "reward.reward_funcs") for entry in config.reward_funcs]
+    except UserCodeError as error:
+        raise ConfigError(str(error)) from None
+    if reward_fn is not None:
+        functions.append(RewardFunction(_name(reward_fn), _callable(reward_fn, "reward_fn"), "verl"))
+    for fn in [*batched, *reward_funcs]:
+        functions.append(RewardFunction(_name(fn), _callable(fn, "reward_funcs"), "batched"))
+    if config.weights:
+        if len(config.weights) != len(functions):
+            raise ConfigError(f"reward.weights has {len(config.weights)} entries but there are "
+                              f"{len(functions)} reward functions ({', '.join(f.name for f in functions) or 'none'}); "
+                              "give one weight per function (custom function first, then reward_funcs)")
+        for function, weight in zip(functions, config.weights):
+            function.weight = float(weight)
+    return functions
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _callable(fn: Any, field: str) -> Callable:
+    from tandem.config.load import ConfigError
+
+    if not callable(fn):
+        raise ConfigError(f"{field}: {fn!r} is not callable; give a function")
+    return fn
