@@ -80,7 +80,8 @@ class MultiTurnConfig:
     # "package.module:ClassName" (constructed with no arguments; the Tool contract)
     tools: list[str] = field(default_factory=list)
     max_tool_calls_per_turn: int = 8  # calls over it are not run; the model gets one error message
-    tool_timeout_seconds: float = 30.0  # per call, enforced by the loop (above the sandbox's 10 s)
+    # per call, enforced by the loop; above the python sandbox's worst case (10 s queue + 10 s wall)
+    tool_timeout_seconds: float = 30.0
 
 
 @dataclass
