@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from tandem.config.choices import ConfigError
 from tandem.rewards.registry import RewardResult, compute_reward, reward_names
 
 if TYPE_CHECKING:
@@ -225,7 +226,6 @@ def user_reward_functions(config: "RewardConfig", reward_fn: Callable | None = N
                           reward_funcs: Sequence[Callable] = ()) -> list[RewardFunction]:
     """The user's functions in order (custom function, then batched ones) with reward.weights;
     a bad entry or a weights list of the wrong length is a ConfigError naming the field."""
-    from tandem.config.choices import ConfigError
     from tandem.user_code import UserCodeError, load_object
 
     functions: list[RewardFunction] = []
@@ -259,7 +259,6 @@ def _name(fn: Callable) -> str:
 
 
 def _callable(fn: Any, field: str) -> Callable:
-    from tandem.config.choices import ConfigError
 
     if not callable(fn):
         raise ConfigError(f"{field}: {fn!r} is not callable; give a function")
