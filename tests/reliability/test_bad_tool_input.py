@@ -5,7 +5,6 @@ a step whose sessions all fail is skipped with a warning and a metric, and the r
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 import pytest
@@ -106,28 +105,16 @@ async def test_a_calculator_error_reaches_the_model_in_the_token_stream():
 @pytest.mark.slow
 def test_a_step_whose_sessions_all_fail_is_skipped(tmp_path, ray_cluster, caplog):
     """Sync mode, two steps: every session of the step-0 validation and of step 0 fails (its
-    reward raises); the validation and the step are skipped with warnings and metrics, step 1
-    trains, and the final validation runs."""
+    agent loop raises; a raising reward is only reward 0, see tests/test_rewards*); the validation
+    and the step are skipped with warnings and metrics, step 1 trains, and the final validation
+    runs."""
     from tandem.config.load import load_config
-    from tandem.demo.tasks import make_datasets, write_jsonl
-    from tandem.rewards import RewardResult, register_reward
+    from tandem.demo.tasks import make_datasets
     from tandem.trainer.metrics import read_metrics
     from tandem.trainer.rl_trainer import RLTrainer
     from tandem.trainer.sync import fit_sync
 
-    failing = {"calls": 0}
-
-    @register_reward("test_fails_first_calls")
-    def reward(response_text, ground_truth, extra_info):
-        failing["calls"] += 1
-        if failing["calls"] <= 3 + 2 * 2:  # the 3 validation rows, then step 0's 2 rows x n=2
-            raise RuntimeError("reward service down")
-        return RewardResult(float(len(response_text) % 2), {"acc": 0.0})
-
     train, val = make_datasets(tmp_path / "data", 8, 3, seed=0)
-    for path in (train, val):
-        rows = [json.loads(line) for line in path.read_text().splitlines()]
-        write_jsonl([{**row, "data_source": "test_fails_first_calls"} for row in rows], path)
     config = load_config(overrides=[
         f"data.train_files=[{train}]", f"data.val_files=[{val}]", "data.train_batch_size=2",
         "rollout.n=2", "rollout.prompt_length=320", "rollout.response_length=8",
@@ -138,6 +125,15 @@ def test_a_step_whose_sessions_all_fail_is_skipped(tmp_path, ray_cluster, caplog
     async def run():
         trainer = RLTrainer(config)
         await trainer.start()
+        loop_run, calls = trainer.runner.loop.run, {"n": 0}
+
+        async def broken_at_first(session):
+            calls["n"] += 1
+            if calls["n"] <= 3 + 2 * 2:  # the 3 validation rows, then step 0's 2 rows x n=2
+                raise RuntimeError("agent loop down")
+            return await loop_run(session)
+
+        trainer.runner.loop.run = broken_at_first
         try:
             return trainer, await fit_sync(trainer)
         finally:

@@ -32,9 +32,9 @@ from tandem.agent.openai_endpoint import EndpointServer, create_app
 
 
 class SlowEngine(ScriptedEngine):
-    async def generate(self, request_id, prompt_ids, sampling_params):
+    async def generate(self, request):
         await asyncio.sleep(random.uniform(0.3, 0.8))  # long enough to disconnect meanwhile
-        return await super().generate(request_id, prompt_ids, sampling_params)
+        return await super().generate(request)
 
 
 tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
