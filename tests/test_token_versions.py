@@ -49,6 +49,45 @@ async def wait_for_tokens(manager: ServerManager, at_least: int) -> None:
     raise AssertionError(f"the engine never reached {at_least} generated tokens")
 
 
+async def assert_each_run_is_its_versions_output(model_path, prompt: list[int],
+                                                 output: TokenOutput,
+                                                 weights: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Each run is what its version's weights produce greedily from the tokens before it (one
+    request alone): the stamps sit on exactly the tokens each version sampled."""
+    direct = NativeRollout.create(model_path, CONFIG)
+    start = 0
+    for version, count in output.version_runs:
+        await direct.update_weights(list(weights[version].items()), version)
+        want = await direct.generate(GenerateRequest(
+            f"d{version}", prompt + output.token_ids[:start], {**GREEDY, "max_tokens": count}))
+        assert output.token_ids[start:start + count] == want.token_ids
+        torch.testing.assert_close(torch.tensor(output.log_probs[start:start + count]),
+                                   torch.tensor(want.log_probs), atol=1e-4, rtol=1e-4)
+        assert want.version_runs == [[version, count]]
+        start += count
+    await direct.shutdown()
+
+
+async def test_an_in_place_update_under_a_running_request_restamps_only_later_tokens(
+        model_path) -> None:
+    engine = NativeRollout.create(model_path, CONFIG)
+    base = load_file(model_path / "model.safetensors")
+    weights = {0: base, 1: perturbed(base, 1)}
+    prompt, budget = [5, 6, 7], 200
+    task = asyncio.ensure_future(engine.generate(
+        GenerateRequest("r", prompt, {**GREEDY, "max_tokens": budget})))
+    for _ in range(5000):
+        if engine.stats()["generated_tokens"] >= 8:
+            break
+        await asyncio.sleep(0.001)
+    await engine.update_weights(list(weights[1].items()), 1)  # no abort: preempt and recompute
+    output = await task
+    await engine.shutdown()
+    assert [version for version, _ in output.version_runs] == [0, 1], output.version_runs
+    assert sum(count for _, count in output.version_runs) == budget
+    await assert_each_run_is_its_versions_output(model_path, prompt, output, weights)
+
+
 async def test_a_request_interrupted_twice_carries_three_versions_on_exactly_their_tokens(
         model_path) -> None:
     host = RolloutServer("driver")
@@ -76,18 +115,7 @@ async def test_a_request_interrupted_twice_carries_three_versions_on_exactly_the
     assert output.version_runs == [[0, first], [1, second - first], [2, budget - second]]
     assert (output.extra_fields["min_global_steps"], output.extra_fields["max_global_steps"],
             output.global_steps) == (0, 2, 2)
-    # Each segment is what its version's weights produce from the tokens before it (greedy,
-    # one request alone): the stamps sit on exactly the tokens each version sampled.
-    direct = NativeRollout.create(model_path, CONFIG)
-    for version, (start, end) in enumerate([(0, first), (first, second), (second, budget)]):
-        await direct.update_weights(list(weights[version].items()), version)
-        want = await direct.generate(GenerateRequest(
-            f"d{version}", prompt + output.token_ids[:start], {**GREEDY, "max_tokens": end - start}))
-        assert output.token_ids[start:end] == want.token_ids
-        torch.testing.assert_close(torch.tensor(output.log_probs[start:end]),
-                                   torch.tensor(want.log_probs), atol=1e-4, rtol=1e-4)
-        assert want.version_runs == [[version, end - start]]
-    await direct.shutdown()
+    await assert_each_run_is_its_versions_output(model_path, prompt, output, weights)
 
     # -> trajectory (a tool observation between two calls) -> batch, aligned token for token
     builder = ResponseBuilder(prompt)
