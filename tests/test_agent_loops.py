@@ -216,6 +216,10 @@ async def test_weight_versions_span_all_turns():
     chat_format = ScriptedFormat({21: call_text("1"), 22: "<eos>"})
     trajectory = await tool_loop(client, chat_format).run(Session(row(), 0, "x"))
     assert (trajectory.min_global_steps, trajectory.max_global_steps) == (3, 5)
+    # per token: each call's version on its tokens, -1 on the tool turn between them
+    versions, mask = trajectory.response_versions.tolist(), trajectory.response_mask.tolist()
+    assert versions[:2] == [3, 3] and versions[-1] == 5 and 0 in mask
+    assert all((v == -1) == (m == 0) for v, m in zip(versions, mask))
 
 
 async def test_contract_violations_are_errors():

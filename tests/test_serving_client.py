@@ -212,6 +212,21 @@ async def test_resumable_client_stops_when_an_abort_lands_exactly_on_the_budget(
                                                                "length")
     # Versions count only where tokens were produced: the empty segment at step 3 does not.
     assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (2, 4)
+    assert out.version_runs == [[2, 2], [4, 1]]
+
+
+async def test_resumable_client_joins_version_runs_across_resumes() -> None:
+    stub = ScriptedAborts([
+        TokenOutput([1, 2, 3], [-0.1] * 3, "aborted", {"global_steps": 5, "min_global_steps": 4,
+                                                       "max_global_steps": 5,
+                                                       "version_runs": [[4, 1], [5, 2]]}),
+        TokenOutput([4, 5], [-0.1] * 2, "aborted", {"global_steps": 5, "version_runs": [[5, 2]]}),
+        TokenOutput([6], [-0.1], "length", {"global_steps": 6, "version_runs": [[6, 1]]}),
+    ])
+    out = await ResumableClient(stub).generate(GenerateRequest("r", [9], {"max_tokens": 6}))
+    assert out.version_runs == [[4, 1], [5, 4], [6, 1]]  # the two version-5 runs merge
+    assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"],
+            out.global_steps) == (4, 6, 6)
 
 
 async def test_resumable_client_keeps_versions_a_single_segment_spanned() -> None:

@@ -90,6 +90,8 @@ async def test_partial_rollout_abort_update_weights_resume(manager, model_path) 
     assert all(o.extra_fields["resumes"] >= 1 for o in outputs)
     assert all(o.extra_fields["min_global_steps"] == 0 < o.extra_fields["max_global_steps"] == 1
                for o in outputs)
+    # per token: a run of version 0, then version 1 on the rest of the budget
+    assert all([v for v, _ in o.version_runs] == [0, 1] for o in outputs)
     # The engines sampled exactly the tokens returned: none was generated twice.
     assert await generated_tokens(manager) - start == 32 * budget
     assert sum((await manager.status()).in_flight().values()) == 0

@@ -42,6 +42,10 @@ def test_colocate_async_trains_within_the_staleness_bound(tmp_path, ray_cluster)
         original = trainer.make_batch
 
         def spy(trajectories):  # called once per update, with the update's trajectories
+            for t in trajectories:  # per-token versions: in order, inside the trajectory's bounds
+                policy = t.response_versions[t.response_mask.bool()].tolist()
+                assert policy == sorted(policy) and len(t.response_versions) == len(t.responses)
+                assert t.min_global_steps <= policy[0] and policy[-1] <= t.max_global_steps
             consumed.append([(t.uid, t.session_id, t.min_global_steps, t.max_global_steps,
                               int(t.response_mask.sum()), t.stop_reason) for t in trajectories])
             return original(trajectories)
@@ -79,6 +83,9 @@ def test_colocate_async_trains_within_the_staleness_bound(tmp_path, ray_cluster)
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
         assert record["staleness/lag_max"] <= 1 and record["weight_version"] == record["step"]
+        assert record["staleness/token_lag_max"] <= record["staleness/lag_max"]
+        assert abs(sum(v for k, v in record.items() if k.startswith("staleness/tokens_lag_"))
+                   - 1.0) < 1e-9
         for key in ("buffer/wait_seconds", "buffer/depth", "time/abort", "time/resume",
                     "rollout/cross_version_fraction", "actor/grad_norm"):
             assert key in record, key

@@ -20,6 +20,7 @@ class TokenOutput:
 
     extra_fields["global_steps"] is the weight version that produced the tokens; results that
     span a weight update (resumed requests) also carry "min_global_steps" / "max_global_steps".
+    extra_fields["version_runs"] (see `version_runs`) gives the version of every token, in order.
     """
 
     token_ids: list[int]
@@ -38,6 +39,42 @@ class TokenOutput:
     def global_steps(self) -> int:
         """The weight version that produced these tokens (the last one, for resumed requests)."""
         return self.extra_fields["global_steps"]
+
+    @property
+    def version_runs(self) -> list[list[int]]:
+        """The weight version of every token, run-length encoded: [[version, count], ...] in token
+        order, counts summing to len(token_ids); one run of global_steps when the backend gave none."""
+        runs = self.extra_fields.get("version_runs")
+        if runs is None:
+            return [[int(self.global_steps), len(self.token_ids)]] if self.token_ids else []
+        runs = [[int(version), int(count)] for version, count in runs]
+        if sum(count for _, count in runs) != len(self.token_ids) or any(c <= 0 for _, c in runs):
+            raise ValueError(f"version_runs {runs} do not cover the {len(self.token_ids)} tokens "
+                             "exactly once; a backend must stamp every token with one version")
+        return runs
+
+
+def append_version_run(runs: list[list[int]], version: int, count: int = 1) -> None:
+    """Add `count` tokens of `version` to run-length encoded versions, merging with the last run."""
+    if count <= 0:
+        return
+    if runs and runs[-1][0] == version:
+        runs[-1][1] += count
+    else:
+        runs.append([version, count])
+
+
+def expand_version_runs(runs: list[list[int]]) -> list[int]:
+    """[[version, count], ...] -> one version per token."""
+    return [version for version, count in runs for _ in range(count)]
+
+
+def cut_version_runs(runs: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """The runs of the first `num_tokens` tokens."""
+    kept: list[list[int]] = []
+    for version, count in runs:
+        append_version_run(kept, version, min(count, num_tokens - sum(c for _, c in kept)))
+    return kept
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from tandem.agent.session import TokenClient
 from tandem.agent.tool_parser import parse_tool_calls
 from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import RolloutConfig
-from tandem.types import GenerateRequest, TokenOutput
+from tandem.types import GenerateRequest, TokenOutput, cut_version_runs
 
 
 class RequestError(Exception):
@@ -184,8 +184,8 @@ def cut_at_stop_strings(output: TokenOutput, stops: Sequence[str], chat_format: 
         else:
             low = middle + 1
     log_probs = None if output.log_probs is None else output.log_probs[:low]
-    return TokenOutput(output.token_ids[:low], log_probs, "completed",
-                       dict(output.extra_fields)), True
+    extra = {**output.extra_fields, "version_runs": cut_version_runs(output.version_runs, low)}
+    return TokenOutput(output.token_ids[:low], log_probs, "completed", extra), True
 
 
 class ChatRecorder:

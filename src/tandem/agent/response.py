@@ -7,13 +7,14 @@ from typing import Any, Sequence
 
 import torch
 
-from tandem.batch.trajectory import Trajectory
-from tandem.types import TokenOutput
+from tandem.batch.trajectory import CONTEXT_VERSION, Trajectory
+from tandem.types import TokenOutput, expand_version_runs
 
 
 @dataclass
 class ResponseBuilder:
-    """Appends policy tokens (mask 1, sampled logprob) and context tokens (mask 0, logprob 0.0).
+    """Appends policy tokens (mask 1, sampled logprob, the weight version that sampled it) and
+    context tokens (mask 0, logprob 0.0, version -1).
 
     expect_log_probs: the sampling dict asked for logprobs, so a missing one is an error; when
     False the policy tokens get logprob 0.0 too (nothing may read rollout_log_probs then).
@@ -24,6 +25,7 @@ class ResponseBuilder:
     token_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per token; -1 on context tokens
     min_version: int | None = None
     max_version: int | None = None
 
@@ -46,6 +48,7 @@ class ResponseBuilder:
         high = int(output.extra_fields.get("max_global_steps", steps))
         self.min_version = low if self.min_version is None else min(self.min_version, low)
         self.max_version = high if self.max_version is None else max(self.max_version, high)
+        self.versions.extend(expand_version_runs(output.version_runs))
         self.token_ids.extend(int(token) for token in output.token_ids)
         self.response_mask.extend([1] * len(output.token_ids))
         if output.log_probs is None or not self.expect_log_probs:
@@ -58,11 +61,12 @@ class ResponseBuilder:
         self.token_ids.extend(int(token) for token in token_ids)
         self.response_mask.extend([0] * len(token_ids))
         self.log_probs.extend([0.0] * len(token_ids))
+        self.versions.extend([CONTEXT_VERSION] * len(token_ids))
 
     def to_trajectory(self, uid: str, session_id: int, num_turns: int, stop_reason: str,
                       data_source: str = "", ground_truth: Any = None,
                       metadata: dict[str, Any] | None = None) -> Trajectory:
-        """The finished session as unpadded tensors (ids/mask int64, logprobs float32)."""
+        """The finished session as unpadded tensors (ids/mask/versions int64, logprobs float32)."""
         if self.min_version is None or self.max_version is None:
             raise ValueError("a trajectory needs at least one generate call to know its weight "
                              "version")
@@ -71,6 +75,7 @@ class ResponseBuilder:
             responses=torch.tensor(self.token_ids, dtype=torch.long),
             response_mask=torch.tensor(self.response_mask, dtype=torch.long),
             rollout_log_probs=torch.tensor(self.log_probs, dtype=torch.float32),
-            min_global_steps=self.min_version, max_global_steps=self.max_version, uid=uid,
+            min_global_steps=self.min_version, max_global_steps=self.max_version,
+            response_versions=torch.tensor(self.versions, dtype=torch.long), uid=uid,
             session_id=session_id, num_turns=num_turns, stop_reason=stop_reason,
             data_source=data_source, ground_truth=ground_truth, metadata=metadata or {})

@@ -16,8 +16,8 @@ from tensordict import NonTensorStack, TensorDict
 from tandem.batch.trajectory import Trajectory
 
 TOKEN_FIELDS = ("prompts", "responses", "input_ids", "position_ids", "response_mask", "loss_mask",
-                "rollout_log_probs")
-RESPONSE_FIELDS = ("responses", "response_mask", "loss_mask", "rollout_log_probs")
+                "rollout_log_probs", "response_versions")
+RESPONSE_FIELDS = ("responses", "response_mask", "loss_mask", "rollout_log_probs", "response_versions")
 NON_TENSOR_FIELDS = ("uid", "data_source", "stop_reason", "ground_truth", "reward_extra", "metadata")
 
 
@@ -82,7 +82,8 @@ def _stack_or_nest(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def trajectories_to_batch(trajectories: Sequence[Trajectory]) -> TensorDict:
-    """Build the jagged batch. Token ids, positions and masks are int64; logprobs float32.
+    """Build the jagged batch. Token ids, positions, masks and response_versions are int64;
+    logprobs float32.
 
     `reward` [B] float32 is present only when every trajectory has one; a batch with some
     rewards missing is an error (compute rewards for all or none).
@@ -98,6 +99,7 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory]) -> TensorDict:
         columns["response_mask"].append(trajectory.response_mask.long())
         columns["loss_mask"].append(trajectory.loss_mask.long())
         columns["rollout_log_probs"].append(trajectory.rollout_log_probs.float())
+        columns["response_versions"].append(trajectory.response_versions.long())
     fields: dict[str, torch.Tensor] = {name: _stack_or_nest(column) for name, column in columns.items()}
 
     rewards = [t.reward for t in trajectories]
@@ -122,7 +124,7 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory]) -> TensorDict:
 def batch_to_trajectories(batch: TensorDict) -> list[Trajectory]:
     """The inverse of `trajectories_to_batch` (for tests, debugging and re-batching)."""
     per_sample = {name: batch[name].unbind(0) for name in ("prompts", "responses", "response_mask",
-                                                          "rollout_log_probs")}
+                                                          "rollout_log_probs", "response_versions")}
     extras = {name: non_tensor_list(batch, name) for name in NON_TENSOR_FIELDS if name in batch.keys()}
     out = []
     for i in range(batch.batch_size[0]):
@@ -130,6 +132,7 @@ def batch_to_trajectories(batch: TensorDict) -> list[Trajectory]:
             prompts=per_sample["prompts"][i], responses=per_sample["responses"][i],
             response_mask=per_sample["response_mask"][i],
             rollout_log_probs=per_sample["rollout_log_probs"][i],
+            response_versions=per_sample["response_versions"][i],
             min_global_steps=int(batch["min_global_steps"][i]),
             max_global_steps=int(batch["max_global_steps"][i]),
             session_id=int(batch["session_id"][i]), num_turns=int(batch["num_turns"][i]),

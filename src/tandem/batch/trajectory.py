@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+CONTEXT_VERSION = -1  # response_versions of tokens the policy did not sample (response_mask 0)
+
 
 @dataclass
 class Trajectory:
@@ -14,7 +16,10 @@ class Trajectory:
     loss_mask [R], rollout_log_probs [R] (0.0 where response_mask is 0), and bookkeeping.
 
     response_mask is 1 exactly where the policy sampled the token; tool observations and chat
-    template boundary tokens are 0. min/max_global_steps bound the weight versions used.
+    template boundary tokens are 0. response_versions [R] int64 is the weight version that
+    sampled each token (CONTEXT_VERSION = -1 where response_mask is 0); min/max_global_steps
+    bound the versions of every generate call and contain every policy token's version. Built
+    without response_versions, every policy token gets min_global_steps (the oldest bound).
     """
 
     prompts: torch.Tensor
@@ -23,6 +28,7 @@ class Trajectory:
     rollout_log_probs: torch.Tensor
     min_global_steps: int
     max_global_steps: int
+    response_versions: torch.Tensor | None = None
     uid: str = ""  # the prompt's uid: GRPO groups trajectories by it
     session_id: int = 0
     num_turns: int = 0
@@ -42,8 +48,28 @@ class Trajectory:
             raise ValueError(f"trajectory {self.uid}/{self.session_id}: responses {length}, "
                              f"response_mask {self.response_mask.shape[0]}, rollout_log_probs "
                              f"{self.rollout_log_probs.shape[0]} must all have the same length")
+        self.response_versions = self._checked_versions()
         if self.prompts.ndim != 1 or self.prompts.shape[0] == 0:
             raise ValueError("trajectory prompts must be a non-empty 1-D tensor")
+
+    def _checked_versions(self) -> torch.Tensor:
+        policy = self.response_mask.bool()
+        if self.response_versions is None:
+            return torch.where(policy, self.min_global_steps, CONTEXT_VERSION).long()
+        versions = self.response_versions.long()
+        name = f"trajectory {self.uid}/{self.session_id}"
+        if versions.shape != self.responses.shape:
+            raise ValueError(f"{name}: response_versions {tuple(versions.shape)} must match "
+                             f"responses {tuple(self.responses.shape)}")
+        if bool((versions[~policy] != CONTEXT_VERSION).any()):
+            raise ValueError(f"{name}: response_versions must be {CONTEXT_VERSION} where "
+                             "response_mask is 0 (no policy version produced those tokens)")
+        inside = (versions[policy] >= self.min_global_steps) & (versions[policy] <= self.max_global_steps)
+        if not bool(inside.all()):
+            raise ValueError(f"{name}: response_versions {sorted(set(versions[policy].tolist()))} "
+                             f"fall outside min/max_global_steps [{self.min_global_steps}, "
+                             f"{self.max_global_steps}]")
+        return versions
 
     @property
     def input_ids(self) -> torch.Tensor:

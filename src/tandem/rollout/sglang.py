@@ -116,7 +116,9 @@ class SGLangRollout(BaseRollout):
         if self.sizes is None:
             await self._measure()
         return TokenOutput(tokens, logprobs if params.logprobs else None,
-                           sglang_stop_reason(meta.get("finish_reason")), {"global_steps": self.version})
+                           sglang_stop_reason(meta.get("finish_reason")),
+                           {"global_steps": self.version,
+                            "version_runs": [[self.version, len(tokens)]] if tokens else []})
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.running:

@@ -60,7 +60,8 @@ class ServerClient:
         within stall_timeout_s) reports it to the balancer, which stops routing there, and runs
         again from the same prompt on another server: that server returned no token, so none
         is lost or repeated. No server left: NoServerError.
-        extra_fields gets min_global_steps / max_global_steps (both = global_steps) unless set.
+        extra_fields gets min_global_steps / max_global_steps (both = global_steps) unless set,
+        and version_runs (TokenOutput.version_runs: one run of global_steps unless set).
         """
         while True:  # ends: each failure removes a server, which acquire() never returns again
             server_id = await self._acquire(request.request_id)
@@ -76,6 +77,7 @@ class ServerClient:
         steps = output.extra_fields["global_steps"]
         output.extra_fields.setdefault("min_global_steps", steps)
         output.extra_fields.setdefault("max_global_steps", steps)
+        output.extra_fields["version_runs"] = output.version_runs  # checked; one run if absent
         return output
 
     async def _generate_on(self, server_id: str, request: GenerateRequest) -> TokenOutput:

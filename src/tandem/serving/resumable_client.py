@@ -11,7 +11,7 @@ generation resumes, so nothing spins here. Should aborted replies keep coming wi
 from __future__ import annotations
 
 from tandem.serving.client import ServerClient
-from tandem.types import GenerateRequest, SamplingParams, TokenOutput
+from tandem.types import GenerateRequest, SamplingParams, TokenOutput, append_version_run
 
 
 # Aborted replies in a row without a new token before a request gives up: far more than weight
@@ -39,7 +39,8 @@ class ResumableClient:
         """Generate up to max_tokens in total across aborts; the caller's dict is not mutated.
 
         extra_fields: global_steps (last version), min_global_steps / max_global_steps (first
-        and last versions that produced tokens), resumes (how many times it asked again).
+        and last versions that produced tokens), version_runs (every segment's runs, joined in
+        token order: TokenOutput.version_runs), resumes (how many times it asked again).
         """
         request_id = request.request_id
         budget = SamplingParams.from_dict(request.sampling).max_tokens
@@ -47,6 +48,7 @@ class ResumableClient:
         token_ids: list[int] = []
         log_probs: list[float] | None = [] if params.get("logprobs", True) else None
         versions: list[tuple[int, int, int]] = []  # (min, max, last) of segments with tokens
+        runs: list[list[int]] = []  # [[version, count], ...] of every token so far
         resumes = stalled = 0
         while True:
             params["max_tokens"] = budget - len(token_ids)
@@ -54,6 +56,8 @@ class ResumableClient:
                 prompt_ids=list(request.prompt_ids) + token_ids, sampling=dict(params)))
             token_ids.extend(output.token_ids)
             log_probs = _join_log_probs(log_probs, output, request_id)
+            for version, count in output.version_runs:
+                append_version_run(runs, version, count)
             if output.token_ids:
                 fields = output.extra_fields
                 versions.append((fields.get("min_global_steps", output.global_steps),
@@ -76,7 +80,8 @@ class ResumableClient:
         versions = versions or [(output.global_steps,) * 3]
         extra = dict(output.extra_fields)
         extra.update(global_steps=versions[-1][2], min_global_steps=min(v[0] for v in versions),
-                     max_global_steps=max(v[1] for v in versions), resumes=resumes)
+                     max_global_steps=max(v[1] for v in versions), version_runs=runs,
+                     resumes=resumes)
         return TokenOutput(token_ids, log_probs, stop_reason, extra)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from tandem.agent.dataset import DatasetRow
 from tandem.batch.trajectory import Trajectory
+from tandem.trainer.step_metrics import token_lag_metrics
 
 STALE_POLICIES = ("drop", "regenerate")
 
@@ -102,7 +103,8 @@ class RolloutBuffer:
         """Wait for `count` groups within max_staleness of `version`, oldest first.
 
         Returns (taken, stale, metrics): `stale` are the groups over the bound, already counted
-        as dropped or regenerated (the caller resubmits the latter's rows).
+        as dropped or regenerated (the caller resubmits the latter's rows); metrics include the
+        group lags and the taken groups' token lags (step_metrics.token_lag_metrics).
         """
         if on_stale not in STALE_POLICIES:
             raise ValueError(f"on_stale={on_stale!r}: choose one of {STALE_POLICIES}")
@@ -144,4 +146,5 @@ class RolloutBuffer:
         }
         for lag, n in sorted(lags.items()):
             metrics[f"staleness/lag_{lag}_fraction"] = n / count
+        metrics.update(token_lag_metrics([t for g in taken for t in g.trajectories], version))
         return taken, stale, metrics

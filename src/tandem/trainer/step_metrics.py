@@ -1,9 +1,11 @@
 """A step's metrics from what the step produced, as pure functions (no trainer state): rewards
-and lengths of the real samples, batch-level entropy / KL / imbalance, rollout throughput and
-version spread, the async modes' merge over mini-batches and their idle times."""
+and lengths of the real samples, batch-level entropy / KL / imbalance, rollout throughput,
+version spread and token-weighted version lag, the async modes' merge over mini-batches and
+their idle times."""
 
 from __future__ import annotations
 
+import torch
 from tensordict import TensorDict
 
 from tandem import algorithms
@@ -78,12 +80,31 @@ def rollout_metrics(trajectories: list[Trajectory], phase_seconds: dict[str, flo
             "throughput/generated_tokens_per_second": generated / max(seconds, 1e-9)}
 
 
+def token_lag_metrics(trajectories: list[Trajectory], version: int) -> dict[str, float]:
+    """Token-weighted staleness at training version `version` over the policy tokens of the real
+    trajectories (lag = version - response_versions): staleness/token_lag_mean, _max and
+    staleness/tokens_lag_<k> (the fraction of tokens at lag k); {} when there are none."""
+    lags = [version - t.response_versions[t.response_mask.bool()]
+            for t in trajectories if not t.is_padding]
+    lags = torch.cat(lags) if lags else torch.zeros(0, dtype=torch.long)
+    if lags.numel() == 0:
+        return {}
+    metrics = {"staleness/token_lag_mean": float(lags.float().mean()),
+               "staleness/token_lag_max": float(lags.max())}
+    values, counts = torch.unique(lags, return_counts=True)
+    for lag, count in zip(values.tolist(), counts.tolist()):
+        metrics[f"staleness/tokens_lag_{lag}"] = count / lags.numel()
+    return metrics
+
+
 def merge_mini_batch_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     """One record for a step's mini-batches: means, except maxima (lag_max), sums (buffer
     wait) and the latest value of running totals."""
     merged = {key: sum(p.get(key, 0.0) for p in parts) / len(parts)
               for key in {key for p in parts for key in p}}
     merged["staleness/lag_max"] = max(p["staleness/lag_max"] for p in parts)
+    if any("staleness/token_lag_max" in p for p in parts):
+        merged["staleness/token_lag_max"] = max(p.get("staleness/token_lag_max", 0.0) for p in parts)
     merged["buffer/wait_seconds"] = sum(p["buffer/wait_seconds"] for p in parts)
     for key in ("staleness/dropped_total", "staleness/regenerated_total"):
         merged[key] = parts[-1][key]

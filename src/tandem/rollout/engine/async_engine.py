@@ -230,10 +230,11 @@ class AsyncEngine:
         if error is not None:
             future.set_exception(error)
             return
-        version = seq.max_version if seq.max_version is not None else self.version
-        extra: dict[str, Any] = {"global_steps": version}
-        if seq.min_version is not None and seq.min_version != seq.max_version:
-            extra.update(min_global_steps=seq.min_version, max_global_steps=seq.max_version)
+        runs = [list(run) for run in seq.version_runs]
+        versions = [version for version, _ in runs] or [self.version]
+        extra: dict[str, Any] = {"global_steps": max(versions), "version_runs": runs}
+        if min(versions) != max(versions):
+            extra.update(min_global_steps=min(versions), max_global_steps=max(versions))
         log_probs = list(seq.log_probs) if seq.params.logprobs else None
         future.set_result(TokenOutput(token_ids=seq.generated_ids, log_probs=log_probs,
                                       stop_reason=seq.stop_reason, extra_fields=extra))

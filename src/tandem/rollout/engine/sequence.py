@@ -8,7 +8,7 @@ from enum import Enum
 
 import torch
 
-from tandem.types import SamplingParams
+from tandem.types import SamplingParams, append_version_run
 
 
 class SequenceStatus(Enum):
@@ -36,8 +36,7 @@ class Sequence:
     num_tokens_at_admission: int = 0  # tokens below this index count as prompt work
     status: SequenceStatus = SequenceStatus.WAITING
     log_probs: list[float] = field(default_factory=list)
-    min_version: int | None = None
-    max_version: int | None = None
+    version_runs: list[list[int]] = field(default_factory=list)  # [[version, count]] per generated token
     generator: torch.Generator | None = None  # per-request seed
     aborted: bool = False
     stop_reason: str | None = None
@@ -62,8 +61,7 @@ class Sequence:
         """Record a sampled token and decide whether the sequence stops here."""
         self.token_ids.append(token_id)
         self.log_probs.append(log_prob)
-        self.min_version = version if self.min_version is None else min(self.min_version, version)
-        self.max_version = version if self.max_version is None else max(self.max_version, version)
+        append_version_run(self.version_runs, version)
         if token_id in self.params.stop_token_ids or (
                 not self.params.ignore_eos and token_id in self.eos_token_ids):
             self.stop_reason = "completed"
