@@ -138,6 +138,20 @@ def test_wait_takes_the_group_about_to_expire_first_and_waits_for_it():
     asyncio.run(run())
 
 
+def test_wait_hands_a_breach_to_the_hard_check_instead_of_dropping_it():
+    async def run():
+        buffer = RolloutBuffer(2, max_staleness=0, on_stale="wait", groups_per_version=1, version=1)
+        head = await buffer.reserve()
+        # a server that a failed sync left behind: its tokens are older than the admitted head
+        buffer.put(group("behind", [(head - 1, head)], submitted=head))
+        return await buffer.take(1, version=1)
+
+    taken, stale, _ = asyncio.run(run())
+    assert [g.row.uid for g in taken] == ["behind"] and stale == []
+    with pytest.raises(StalenessError, match="behind/0 has tokens of version 0, 1 behind"):
+        check_staleness(taken[0].trajectories, 1, 0)
+
+
 def test_default_capacity_never_exceeds_what_the_bound_can_train():
     assert default_capacity(4, 8) == 12 and default_capacity(4, 1) == 8 and default_capacity(4, 0) == 4
 

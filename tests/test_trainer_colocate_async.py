@@ -79,6 +79,8 @@ def test_colocate_async_trains_within_the_staleness_bound(tmp_path, ray_cluster)
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
         assert record["staleness/lag_max"] <= 1 and record["weight_version"] == record["step"]
+        assert record["staleness/dropped_total"] == record["staleness/stale_groups"] == 0  # wait
+        assert record["staleness/version_spread_max"] <= 1
         for key in ("buffer/wait_seconds", "buffer/depth", "time/abort", "time/resume",
                     "rollout/cross_version_fraction", "actor/grad_norm"):
             assert key in record, key

@@ -6,9 +6,10 @@ order of each step is `fit_colocate_async` below: take a batch of finished group
 head first) -> abort unfinished requests -> sleep the rollout -> reward -> old_log_prob ->
 ref_log_prob -> values -> advantages -> update -> wake weights -> sync -> wake KV cache -> the
 buffer admits groups at the new version -> resume generation. Under on_stale=wait the producer
-starts a group only if it can train within max_staleness versions of its head. The resumable client finishes the aborted requests with the new weights:
-their tokens so far are kept, the budget shrinks, no token is generated twice, and each
-trajectory records the first and last weight versions it used.
+starts a group only if it can train within max_staleness versions of its head. The resumable
+client finishes the aborted requests with the new weights: their tokens so far are kept, the
+budget shrinks, no token is generated twice, and each trajectory records the first and last
+weight versions it used.
 
 Resume: a resumed run restarts generation from the checkpointed version with an empty buffer
 (groups that were generating or waiting at the checkpoint are drawn again from the dataset

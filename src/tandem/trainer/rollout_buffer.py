@@ -81,8 +81,8 @@ def default_capacity(train_batch_size: int, max_staleness: int) -> int:
 
 def make_buffer(policy: AsyncRolloutConfig, train_batch_size: int, version: int) -> "RolloutBuffer":
     """The buffer trainer.async_rollout describes, starting at trainer version `version`."""
-    return RolloutBuffer(policy.buffer_groups or default_capacity(train_batch_size, policy.max_staleness),
-                         policy.max_staleness, policy.on_stale, train_batch_size, version)
+    capacity = policy.buffer_groups or default_capacity(train_batch_size, policy.max_staleness)
+    return RolloutBuffer(capacity, policy.max_staleness, policy.on_stale, train_batch_size, version)
 
 
 class RolloutBuffer:
