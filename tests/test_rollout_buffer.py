@@ -241,3 +241,51 @@ def test_property_drop_no_group_over_the_bound_lost_or_duplicated(max_staleness,
     assert len(seen) == len(set(seen))
     assert not set(seen) & set(left)
     assert buffer.counts["taken"] + buffer.counts["dropped"] + len(left) == len(arrivals)
+
+
+async def test_the_producer_starts_no_group_beyond_the_bound():
+    """The producer under the default policy: with batches of 2 and max_staleness 1 at most
+    (1 + 1) x 2 groups of head 0 start; a sync opens the next version's groups."""
+    from tandem.config.load import load_config
+    from tandem.trainer.producer import RolloutProducer
+    from tandem.trainer.rollout_buffer import make_buffer
+
+    class Runner:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def run_prompt(self, row, seed=None):
+            self.calls += 1
+            return [trajectory(row.uid, 0, 0, 0)]
+
+    class Trainer:
+        def __init__(self, config) -> None:
+            self.config, self.step, self.runner = config, 0, Runner()
+
+        def train_rows(self, step):
+            return [DatasetRow([{"role": "user", "content": "?"}], uid=f"{step}-{i}")
+                    for i in range(self.config.data.train_batch_size)]
+
+        def seeds(self, step, count, validate):
+            return list(range(count))
+
+    config = load_config(overrides=["rollout.n=2", "rollout.agent_concurrency=32",
+                                    "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
+                                    "trainer.async_rollout.max_staleness=1",
+                                    "trainer.async_rollout.buffer_groups=4"])
+    trainer = Trainer(config)
+    buffer = make_buffer(config.trainer.async_rollout, 2, version=0)
+    producer = RolloutProducer(trainer, buffer, start_batch=0)
+    producer.start()
+    for _ in range(200):
+        await asyncio.sleep(0)
+    assert trainer.runner.calls == 4 and buffer.depth == 4  # held by the bound, none dropped
+    taken, _, _ = await buffer.take(2, version=0)
+    for _ in range(200):
+        await asyncio.sleep(0)
+    assert trainer.runner.calls == 4  # slots are free, but head-0 groups could not train in time
+    buffer.serving(1)
+    for _ in range(200):
+        await asyncio.sleep(0)
+    assert trainer.runner.calls == 6 and {g.admitted_version for g in buffer._ready} == {0, 1}
+    await producer.stop()
