@@ -21,7 +21,10 @@ import argparse
 import heapq
 import math
 import random
+from collections import defaultdict, deque
 from dataclasses import dataclass
+
+from tandem.trainer.admission import AdmissionSchedule
 
 
 @dataclass
@@ -42,8 +45,9 @@ class Workload:
     network_sync_gbps: float = 25.0  # trainer -> rollout devices (broadcast, pipelined)
     sync_latency_s: float = 1.0
     parameter_sync_step: int = 4
-    max_staleness: int = 1
-    buffer_batches: float = 2.0  # buffer capacity (generating + waiting) in batches
+    max_staleness: int = 8  # the trainer's default (trainer.async_rollout.max_staleness)
+    on_stale: str = "wait"  # wait (bounded at admission, the trainer's default) | drop
+    buffer_batches: float = 3.0  # buffer capacity (generating + waiting) in batches (the default)
 
     def length(self, rng: random.Random) -> int:
         """One response length."""
@@ -72,15 +76,17 @@ class Result:
     rollout_idle: float  # fraction of slot-time not generating
     lag_mean: float
     dropped: float  # fraction of finished groups dropped as stale
+    length_bias: float = 1.0  # mean response length trained on / generated
 
 
 class Group:
-    """A prompt group in flight: its sequences' lengths and the oldest version it used."""
+    """A prompt group in flight: its sequences' lengths and its head version (the oldest)."""
 
     def __init__(self, lengths: list[int], version: int) -> None:
         self.lengths = lengths
         self.remaining = len(lengths)
         self.min_version = version
+        self.order = 0  # finish order: the buffer is FIFO among groups of one head version
 
     @property
     def tokens(self) -> int:
@@ -91,11 +97,15 @@ class Rollout:
     """Continuous batching on `slots` sequence slots, on a generation clock G that advances
     only while generation runs (pauses shift every running sequence)."""
 
-    def __init__(self, work: Workload, slots: int, capacity: int, rng: random.Random) -> None:
+    def __init__(self, work: Workload, slots: int, capacity: int, rng: random.Random,
+                 schedule: AdmissionSchedule | None = None) -> None:
         self.work, self.slots, self.capacity, self.rng = work, slots, capacity, rng
+        self.schedule = schedule  # on_stale=wait: admission bounded by the trainer's schedule
+        self.finished: list[Group] = []  # every group whose generation ended
         self.G = 0.0
         self.running: list[tuple[float, int, Group]] = []  # (finish G, tiebreak, group)
-        self.ready: list[Group] = []
+        self.ready: dict[int, deque[Group]] = defaultdict(deque)  # head version -> finished, FIFO
+        self.ready_count = 0
         self.in_flight = 0
         self.busy_slot_s = 0.0
         self.version = 0  # the weights new tokens are generated with
@@ -107,7 +117,11 @@ class Rollout:
             self.version = version
         version = self.version
         n = self.work.n
-        while self.slots - len(self.running) >= n and self.in_flight + len(self.ready) < self.capacity:
+        while self.slots - len(self.running) >= n and self.in_flight + self.ready_count < self.capacity:
+            if self.schedule is not None:
+                if not self.schedule.can_admit(version):
+                    break
+                self.schedule.admit(version)
             group = Group([self.work.length(self.rng) for _ in range(n)], version)
             self.in_flight += 1
             for length in group.lengths:
@@ -128,7 +142,11 @@ class Rollout:
             group.remaining -= 1
             if group.remaining == 0:
                 self.in_flight -= 1
-                self.ready.append(group)
+                self._ids += 1
+                group.order = self._ids
+                self.ready[group.min_version].append(group)
+                self.ready_count += 1
+                self.finished.append(group)
             self.fill()  # continuous batching: a free slot takes new work at once
         self.busy_slot_s += (end - self.G) * len(self.running)
         self.G = end
@@ -146,7 +164,7 @@ def simulate_sync(work: Workload, rollout_devices: int, steps: int, seed: int) -
         while rollout.running:
             rollout.run(rollout.next_finish() - rollout.G)
         generate = rollout.G
-        tokens = sum(g.tokens + work.n * work.prompt_tokens for g in rollout.ready)
+        tokens = sum(g.tokens + work.n * work.prompt_tokens for g in rollout.finished)
         train, sync = work.train_s(tokens, devices), work.sync_s(hybrid=True)
         total += generate + train + sync
         busy += rollout.busy_slot_s
@@ -166,24 +184,31 @@ def simulate_async(work: Workload, rollout_devices: int, steps: int, seed: int,
     per_step = work.parameter_sync_step if separate else 1
     generating = rollout_devices if separate else 2 * rollout_devices
     train_devices = rollout_devices if separate else 2 * rollout_devices
-    rollout = Rollout(work, generating * work.slots, int(work.buffer_batches * batch), rng)
+    schedule = (AdmissionSchedule(batch, work.max_staleness) if work.on_stale == "wait" else None)
+    rollout = Rollout(work, generating * work.slots, int(work.buffer_batches * batch), rng, schedule)
     version, now = 0, 0.0
     waited = paused = 0.0
     lags: list[int] = []
-    dropped = taken = 0
+    trained: list[Group] = []
+    dropped = 0
     warmup_steps = 2  # fill the pipeline before measuring
     start = 0.0
     for step in range(steps + warmup_steps):
         if step == warmup_steps:
-            start, waited, paused, lags, dropped, taken = now, 0.0, 0.0, [], 0, 0
-            rollout.busy_slot_s = 0.0
+            start, waited, paused, lags, trained, dropped = now, 0.0, 0.0, [], [], 0
+            rollout.busy_slot_s, rollout.finished = 0.0, []
+        if schedule is not None:
+            schedule.advance(version)
         for _ in range(per_step):
             batch_groups: list[Group] = []
             while len(batch_groups) < mini:
                 rollout.fill(version)
-                if rollout.ready:
-                    group = rollout.ready.pop(0)
+                group = next_group(rollout, schedule)
+                if group is not None:
+                    if schedule is not None:
+                        schedule.take(group.min_version)
                     if version - group.min_version > work.max_staleness:
+                        assert schedule is None, "a group admitted under the bound went stale"
                         dropped += 1
                     else:
                         batch_groups.append(group)
@@ -192,7 +217,7 @@ def simulate_async(work: Workload, rollout_devices: int, steps: int, seed: int,
                 rollout.run(wait)
                 now += wait
                 waited += wait
-            taken += len(batch_groups)
+            trained += batch_groups
             lags += [version - g.min_version for g in batch_groups]
             tokens = sum(g.tokens + work.n * work.prompt_tokens for g in batch_groups)
             train = work.train_s(tokens, train_devices)
@@ -208,10 +233,26 @@ def simulate_async(work: Workload, rollout_devices: int, steps: int, seed: int,
         version += 1
     wall = now - start
     slot_time = wall * generating * work.slots
+    generated = sum(g.tokens for g in rollout.finished) / len(rollout.finished)
     return Result("separate_async" if separate else "colocate_async", rollout_devices,
                   wall / steps, batch * work.n * steps / wall, waited / wall,
                   1 - rollout.busy_slot_s / slot_time, sum(lags) / max(len(lags), 1),
-                  dropped / max(dropped + taken, 1))
+                  dropped / max(dropped + len(trained), 1),
+                  sum(g.tokens for g in trained) / len(trained) / generated)
+
+
+def next_group(rollout: Rollout, schedule: AdmissionSchedule | None) -> Group | None:
+    """Pop the finished group the trainer takes next: FIFO (on_stale=drop), or, bounded at
+    admission, the oldest head first among those the schedule lets it take (None: wait)."""
+    heads = sorted(head for head, queue in rollout.ready.items() if queue)
+    if schedule is None:
+        head = min(heads, key=lambda h: rollout.ready[h][0].order, default=None)
+    else:
+        head = next((h for h in heads if schedule.can_take(h)), None)
+    if head is None:
+        return None
+    rollout.ready_count -= 1
+    return rollout.ready[head].popleft()
 
 
 def ideal_step_s(work: Workload, rollout_devices: int, seed: int) -> tuple[float, float]:
@@ -252,17 +293,19 @@ def main() -> None:
     parser.add_argument("--sizes", default="8,16,32,64,128,256")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--max-staleness", type=int, default=Workload.max_staleness)
+    parser.add_argument("--on-stale", choices=("wait", "drop"), default=Workload.on_stale)
     parser.add_argument("--parameter-sync-step", type=int, default=Workload.parameter_sync_step)
     parser.add_argument("--buffer-batches", type=float, default=Workload.buffer_batches)
     parser.add_argument("--plot", default="bench/modes_sim.png")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    work = Workload(max_staleness=args.max_staleness, parameter_sync_step=args.parameter_sync_step,
+    work = Workload(max_staleness=args.max_staleness, on_stale=args.on_stale,
+                    parameter_sync_step=args.parameter_sync_step,
                     buffer_batches=args.buffer_batches)
     print(f"{'mode':<15} {'R':>4} {'step s':>8} {'samples/s':>10} {'trainer idle':>12} "
-          f"{'rollout idle':>12} {'lag':>5} {'dropped':>8} {'/ideal':>7}")
+          f"{'rollout idle':>12} {'lag':>5} {'dropped':>8} {'len bias':>8} {'/ideal':>7}")
     results: list[Result] = []
-    ratio = 0.0
+    ratio = length_bias = 0.0
     for size in map(int, args.sizes.split(",")):
         generate, train = ideal_step_s(work, size, args.seed)
         ideal = max(generate, train)
@@ -272,10 +315,13 @@ def main() -> None:
             results.append(result)
             print(f"{result.mode:<15} {size:>4} {result.step_s:>8.1f} {result.samples_per_s:>10.1f} "
                   f"{result.trainer_idle:>12.2f} {result.rollout_idle:>12.2f} "
-                  f"{result.lag_mean:>5.2f} {result.dropped:>8.1%} {result.step_s / ideal:>7.2f}")
+                  f"{result.lag_mean:>5.2f} {result.dropped:>8.1%} {result.length_bias:>8.3f} "
+                  f"{result.step_s / ideal:>7.2f}")
         print(f"{'ideal':<15} {size:>4} generate {generate:.1f} s, train {train:.1f} s per step")
-        ratio = results[-1].step_s / ideal
+        ratio, length_bias = results[-1].step_s / ideal, results[-1].length_bias
     plot(results, args.plot)
+    print(f"LENGTH_BIAS {length_bias:.3f} mean response length trained on / generated, "
+          f"separate_async, R={results[-1].rollout_devices}, on_stale={work.on_stale}")
     print(f"RATIO {ratio:.2f} separate_async step / max(generate, train), R={results[-1].rollout_devices}"
           f", max_staleness={work.max_staleness}, parameter_sync_step={work.parameter_sync_step}"
           f", buffer {work.buffer_batches:g} batches")

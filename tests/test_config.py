@@ -47,6 +47,11 @@ def test_seed_config_slice_fields_exist():
     assert {"backend", "update_weights_bucket_megabytes", "engine_kwargs"} <= set(
         vars(rollout.checkpoint_engine))
     assert config.trainer.separate_async.parameter_sync_step == 1
+    # staleness is bounded at admission by default: no finished group is dropped for its age
+    assert (config.trainer.async_rollout.on_stale, config.trainer.async_rollout.max_staleness) == (
+        "wait", 8)
+    for policy in ("drop", "regenerate"):
+        load_config(overrides=[f"trainer.async_rollout.on_stale={policy}"])
 
 
 @pytest.mark.parametrize("overrides, field, words", [
@@ -62,6 +67,8 @@ def test_seed_config_slice_fields_exist():
     (["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c", "> 1"),
     (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode", "token-mean"),
     (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator", "critic.enable"),
+    (["trainer.async_rollout.on_stale=keep"], "trainer.async_rollout.on_stale",
+     "wait, drop, regenerate"),
 ])
 def test_invalid_values_name_the_field_and_fix(overrides, field, words):
     with pytest.raises(ConfigError) as error:

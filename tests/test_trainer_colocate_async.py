@@ -86,6 +86,8 @@ def test_colocate_async_trains_within_the_staleness_bound(tmp_path, ray_cluster)
         assert record["staleness/token_lag_max"] <= record["staleness/lag_max"]
         assert abs(sum(v for k, v in record.items() if k.startswith("staleness/tokens_lag_"))
                    - 1.0) < 1e-9
+        assert record["staleness/dropped_total"] == record["staleness/stale_groups"] == 0  # wait
+        assert record["staleness/version_spread_max"] <= 1
         for key in ("buffer/wait_seconds", "buffer/depth", "time/abort", "time/resume",
                     "rollout/cross_version_fraction", "actor/grad_norm"):
             assert key in record, key

@@ -124,7 +124,7 @@ async def test_a_huge_buffer_neither_spins_nor_piles_up_tasks():
     config = load_config(overrides=["rollout.n=4", "rollout.agent_concurrency=8",
                                     "data.train_batch_size=2", "actor.ppo_mini_batch_size=1"])
     trainer = FakeTrainer(config)
-    buffer = RolloutBuffer(10**9)
+    buffer = RolloutBuffer(10**9, on_stale="drop")  # capacity alone, no admission bound
     producer = RolloutProducer(trainer, buffer, start_batch=0)
     producer.start()
     for _ in range(2000):  # a spinning producer would submit thousands of groups meanwhile
@@ -144,5 +144,6 @@ def test_a_buffer_larger_than_staleness_allows_is_refused():
     with pytest.raises(ConfigError, match=r"trainer.async_rollout.buffer_groups: is 1000000.*"
                                           r"\(max_staleness \+ 1\) x train_batch_size = 16"):
         load_config(overrides=["trainer.async_rollout.buffer_groups=1000000",
-                               "data.train_batch_size=8"])
-    load_config(overrides=["trainer.async_rollout.buffer_groups=16", "data.train_batch_size=8"])
+                               "data.train_batch_size=8", "trainer.async_rollout.max_staleness=1"])
+    load_config(overrides=["trainer.async_rollout.buffer_groups=16", "data.train_batch_size=8",
+                           "trainer.async_rollout.max_staleness=1"])

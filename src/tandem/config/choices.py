@@ -22,6 +22,9 @@ IMPORTANCE_SAMPLING_MODES = ("truncate", "icepop")
 REWARD_PLACEMENTS = ("agent_loop", "after_sampling")
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
+# what the async modes do about staleness: wait = bound it at admission (nothing is dropped);
+# drop | regenerate = discard or redraw a finished group over the bound (biased against length)
+STALE_POLICIES = ("wait", "drop", "regenerate")
 NONFINITE_LOSS_POLICIES = ("skip", "stop")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 

@@ -19,7 +19,8 @@ from tandem.config.choices import (ADV_ESTIMATORS, CORRECTION_LEVELS, DTYPES,
                                    IMPORTANCE_SAMPLING_MODES, KL_CONTROLLERS, KL_TYPES,
                                    LOGPROBS_MODES, LOSS_AGG_MODES, LR_SCHEDULES,
                                    NONFINITE_LOSS_POLICIES, PLACEMENT_STRATEGIES,
-                                   REWARD_PLACEMENTS, TRAINER_MODES, TRUNCATE_SIDES, ConfigError)
+                                   REWARD_PLACEMENTS, STALE_POLICIES, TRAINER_MODES,
+                                   TRUNCATE_SIDES, ConfigError)
 from tandem.config.footprint import fleet_problem, rollout_devices
 from tandem.config.kv_budget import hf_config, kv_budget_problem
 from tandem.config.model_check import model_problem
@@ -357,18 +358,18 @@ def validate(config: TandemConfig) -> None:
               f"{trainer.trainer_mode} the rollout engine runs inside the training workers, whose "
               "threads are actor.torch_threads; set rollout.torch_threads=0")
     async_rollout = trainer.async_rollout
-    _choice("trainer.async_rollout.on_stale", async_rollout.on_stale, ("drop", "regenerate"))
+    _choice("trainer.async_rollout.on_stale", async_rollout.on_stale, STALE_POLICIES)
     if async_rollout.buffer_groups and async_rollout.buffer_groups < config.data.train_batch_size:
         _fail("trainer.async_rollout.buffer_groups", f"is {async_rollout.buffer_groups}, fewer than "
               f"data.train_batch_size={config.data.train_batch_size}: a step could never fill its "
-              "batch. Raise it (or 0 for 2 x train_batch_size)")
+              "batch. Raise it (or 0 for 3 x train_batch_size)")
     usable = (async_rollout.max_staleness + 1) * config.data.train_batch_size
     if async_rollout.buffer_groups > usable:
         _fail("trainer.async_rollout.buffer_groups", f"is {async_rollout.buffer_groups}, but a step "
               f"takes data.train_batch_size={config.data.train_batch_size} groups, so groups past "
               f"(max_staleness + 1) x train_batch_size = {usable} would wait beyond "
               f"trainer.async_rollout.max_staleness={async_rollout.max_staleness} versions and be "
-              f"generated only to go stale. Lower it to at most {usable} (or 0 for 2 x "
+              f"generated only to go stale. Lower it to at most {usable} (or 0 for 3 x "
               "train_batch_size), or raise max_staleness")
 
 

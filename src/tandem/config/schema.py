@@ -275,9 +275,13 @@ class SeparateAsyncConfig:
 class AsyncRolloutConfig:
     """The async modes' rollout buffer and staleness bound (sync mode ignores it)."""
 
-    max_staleness: int = 1  # largest (trainer version - oldest token version) allowed in an update
-    on_stale: str = "drop"  # drop | regenerate: what happens to a group over the bound
-    buffer_groups: int = 0  # prompt groups generating or waiting at once (0: 2 x data.train_batch_size)
+    # largest (trainer version - head version) of a group in an update; under on_stale=wait it
+    # must cover the longest generation counted in steps, or the trainer waits (docs/trainer.md)
+    max_staleness: int = 8
+    # wait: a group starts only if it can train within the bound, none is dropped | drop |
+    # regenerate: anything starts, a finished group over the bound is discarded or drawn again
+    on_stale: str = "wait"
+    buffer_groups: int = 0  # prompt groups generating or waiting at once (0: 3 x data.train_batch_size)
 
 
 @dataclass

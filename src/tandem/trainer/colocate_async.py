@@ -2,12 +2,14 @@
 update on the same devices (seed §12.2).
 
 A producer keeps prompt groups generating in the background into the rollout buffer. The phase
-order of each step is `fit_colocate_async` below: take a batch of finished groups within
-max_staleness -> abort unfinished requests -> sleep the rollout -> reward -> old_log_prob ->
-ref_log_prob -> values -> advantages -> update -> wake weights -> sync -> wake KV cache ->
-resume generation. The resumable client finishes the aborted requests with the new weights:
-their tokens so far are kept, the budget shrinks, no token is generated twice, and each
-trajectory records the first and last weight versions it used.
+order of each step is `fit_colocate_async` below: take a batch of finished groups (oldest
+head first) -> abort unfinished requests -> sleep the rollout -> reward -> old_log_prob ->
+ref_log_prob -> values -> advantages -> update -> wake weights -> sync -> wake KV cache -> the
+buffer admits groups at the new version -> resume generation. Under on_stale=wait the producer
+starts a group only if it can train within max_staleness versions of its head. The resumable
+client finishes the aborted requests with the new weights: their tokens so far are kept, the
+budget shrinks, no token is generated twice, and each trajectory records the first and last
+weight versions it used.
 
 Resume: a resumed run restarts generation from the checkpointed version with an empty buffer
 (groups that were generating or waiting at the checkpoint are drawn again from the dataset
@@ -20,7 +22,7 @@ from tandem.progress import progress_bar
 from tandem.trainer.metrics import PhaseTimer
 from tandem.trainer.producer import RolloutProducer
 from tandem.trainer.rl_trainer import RLTrainer, ValidationHook
-from tandem.trainer.rollout_buffer import RolloutBuffer, check_staleness
+from tandem.trainer.rollout_buffer import check_staleness, make_buffer
 
 
 async def fit_colocate_async(trainer: RLTrainer,
@@ -36,7 +38,7 @@ async def fit_colocate_async(trainer: RLTrainer,
     trainer.startup.mark("weights")
     validation = await trainer.validate_first(on_validation)
     batch_size = trainer.config.data.train_batch_size
-    buffer = RolloutBuffer(policy.buffer_groups or 2 * batch_size)
+    buffer = make_buffer(policy, batch_size, trainer.step)
     producer = RolloutProducer(trainer, buffer, start_batch=trainer.step)
     producer.start()
     bar = progress_bar(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
@@ -45,8 +47,7 @@ async def fit_colocate_async(trainer: RLTrainer,
         for _ in bar:
             timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{trainer.algorithm_name} [{phase}]"))
             with timer.phase("wait_rollout"):
-                groups, stale, buffer_metrics = await buffer.take(
-                    batch_size, trainer.step, policy.max_staleness, policy.on_stale)
+                groups, stale, buffer_metrics = await buffer.take(batch_size, trainer.step)
             if policy.on_stale == "regenerate":
                 for group in stale:
                     producer.resubmit(group)
@@ -74,6 +75,7 @@ async def fit_colocate_async(trainer: RLTrainer,
                 await fleet.wake_rollout(["weights"])
                 metrics.update(await fleet.sync_weights(trainer.step))
                 await fleet.wake_rollout(["kv_cache"])
+            buffer.serving(trainer.step)  # the bound now admits groups that start at this version
             with timer.phase("resume"):
                 await fleet.resume()
             metrics.update(buffer_metrics)

@@ -1,5 +1,6 @@
 """The async modes' producer: submits prompt groups fire-and-forget, in dataset order, as the
-rollout buffer frees slots; regenerated rows go first. A group that fails is counted and its
+rollout buffer frees slots and (on_stale=wait) the staleness bound admits them; regenerated rows
+go first. A group that fails is counted and its
 slot freed: one bad prompt never stops the run. At most as many groups generate at once as
 rollout.agent_concurrency has room for, so a large buffer never turns into a pile of waiting
 tasks (nor a loop that spins creating them)."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections import deque
 from typing import TYPE_CHECKING
@@ -64,27 +66,27 @@ class RolloutProducer:
                 self.next_batch += 1
             await self._generating.acquire()
             try:
-                await self.buffer.reserve()
+                head = await self.buffer.reserve()  # waits for room and for the staleness bound
             except asyncio.CancelledError:
                 self._generating.release()
                 raise
             row, seed = self._regenerate.popleft() if self._regenerate else pending.popleft()
-            task = asyncio.create_task(self._run_group(row, seed, self.trainer.step))
+            task = asyncio.create_task(self._run_group(row, seed, head))
             self._groups.add(task)
-            task.add_done_callback(self._group_done)
+            task.add_done_callback(functools.partial(self._group_done, head))
 
-    def _group_done(self, task: asyncio.Task) -> None:
+    def _group_done(self, head: int, task: asyncio.Task) -> None:
         # here, not in _run_group: a task cancelled before it ever ran holds its slots too
         self._groups.discard(task)
         self._generating.release()
         if task.cancelled():
-            self.buffer.cancel()
+            self.buffer.cancel(head)
 
-    async def _run_group(self, row: DatasetRow, seed: int, version: int) -> None:
+    async def _run_group(self, row: DatasetRow, seed: int, head: int) -> None:
         try:
             trajectories = await self.trainer.runner.run_prompt(row, seed=seed)
         except Exception:  # one prompt's failure is that prompt's, never the run's
             logger.exception("prompt %s failed; its group is skipped", row.uid)
-            self.buffer.cancel(failed=True)
+            self.buffer.cancel(head, failed=True)
             return
-        self.buffer.put(RolloutGroup(row, trajectories, version))
+        self.buffer.put(RolloutGroup(row, trajectories, head))

@@ -5,9 +5,12 @@ trainer takes groups for an update. Its capacity counts groups queued *or still 
 the producer reserves a slot before it submits a prompt, so a full buffer holds submission
 back (back-pressure) and at most `capacity` groups are ever in flight or waiting.
 
-Staleness: a group's lag is (trainer version - the oldest weight version of any of its tokens).
-`take` never returns a group whose lag exceeds max_staleness; such a group is dropped or handed
-back for regeneration, and counted.
+Staleness: a group's lag is (trainer version - its head version, the oldest weight version of
+any of its tokens). on_stale=wait (the default) bounds it at admission (trainer/admission.py):
+a group starts only if it can train within max_staleness versions of its head, the trainer takes
+the groups closest to expiry first, and no finished group is ever dropped. on_stale=drop |
+regenerate keep the older rule: anything may start, and a group over the bound when taken is
+dropped or drawn again, which biases updates against long answers (they span the most syncs).
 """
 
 from __future__ import annotations
@@ -19,18 +22,20 @@ from dataclasses import dataclass, field
 
 from tandem.agent.dataset import DatasetRow
 from tandem.batch.trajectory import Trajectory
+from tandem.config.choices import STALE_POLICIES
+from tandem.config.schema import AsyncRolloutConfig
+from tandem.trainer.admission import AdmissionSchedule
 from tandem.trainer.step_metrics import token_lag_metrics
-
-STALE_POLICIES = ("drop", "regenerate")
 
 
 @dataclass
 class RolloutGroup:
-    """All sessions of one prompt, finished, with the version the trainer had at submission."""
+    """All sessions of one prompt, finished, with the head version it was admitted at (the
+    version the engines served when it started; its tokens are of that version or newer)."""
 
     row: DatasetRow
     trajectories: list[Trajectory]
-    submitted_version: int
+    admitted_version: int
     finished_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -47,13 +52,20 @@ class RolloutGroup:
         """Staleness against trainer version `version`."""
         return version - self.min_version
 
+    @property
+    def version_spread(self) -> int:
+        """How many syncs the group's generation spanned (newest - oldest token version)."""
+        return self.max_version - self.min_version
+
 
 class StalenessError(RuntimeError):
-    """A trajectory older than max_staleness reached an update (a bug in the caller)."""
+    """A trajectory whose head is more than max_staleness versions old reached an update (a bug
+    in the caller, or a server that a weight sync left behind)."""
 
 
 def check_staleness(trajectories: list[Trajectory], version: int, max_staleness: int) -> None:
-    """Raise StalenessError if any token of any trajectory is more than max_staleness versions old."""
+    """Raise StalenessError if any trajectory's head (its oldest token's version) is more than
+    max_staleness versions behind `version`."""
     for trajectory in trajectories:
         if version - trajectory.min_global_steps > max_staleness:
             raise StalenessError(
@@ -62,17 +74,40 @@ def check_staleness(trajectories: list[Trajectory], version: int, max_staleness:
                 f"trainer's {version} (max_staleness={max_staleness})")
 
 
-class RolloutBuffer:
-    """Bounded FIFO of finished prompt groups between the producer and the trainer."""
+def default_capacity(train_batch_size: int, max_staleness: int) -> int:
+    """Groups generating or waiting at once when trainer.async_rollout.buffer_groups is 0: three
+    batches, or fewer where the bound would let no more train in time."""
+    return min(3, max_staleness + 1) * train_batch_size
 
-    def __init__(self, capacity: int) -> None:
+
+def make_buffer(policy: AsyncRolloutConfig, train_batch_size: int, version: int) -> "RolloutBuffer":
+    """The buffer trainer.async_rollout describes, starting at trainer version `version`."""
+    capacity = policy.buffer_groups or default_capacity(train_batch_size, policy.max_staleness)
+    return RolloutBuffer(capacity, policy.max_staleness, policy.on_stale, train_batch_size, version)
+
+
+class RolloutBuffer:
+    """Bounded queue of finished prompt groups between the producer and the trainer; under
+    on_stale=wait it also admits groups by the staleness schedule."""
+
+    def __init__(self, capacity: int, max_staleness: int = 1, on_stale: str = "wait",
+                 groups_per_version: int = 1, version: int = 0) -> None:
         if capacity < 1:
             raise ValueError(f"rollout buffer capacity {capacity}: must be >= 1")
+        if on_stale not in STALE_POLICIES:
+            raise ValueError(f"on_stale={on_stale!r}: choose one of {STALE_POLICIES}")
         self.capacity = capacity
+        self.max_staleness = max_staleness
+        self.on_stale = on_stale
+        self.schedule = (AdmissionSchedule(groups_per_version, max_staleness, version)
+                         if on_stale == "wait" else None)
+        self.served_version = version  # the version new generation starts at
         self._slots = asyncio.Semaphore(capacity)
         self._ready: deque[RolloutGroup] = deque()
         self._arrived = asyncio.Event()
+        self._admissible = asyncio.Event()
         self.in_flight = 0
+        self.admission_wait_s = 0.0  # producer time held by the staleness bound, since last take
         self.counts: Counter[str] = Counter()  # put, taken, dropped, regenerated, failed
 
     @property
@@ -80,10 +115,29 @@ class RolloutBuffer:
         """Finished groups waiting for the trainer."""
         return len(self._ready)
 
-    async def reserve(self) -> None:
-        """Take a slot before submitting a prompt; waits while the buffer is full."""
+    def serving(self, version: int) -> None:
+        """The engines now serve `version` (a sync finished): groups admitted from now on start
+        there, and the bound admits that version's groups."""
+        self.served_version = version
+        self._admissible.set()
+
+    async def reserve(self) -> int:
+        """Take a slot before submitting a prompt; waits while the buffer is full or (on_stale=
+        wait) while the group could not train within the bound. Returns its head version."""
         await self._slots.acquire()
+        try:
+            started = time.monotonic()
+            while self.schedule is not None and not self.schedule.can_admit(self.served_version):
+                self._admissible.clear()
+                await self._admissible.wait()
+            self.admission_wait_s += time.monotonic() - started
+        except asyncio.CancelledError:
+            self._slots.release()
+            raise
+        if self.schedule is not None:
+            self.schedule.admit(self.served_version)
         self.in_flight += 1
+        return self.served_version
 
     def put(self, group: RolloutGroup) -> None:
         """A reserved group finished: queue it for the trainer."""
@@ -92,58 +146,94 @@ class RolloutBuffer:
         self.counts["put"] += 1
         self._arrived.set()
 
-    def cancel(self, failed: bool = False) -> None:
-        """A reserved group will never arrive (it failed or was cancelled): free its slot."""
+    def cancel(self, admitted_version: int, failed: bool = False) -> None:
+        """A group reserved at `admitted_version` will never arrive (it failed or was
+        cancelled): free its slot and its place in the schedule."""
         self.in_flight -= 1
         self.counts["failed" if failed else "cancelled"] += 1
+        if self.schedule is not None:
+            self.schedule.release(admitted_version)
+            self._admissible.set()
+            self._arrived.set()  # the trainer may have been waiting for this very group
         self._slots.release()
 
-    async def take(self, count: int, version: int, max_staleness: int,
-                   on_stale: str = "drop") -> tuple[list[RolloutGroup], list[RolloutGroup], dict[str, float]]:
-        """Wait for `count` groups within max_staleness of `version`, oldest first.
+    def _next(self) -> RolloutGroup | None:
+        if self.schedule is None:
+            return self._ready[0] if self._ready else None
+        # oldest head first: the groups nearest their deadline; None: wait for one to finish
+        for group in sorted(self._ready, key=lambda g: g.admitted_version):
+            if self.schedule.can_take(group.admitted_version):
+                return group
+        return None
 
-        Returns (taken, stale, metrics): `stale` are the groups over the bound, already counted
-        as dropped or regenerated (the caller resubmits the latter's rows); metrics include the
-        group lags and the taken groups' token lags (step_metrics.token_lag_metrics).
+    async def take(self, count: int, version: int) -> tuple[list[RolloutGroup], list[RolloutGroup], dict[str, float]]:
+        """Wait for `count` groups within max_staleness of trainer version `version`.
+
+        Returns (taken, stale, metrics): `stale` are groups over the bound (on_stale=drop |
+        regenerate only), already counted as dropped or regenerated (the caller resubmits the
+        latter's rows). on_stale=wait takes the oldest heads first and never has stale groups.
+        Metrics include the group lags and the taken groups' token lags
+        (step_metrics.token_lag_metrics).
         """
-        if on_stale not in STALE_POLICIES:
-            raise ValueError(f"on_stale={on_stale!r}: choose one of {STALE_POLICIES}")
         if count > self.capacity:
             raise ValueError(f"taking {count} groups from a buffer of capacity {self.capacity} "
                              "would wait forever; raise the capacity")
+        if self.schedule is not None:
+            self.schedule.advance(version)
+            if count > self.schedule.slots_left:
+                raise ValueError(f"taking {count} groups at version {version}, which has "
+                                 f"{self.schedule.slots_left} of its groups left")
         started = time.monotonic()
         depth_at_call = self.depth
         popped: list[RolloutGroup] = []
         fresh = 0
         try:
             while fresh < count:
-                while not self._ready:
+                group = self._next()
+                if group is None:
                     self._arrived.clear()
                     await self._arrived.wait()
-                popped.append(self._ready.popleft())
-                fresh += popped[-1].lag(version) <= max_staleness
+                    continue
+                self._ready.remove(group)
+                popped.append(group)
+                if self.schedule is not None:
+                    self.schedule.take(group.admitted_version)
+                # wait: every group is taken, and the caller's check_staleness raises on a breach
+                fresh += self.schedule is not None or group.lag(version) <= self.max_staleness
         except asyncio.CancelledError:
-            self._ready.extendleft(reversed(popped))  # a cancelled take loses nothing
+            for group in popped:  # a cancelled take loses nothing
+                if self.schedule is not None:
+                    self.schedule.untake(group.admitted_version)
+            self._ready.extendleft(reversed(popped))
             raise
         for _ in popped:
             self._slots.release()
-        taken = [g for g in popped if g.lag(version) <= max_staleness]
-        stale = [g for g in popped if g.lag(version) > max_staleness]
+        self._admissible.set()
+        if self.schedule is not None:
+            taken, stale = popped, []
+        else:
+            taken = [g for g in popped if g.lag(version) <= self.max_staleness]
+            stale = [g for g in popped if g.lag(version) > self.max_staleness]
         self.counts["taken"] += len(taken)
-        self.counts["dropped" if on_stale == "drop" else "regenerated"] += len(stale)
+        self.counts["dropped" if self.on_stale == "drop" else "regenerated"] += len(stale)
         now = time.monotonic()
         lags = Counter(group.lag(version) for group in taken)
+        spreads = [group.version_spread for group in taken]
         metrics = {
             "buffer/wait_seconds": now - started,
             "buffer/depth": float(depth_at_call),
             "buffer/in_flight": float(self.in_flight),
             "buffer/age_seconds_mean": sum(now - g.finished_at for g in taken) / count,
+            "buffer/admission_wait_seconds": self.admission_wait_s,
             "staleness/lag_mean": sum(lag * n for lag, n in lags.items()) / count,
             "staleness/lag_max": float(max(lags)),
+            "staleness/version_spread_mean": sum(spreads) / count,
+            "staleness/version_spread_max": float(max(spreads)),
             "staleness/stale_groups": float(len(stale)),
             "staleness/dropped_total": float(self.counts["dropped"]),
             "staleness/regenerated_total": float(self.counts["regenerated"]),
         }
+        self.admission_wait_s = 0.0
         for lag, n in sorted(lags.items()):
             metrics[f"staleness/lag_{lag}_fraction"] = n / count
         metrics.update(token_lag_metrics([t for g in taken for t in g.trajectories], version))

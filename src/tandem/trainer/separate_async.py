@@ -3,10 +3,12 @@ generating while the actor trains on the hybrid workers (seed §12.3).
 
 A producer keeps prompt groups generating into the rollout buffer without pause. Each step, in
 `fit_separate_async` below: parameter_sync_step times {take one mini-batch of finished groups
-within max_staleness -> reward -> old_log_prob -> ref_log_prob -> values -> advantages ->
+(oldest head first) -> reward -> old_log_prob -> ref_log_prob -> values -> advantages ->
 update (one optimizer step per epoch)} -> sync the actor's weights into every standalone server
 through the checkpoint engine (CrossProcessSync: abort -> release KV -> transfer -> resume KV ->
-resume generation; the servers never sleep, so nothing is woken). The resumable client finishes
+resume generation; the servers never sleep, so nothing is woken) -> the buffer admits groups
+at the new version. Under on_stale=wait the producer starts a group only if it can train within
+max_staleness versions of its head (trainer/admission.py). The resumable client finishes
 the requests a sync aborted with the new weights (no token generated twice). The servers stop
 only for the sync and when back-pressure holds the producer (the buffer is full). With
 trainer.separate_async.spillover the training workers' engines generate too while the trainer
@@ -25,7 +27,7 @@ from tandem.progress import progress_bar
 from tandem.trainer.metrics import PhaseTimer
 from tandem.trainer.producer import RolloutProducer
 from tandem.trainer.rl_trainer import RLTrainer, ValidationHook
-from tandem.trainer.rollout_buffer import RolloutBuffer, check_staleness
+from tandem.trainer.rollout_buffer import RolloutBuffer, check_staleness, make_buffer
 from tandem.trainer.spillover import Spillover
 from tandem.trainer.step_metrics import idle_metrics, merge_mini_batch_metrics
 
@@ -47,7 +49,7 @@ async def fit_separate_async(trainer: RLTrainer,
     if config.separate_async.spillover:
         spill = Spillover(fleet, config.separate_async.spill_below_groups or mini_batch)
         await spill.start()
-    buffer = RolloutBuffer(policy.buffer_groups or 2 * trainer.config.data.train_batch_size)
+    buffer = make_buffer(policy, trainer.config.data.train_batch_size, trainer.step)
     producer = RolloutProducer(trainer, buffer, start_batch=trainer.step)
     producer.start()
     idle = RolloutIdleClock(buffer)
@@ -64,8 +66,7 @@ async def fit_separate_async(trainer: RLTrainer,
                     # spill only while the actor still holds the served version (no update yet)
                     if spill is not None and index == 0 and spill.should_join(buffer.depth):
                         await spill.join(trainer.step)
-                    groups, stale, buffer_metrics = await buffer.take(
-                        mini_batch, trainer.step, policy.max_staleness, policy.on_stale)
+                    groups, stale, buffer_metrics = await buffer.take(mini_batch, trainer.step)
                 if spill is not None:
                     with timer.phase("spill_leave"):
                         await spill.leave()
@@ -93,6 +94,7 @@ async def fit_separate_async(trainer: RLTrainer,
             trainer.step += 1
             with timer.phase("sync"):
                 sync_metrics = await fleet.sync_weights(trainer.step)
+            buffer.serving(trainer.step)  # the bound now admits groups that start at this version
             metrics = merge_mini_batch_metrics(parts)
             metrics.update(sync_metrics)
             metrics.update(idle_metrics(timer.times, idle.seconds, sync_metrics["sync/total_s"]))

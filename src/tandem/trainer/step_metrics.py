@@ -102,10 +102,13 @@ def merge_mini_batch_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     wait) and the latest value of running totals."""
     merged = {key: sum(p.get(key, 0.0) for p in parts) / len(parts)
               for key in {key for p in parts for key in p}}
-    merged["staleness/lag_max"] = max(p["staleness/lag_max"] for p in parts)
-    if any("staleness/token_lag_max" in p for p in parts):
-        merged["staleness/token_lag_max"] = max(p.get("staleness/token_lag_max", 0.0) for p in parts)
+    for key in ("staleness/lag_max", "staleness/version_spread_max", "staleness/token_lag_max"):
+        if key in merged:
+            merged[key] = max(p.get(key, 0.0) for p in parts)
     merged["buffer/wait_seconds"] = sum(p["buffer/wait_seconds"] for p in parts)
+    if "buffer/admission_wait_seconds" in merged:
+        merged["buffer/admission_wait_seconds"] = sum(p.get("buffer/admission_wait_seconds", 0.0)
+                                                      for p in parts)
     for key in ("staleness/dropped_total", "staleness/regenerated_total"):
         merged[key] = parts[-1][key]
     return merged
