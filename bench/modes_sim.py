@@ -13,6 +13,12 @@ Staleness follows the trainer's rules: a group's lag = trainer version - the old
 any of its tokens (partial rollouts keep their tokens across syncs); groups over max_staleness
 are dropped (their tokens are wasted). Prints a table and writes a PNG; last line
 `RATIO <separate_async step / max(generate, train)> at the largest size`.
+
+Spillover (the `separate_async+spill` rows): when a step's first mini-batch would wait (fewer
+finished groups than it needs), the T training devices' slots join after an in-device sync
+(`sync_s(hybrid=True)`, the trainer waiting) and leave once that mini-batch is taken; at leave
+the sequences that no longer fit keep their tokens and wait for a free standalone slot (the
+resumable client). Leaving costs nothing in the model.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ class Result:
     lag_mean: float
     dropped: float  # fraction of finished groups dropped as stale
     length_bias: float = 1.0  # mean response length trained on / generated
+    spill_joins: float = 0.0  # fraction of steps whose first mini-batch spilled
 
 
 class Group:
@@ -104,6 +111,7 @@ class Rollout:
         self.finished: list[Group] = []  # every group whose generation ended
         self.G = 0.0
         self.running: list[tuple[float, int, Group]] = []  # (finish G, tiebreak, group)
+        self.waiting: list[tuple[float, int, Group]] = []  # (seconds left, tiebreak, group)
         self.ready: dict[int, deque[Group]] = defaultdict(deque)  # head version -> finished, FIFO
         self.ready_count = 0
         self.in_flight = 0
@@ -117,6 +125,9 @@ class Rollout:
             self.version = version
         version = self.version
         n = self.work.n
+        while self.waiting and len(self.running) < self.slots:  # resumed sequences go first
+            left, tiebreak, group = self.waiting.pop()
+            heapq.heappush(self.running, (self.G + left, tiebreak, group))
         while self.slots - len(self.running) >= n and self.in_flight + self.ready_count < self.capacity:
             if self.schedule is not None:
                 if not self.schedule.can_admit(version):
@@ -127,6 +138,18 @@ class Rollout:
             for length in group.lengths:
                 self._ids += 1
                 heapq.heappush(self.running, (self.G + length * self.work.decode_s, self._ids, group))
+
+    def resize(self, slots: int) -> None:
+        """Change the slot count (spillover joins or leaves); the sequences that no longer fit,
+        the longest left first, keep their tokens and wait for a free slot."""
+        self.slots = slots
+        if len(self.running) > slots:
+            self.running.sort()
+            moved, self.running = self.running[slots:], self.running[:slots]
+            heapq.heapify(self.running)
+            self.waiting += [(finish - self.G, tiebreak, group) for finish, tiebreak, group in moved]
+            self.waiting.sort(reverse=True)  # pop() resumes the one with the least left first
+        self.fill()
 
     def next_finish(self) -> float:
         """Generation-clock time of the next sequence end (inf when idle)."""
@@ -175,9 +198,10 @@ def simulate_sync(work: Workload, rollout_devices: int, steps: int, seed: int) -
 
 
 def simulate_async(work: Workload, rollout_devices: int, steps: int, seed: int,
-                   separate: bool) -> Result:
+                   separate: bool, spillover: bool = False) -> Result:
     """colocate_async (one pool of R + T devices: generation pauses for training and sync) or
-    separate_async (R generate, T = R train; generation pauses only for the sync)."""
+    separate_async (R generate, T = R train; generation pauses only for the sync), with
+    spillover the T devices generating too while a step's first mini-batch waits."""
     rng = random.Random(seed)
     batch = work.groups_per_device * rollout_devices
     mini = batch // work.parameter_sync_step if separate else batch
@@ -190,17 +214,27 @@ def simulate_async(work: Workload, rollout_devices: int, steps: int, seed: int,
     waited = paused = 0.0
     lags: list[int] = []
     trained: list[Group] = []
-    dropped = 0
+    dropped = joins = 0
+    spill_slot_s = 0.0  # slot-seconds the training devices lent to generation
+    standalone_slots = rollout.slots
     warmup_steps = 2  # fill the pipeline before measuring
     start = 0.0
     for step in range(steps + warmup_steps):
         if step == warmup_steps:
             start, waited, paused, lags, trained, dropped = now, 0.0, 0.0, [], [], 0
-            rollout.busy_slot_s, rollout.finished = 0.0, []
+            rollout.busy_slot_s, rollout.finished, joins, spill_slot_s = 0.0, [], 0, 0.0
         if schedule is not None:
             schedule.advance(version)
-        for _ in range(per_step):
+        for index in range(per_step):
             batch_groups: list[Group] = []
+            joined_at = None
+            if spillover and index == 0 and rollout.ready_count < mini:
+                join = work.sync_s(hybrid=True)  # the actor's weights into the spill engines
+                rollout.run(join)
+                now += join
+                waited += join
+                rollout.resize(standalone_slots + train_devices * work.slots)
+                joined_at, joins = now, joins + 1
             while len(batch_groups) < mini:
                 rollout.fill(version)
                 group = next_group(rollout, schedule)
@@ -217,6 +251,9 @@ def simulate_async(work: Workload, rollout_devices: int, steps: int, seed: int,
                 rollout.run(wait)
                 now += wait
                 waited += wait
+            if joined_at is not None:  # leave before the update
+                spill_slot_s += (now - joined_at) * train_devices * work.slots
+                rollout.resize(standalone_slots)
             trained += batch_groups
             lags += [version - g.min_version for g in batch_groups]
             tokens = sum(g.tokens + work.n * work.prompt_tokens for g in batch_groups)
@@ -232,13 +269,14 @@ def simulate_async(work: Workload, rollout_devices: int, steps: int, seed: int,
         paused += sync
         version += 1
     wall = now - start
-    slot_time = wall * generating * work.slots
+    slot_time = wall * generating * work.slots + spill_slot_s
     generated = sum(g.tokens for g in rollout.finished) / len(rollout.finished)
-    return Result("separate_async" if separate else "colocate_async", rollout_devices,
+    mode = ("separate_async+spill" if spillover else "separate_async") if separate else "colocate_async"
+    return Result(mode, rollout_devices,
                   wall / steps, batch * work.n * steps / wall, waited / wall,
                   1 - rollout.busy_slot_s / slot_time, sum(lags) / max(len(lags), 1),
                   dropped / max(dropped + len(trained), 1),
-                  sum(g.tokens for g in trained) / len(trained) / generated)
+                  sum(g.tokens for g in trained) / len(trained) / generated, joins / steps)
 
 
 def next_group(rollout: Rollout, schedule: AdmissionSchedule | None) -> Group | None:
@@ -274,7 +312,7 @@ def plot(results: list[Result], path: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, (speed, lag) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in ("sync", "colocate_async", "separate_async"):
+    for mode in ("sync", "colocate_async", "separate_async", "separate_async+spill"):
         rows = [r for r in results if r.mode == mode]
         xs = [r.rollout_devices for r in rows]
         speed.plot(xs, [r.samples_per_s for r in rows], marker="o", label=mode)
@@ -296,29 +334,33 @@ def main() -> None:
     parser.add_argument("--on-stale", choices=("wait", "drop"), default=Workload.on_stale)
     parser.add_argument("--parameter-sync-step", type=int, default=Workload.parameter_sync_step)
     parser.add_argument("--buffer-batches", type=float, default=Workload.buffer_batches)
+    parser.add_argument("--train-s-per-token", type=float, default=Workload.train_s_per_token)
     parser.add_argument("--plot", default="bench/modes_sim.png")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     work = Workload(max_staleness=args.max_staleness, on_stale=args.on_stale,
                     parameter_sync_step=args.parameter_sync_step,
-                    buffer_batches=args.buffer_batches)
-    print(f"{'mode':<15} {'R':>4} {'step s':>8} {'samples/s':>10} {'trainer idle':>12} "
-          f"{'rollout idle':>12} {'lag':>5} {'dropped':>8} {'len bias':>8} {'/ideal':>7}")
+                    buffer_batches=args.buffer_batches, train_s_per_token=args.train_s_per_token)
+    print(f"{'mode':<20} {'R':>4} {'step s':>8} {'samples/s':>10} {'trainer idle':>12} "
+          f"{'rollout idle':>12} {'lag':>5} {'dropped':>8} {'len bias':>8} {'/ideal':>7} "
+          f"{'spilled':>7}")
     results: list[Result] = []
     ratio = length_bias = 0.0
     for size in map(int, args.sizes.split(",")):
         generate, train = ideal_step_s(work, size, args.seed)
         ideal = max(generate, train)
+        separate = simulate_async(work, size, args.steps, args.seed, separate=True)
         for result in (simulate_sync(work, size, args.steps, args.seed),
                        simulate_async(work, size, args.steps, args.seed, separate=False),
-                       simulate_async(work, size, args.steps, args.seed, separate=True)):
+                       simulate_async(work, size, args.steps, args.seed, separate=True,
+                                      spillover=True), separate):
             results.append(result)
-            print(f"{result.mode:<15} {size:>4} {result.step_s:>8.1f} {result.samples_per_s:>10.1f} "
+            print(f"{result.mode:<20} {size:>4} {result.step_s:>8.1f} {result.samples_per_s:>10.1f} "
                   f"{result.trainer_idle:>12.2f} {result.rollout_idle:>12.2f} "
                   f"{result.lag_mean:>5.2f} {result.dropped:>8.1%} {result.length_bias:>8.3f} "
-                  f"{result.step_s / ideal:>7.2f}")
-        print(f"{'ideal':<15} {size:>4} generate {generate:.1f} s, train {train:.1f} s per step")
-        ratio, length_bias = results[-1].step_s / ideal, results[-1].length_bias
+                  f"{result.step_s / ideal:>7.2f} {result.spill_joins:>7.0%}")
+        print(f"{'ideal':<20} {size:>4} generate {generate:.1f} s, train {train:.1f} s per step")
+        ratio, length_bias = separate.step_s / ideal, separate.length_bias
     plot(results, args.plot)
     print(f"LENGTH_BIAS {length_bias:.3f} mean response length trained on / generated, "
           f"separate_async, R={results[-1].rollout_devices}, on_stale={work.on_stale}")

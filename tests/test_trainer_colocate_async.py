@@ -28,9 +28,17 @@ class CountingClient:
         return output
 
 
+def policy_versions(trajectory):
+    """The distinct weight versions of a trajectory's policy tokens, sorted."""
+    return sorted(set(trajectory.response_versions[trajectory.response_mask.bool()].tolist()))
+
+
 def test_colocate_async_trains_within_the_staleness_bound(tmp_path, ray_cluster):
     config = tiny_config(tmp_path, "trainer.trainer_mode=colocate_async", "trainer.total_steps=3",
-                         "trainer.async_rollout.max_staleness=1", "rollout.response_length=24",
+                         "trainer.async_rollout.max_staleness=1",
+                         # one sequence at a time: when a batch is complete the next sequence
+                         # has just started, and the update's abort reaches it a few tokens in
+                         "rollout.response_length=64", "rollout.max_num_seqs=1",
                          "rollout.multi_turn.enable=false", "rollout.multi_turn.tools=[]")
     consumed = []
 
@@ -47,7 +55,8 @@ def test_colocate_async_trains_within_the_staleness_bound(tmp_path, ray_cluster)
                 assert policy == sorted(policy) and len(t.response_versions) == len(t.responses)
                 assert t.min_global_steps <= policy[0] and policy[-1] <= t.max_global_steps
             consumed.append([(t.uid, t.session_id, t.min_global_steps, t.max_global_steps,
-                              int(t.response_mask.sum()), t.stop_reason) for t in trajectories])
+                              int(t.response_mask.sum()), t.stop_reason, policy_versions(t))
+                             for t in trajectories])
             return original(trajectories)
 
         trainer.make_batch = spy
@@ -70,15 +79,19 @@ def test_colocate_async_trains_within_the_staleness_bound(tmp_path, ray_cluster)
     keys = [(uid, session) for batch in consumed for uid, session, *_ in batch]
     assert len(keys) == len(set(keys)) == 3 * 2 * 2
     for version, batch in enumerate(consumed):
-        assert all(version - low <= 1 for _, _, low, _, _, _ in batch)
-        assert all(stop != "aborted" for *_, stop in batch)
+        assert all(version - low <= 1 for _, _, low, *_ in batch)
+        # per-token versions: the head (oldest policy token) is within the bound too
+        assert all(version - versions[0] <= 1 for *_, versions in batch)
+        assert all(stop != "aborted" for *_, stop, _ in batch)
         by_uid = defaultdict(list)
         for uid, session, *_ in batch:
             by_uid[uid].append(session)
         assert all(sorted(s) == [0, 1] for s in by_uid.values())
         # no token generated twice: what the servers returned for a session is what it holds
-        for uid, session, _, _, sampled, _ in batch:
-            assert counter.tokens[f"{uid}-{session}"] == sampled <= 24
+        for uid, session, _, _, sampled, _, _ in batch:
+            assert counter.tokens[f"{uid}-{session}"] == sampled <= 64
+    # some trajectory was interrupted by an update and resumed: its tokens carry two versions
+    assert any(len(versions) == 2 for batch in consumed for *_, versions in batch)
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "time/update" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:

@@ -7,13 +7,15 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from test_trainer_colocate_async import CountingClient
+from test_trainer_colocate_async import CountingClient, policy_versions
 from test_trainer_sync import tiny_config
 
 from tandem.config.load import ConfigError, load_config
+from tandem.trainer import separate_async
 from tandem.trainer.metrics import read_metrics
 from tandem.trainer.rl_trainer import RLTrainer
 from tandem.trainer.separate_async import fit_separate_async
+from tandem.trainer.spillover import Spillover
 from tandem.trainer.step_metrics import merge_mini_batch_metrics
 from tandem.types import GenerateRequest
 
@@ -61,17 +63,43 @@ def test_merge_mini_batch_metrics_means_maxima_and_sums():
                       "staleness/regenerated_total": 0.0}
 
 
-@pytest.mark.parametrize("spillover", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_separate_async_trains_while_standalone_rollout_generates(tmp_path, ray_cluster, spillover):
+class RecordingSpillover(Spillover):
+    """Spillover that records, after each leave, its servers' counters and the balancer's loads."""
+
+    made: list["RecordingSpillover"] = []
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.leaves = []  # (spilled_tokens so far, [server stats], {server_id: in flight})
+        RecordingSpillover.made.append(self)
+
+    async def leave(self):
+        joined = self.joined
+        await super().leave()
+        if joined:
+            servers = [server for servers in await self._control("stats") for server in servers]
+            loads = (await self.fleet.rollout.status()).in_flight()
+            self.leaves.append((self.spilled_tokens, servers, loads))
+
+
+@pytest.mark.parametrize("spillover", [False, True])
+def test_separate_async_trains_while_standalone_rollout_generates(tmp_path, ray_cluster, spillover,
+                                                                  monkeypatch):
     # train_batch_size=2, ppo_mini_batch_size=1: parameter_sync_step is derived as 2
     config = tiny_config(tmp_path, "trainer.trainer_mode=separate_async", "trainer.total_steps=3",
                          f"trainer.separate_async.spillover={str(spillover).lower()}",
-                         "trainer.async_rollout.max_staleness=1", "rollout.response_length=24",
+                         "trainer.async_rollout.max_staleness=1",
+                         # one sequence at a time, long answers: groups are still generating
+                         # when a sync comes, so some trajectory spans two versions
+                         "rollout.response_length=128", "rollout.max_num_seqs=1",
                          "rollout.multi_turn.enable=false", "rollout.multi_turn.tools=[]",
                          # a gradient at every update even when a group's rewards tie
                          "actor.entropy_coeff=0.01")
     assert config.trainer.separate_async.parameter_sync_step == 2
     consumed, after_sync = [], []
+    returned = defaultdict(int)  # (server_id, request id) -> tokens that server returned
+    RecordingSpillover.made.clear()
+    monkeypatch.setattr(separate_async, "Spillover", RecordingSpillover)
 
     async def run():
         trainer = RLTrainer(config)
@@ -80,14 +108,22 @@ def test_separate_async_trains_while_standalone_rollout_generates(tmp_path, ray_
         assert trainer.fleet.transport == "shm"  # auto: every server on the sender's host
         counter = CountingClient(trainer.runner.loop.client.client)
         trainer.runner.loop.client.client = counter
+        generate_on = counter.inner._generate_on
+
+        async def generate_on_spy(server_id, request):  # which server returned which tokens
+            output = await generate_on(server_id, request)
+            returned[server_id, request.request_id] += len(output.token_ids)
+            return output
+
+        counter.inner._generate_on = generate_on_spy
         rows = trainer.train_rows(0)
         prompts = [trainer.runner.loop.chat_format.prompt_ids(row.messages) for row in rows]
         original_batch, original_sync = trainer.make_batch, trainer.fleet.sync_weights
 
         def batch_spy(trajectories):  # once per mini-batch update, with its trajectories
             consumed.append((trainer.step, [(t.uid, t.session_id, t.min_global_steps,
-                                             int(t.response_mask.sum()), t.stop_reason)
-                                            for t in trajectories]))
+                                             int(t.response_mask.sum()), t.stop_reason,
+                                             policy_versions(t)) for t in trajectories]))
             return original_batch(trajectories)
 
         async def sync_spy(version):
@@ -128,21 +164,25 @@ def test_separate_async_trains_while_standalone_rollout_generates(tmp_path, ray_
     keys = [(uid, session) for _, batch in consumed for uid, session, *_ in batch]
     assert len(keys) == len(set(keys)) == 3 * 2 * 2  # none lost from a batch, none reused
     for version, batch in consumed:
-        assert all(version - low <= 1 for _, _, low, _, _ in batch)
-        assert all(stop != "aborted" for *_, stop in batch)
+        assert all(version - low <= 1 for _, _, low, *_ in batch)
+        # per-token versions: the head (oldest policy token) is within the bound too
+        assert all(version - versions[0] <= 1 for *_, versions in batch)
+        assert all(stop != "aborted" for *_, stop, _ in batch)
         by_uid = defaultdict(list)
         for uid, session, *_ in batch:
             by_uid[uid].append(session)
         assert all(sorted(s) == [0, 1] for s in by_uid.values())
         # no token generated twice, budgets respected across the aborts of the syncs
-        for uid, session, _, sampled, _ in batch:
-            assert counter.tokens[f"{uid}-{session}"] == sampled <= 24
+        for uid, session, _, sampled, _, _ in batch:
+            assert counter.tokens[f"{uid}-{session}"] == sampled <= 128
+    # some trajectory was interrupted by a sync and resumed: its tokens carry two versions
+    assert any(len(versions) == 2 for _, batch in consumed for *_, versions in batch)
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "time/update" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
         assert record["staleness/lag_max"] <= 1 and record["weight_version"] == record["step"]
         assert 0 <= record["idle/trainer_fraction"] <= 1 and 0 <= record["idle/rollout_fraction"] <= 1
-        # spillover: the buffer is empty at the first wait, so the training engine joins then
+        # spillover: the buffer is empty before the first step, so the training engine joins
         assert ("spill/joins_total" in record) == spillover
         if spillover:
             assert record["spill/joins_total"] >= 1 and record["spill/tokens"] >= 0
@@ -150,4 +190,36 @@ def test_separate_async_trains_while_standalone_rollout_generates(tmp_path, ray_
                     "idle/rollout_seconds", "buffer/wait_seconds", "actor/grad_norm",
                     "rollout/cross_version_fraction"):
             assert key in record, key
-    assert sum(s["tokens"] for s in stats.values()) >= sum(counter.tokens.values())
+    spilled = sum(spill.spilled_tokens for spill in RecordingSpillover.made)
+    assert sum(s["tokens"] for s in stats.values()) + spilled >= sum(counter.tokens.values())
+    if spillover:
+        spill_tokens_are_the_engines_and_the_trajectories(records, consumed, returned)
+
+
+def spill_tokens_are_the_engines_and_the_trajectories(records, consumed, returned):
+    """The training workers' engines generated during a step, as counted by the engines
+    themselves, by what the client got back from them, and by the trajectories trained on."""
+    (spill,) = RecordingSpillover.made
+    assert len(spill.leaves) == spill.joins == records[-1]["spill/joins_total"] >= 1
+    # joined before the first groups started: they spread over the spill engines
+    assert records[0]["spill/tokens"] > 0
+    by_server = defaultdict(int)
+    for (server_id, _), tokens in returned.items():
+        by_server[server_id] += tokens
+    spilled = sum(tokens for server_id, tokens in by_server.items() if server_id.startswith("spill-"))
+    # the metric is the engines' own count, and it is exactly what came back from them
+    assert sum(r["spill/tokens"] for r in records) == spill.spilled_tokens == spilled > 0
+    for spilled_so_far, servers, loads in spill.leaves:  # each left cleanly
+        assert sum(server["tokens"] for server in servers) == spilled_so_far
+        # every token the engine generated came back to a caller (aborted ones included)
+        assert sum(server["backend"]["generated_tokens"] for server in servers) == spilled_so_far
+        assert all(server["generating"] == 0 and server["asleep"] == ["kv_cache", "weights"]
+                   for server in servers)
+        assert not any(server_id.startswith("spill-") for server_id in loads)
+    # trajectories trained on hold tokens the spill engines sampled, counted once
+    trained = [f"{uid}-{session}" for _, batch in consumed for uid, session, *_ in batch]
+    from_spill = sum(returned[server_id, key] for key in trained for server_id in by_server
+                     if server_id.startswith("spill-"))
+    assert 0 < from_spill <= spilled
+    # training went on after the last leave: every step's updates ran
+    assert [version for version, _ in consumed] == [0, 0, 1, 1, 2, 2]

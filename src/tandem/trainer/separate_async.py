@@ -11,8 +11,10 @@ at the new version. Under on_stale=wait the producer starts a group only if it c
 max_staleness versions of its head (trainer/admission.py). The resumable client finishes
 the requests a sync aborted with the new weights (no token generated twice). The servers stop
 only for the sync and when back-pressure holds the producer (the buffer is full). With
-trainer.separate_async.spillover the training workers' engines generate too while the trainer
-waits for its first mini-batch of a step (trainer/spillover.py).
+trainer.separate_async.spillover the training workers' engines join right after a sync (and before
+the first step) when fewer than spill_below_groups finished groups wait, so the groups the new
+version admits spread over them too, and leave once the step's first mini-batch is taken
+(trainer/spillover.py).
 
 Resume: as colocate_async, a resumed run restarts generation from the checkpointed version with
 an empty buffer.
@@ -51,21 +53,20 @@ async def fit_separate_async(trainer: RLTrainer,
         await spill.start()
     buffer = make_buffer(policy, trainer.config.data.train_batch_size, trainer.step)
     producer = RolloutProducer(trainer, buffer, start_batch=trainer.step)
-    producer.start()
     idle = RolloutIdleClock(buffer)
     bar = progress_bar(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
                        initial=trainer.step, total=config.total_steps, disable=not config.progress)
     try:
+        if spill is not None and spill.should_join(buffer.depth, trainer.step, config.total_steps):
+            await spill.join(trainer.step)  # before the first groups start: they spread over it too
+        producer.start()
         for _ in bar:
             timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{trainer.algorithm_name} [{phase}]"))
             idle.reset()
             trajectories, batches, parts = [], [], []
             spilled = spill.spilled_tokens if spill else 0
-            for index in range(sync_step):
+            for _ in range(sync_step):
                 with timer.phase("wait_rollout"):
-                    # spill only while the actor still holds the served version (no update yet)
-                    if spill is not None and index == 0 and spill.should_join(buffer.depth):
-                        await spill.join(trainer.step)
                     groups, stale, buffer_metrics = await buffer.take(mini_batch, trainer.step)
                 if spill is not None:
                     with timer.phase("spill_leave"):
@@ -94,6 +95,12 @@ async def fit_separate_async(trainer: RLTrainer,
             trainer.step += 1
             with timer.phase("sync"):
                 sync_metrics = await fleet.sync_weights(trainer.step)
+            # the actor holds the served version until the next update; joining before the bound
+            # admits this version's groups lets them start on the spill engines too
+            if spill is not None and spill.should_join(buffer.depth, trainer.step,
+                                                       config.total_steps):
+                with timer.phase("spill_join"):
+                    await spill.join(trainer.step)
             buffer.serving(trainer.step)  # the bound now admits groups that start at this version
             metrics = merge_mini_batch_metrics(parts)
             metrics.update(sync_metrics)

@@ -2,13 +2,17 @@
 workers' own (hybrid) engines join the balancer next to the standalone replicas, and leave
 before the next update.
 
+The fit loop joins right after a sync (and before the first step), before the bound admits the
+new version's groups: requests already generating stick to their servers, so only groups that
+start while the engines are in the balancer can be routed to them.
+
 join: wake the workers' engines -> sync the actor's weights into them in-process (version =
 the trainer's step) -> add them to the balancer. leave: remove them from the balancer with
 abort (their running requests come back "aborted" and the resumable client continues them on
-the standalone servers) -> sleep them (free their memory for training). The actor's weights
-must be the served version, so the fit loop spills only before the first mini-batch update
-after a sync. Every call is bounded: control calls by trainer.timeout_s, the sync by
-rollout.checkpoint_engine.timeout_s.
+the standalone servers) -> count the tokens they returned (their own counters) -> sleep them
+(free their memory for training). The actor's weights must be the served version, so the fit
+loop keeps them only until the first mini-batch update after a sync. Every call is bounded:
+control calls by trainer.timeout_s, the sync by rollout.checkpoint_engine.timeout_s.
 """
 
 from __future__ import annotations
@@ -48,9 +52,10 @@ class Spillover:
                                          fleet.config.rollout.checkpoint_engine.timeout_s)
         await self._sleep()
 
-    def should_join(self, depth: int) -> bool:
-        """Whether the trainer is about to wait with fewer than below_groups finished groups."""
-        return not self.joined and depth < self.below_groups
+    def should_join(self, depth: int, version: int, total_steps: int) -> bool:
+        """Whether the trainer will train at `version` (< total_steps) and would wait for it,
+        with fewer than below_groups finished groups."""
+        return not self.joined and version < total_steps and depth < self.below_groups
 
     async def join(self, version: int) -> None:
         """Wake, load the actor's weights as `version`, and route requests here too."""
