@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tandem.trainer.metrics import read_metrics
 
-TIMELINE_PHASES = ("generate", "wait_rollout", "spill_leave", "abort", "sleep", "reward", "old_log_prob",
-                   "ref_log_prob", "values", "advantages", "update", "sync", "resume")
+TIMELINE_PHASES = ("generate", "wait_rollout", "spill_join", "spill_leave", "abort", "sleep", "reward",
+                   "old_log_prob", "ref_log_prob", "values", "advantages", "update", "sync", "resume")
 
 
 def phase_colours() -> dict[str, tuple[float, ...]]:
