@@ -152,7 +152,7 @@ async def run(args: argparse.Namespace) -> None:
     best = {"direct": float("inf"), "stack": float("inf")}
     paired: list[float] = []
     runners = {"direct": (direct.generate, direct.clear_kv_cache),
-               "stack": (client.generate, manager.clear_kv_cache)}
+               "stack": (client.generate, lambda: manager.control("clear_kv_cache"))}
     for round_index in range(args.rounds):
         # Alternate who goes first, so drift in the machine's load hits both alike.
         order = ["direct", "stack"] if round_index % 2 == 0 else ["stack", "direct"]
