@@ -117,8 +117,7 @@ class SGLangRollout(BaseRollout):
             await self._measure()
         return TokenOutput(tokens, logprobs if params.logprobs else None,
                            sglang_stop_reason(meta.get("finish_reason")),
-                           {"global_steps": self.version,
-                            "version_runs": [[self.version, len(tokens)]] if tokens else []})
+                           {"global_steps": self.version})  # every token: TokenOutput.version_runs
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.running:

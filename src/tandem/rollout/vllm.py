@@ -206,8 +206,7 @@ class VLLMRollout(BaseRollout):
         if finish is None:  # the stream ended without a final output: vLLM dropped the request
             finish = "abort"
         return TokenOutput(tokens, logprobs if params.logprobs else None, stop_reason("vLLM", finish),
-                           {"global_steps": self.version,
-                            "version_runs": [[self.version, len(tokens)]] if tokens else []})
+                           {"global_steps": self.version})  # every token: TokenOutput.version_runs
 
     async def abort(self, request_id: str) -> None:
         done = self.running.get(request_id)

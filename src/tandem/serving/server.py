@@ -143,8 +143,7 @@ class RolloutServer:
         if self._rerouting:
             self._counts["aborted"] += 1
             return TokenOutput([], [] if request.sampling.get("logprobs", True) else None,
-                               "aborted", {"global_steps": backend.weight_version,
-                                           "version_runs": []})
+                               "aborted", {"global_steps": backend.weight_version})
         self._generating += 1
         self._idle.clear()
         self._counts["requests"] += 1
