@@ -181,10 +181,15 @@ def test_token_lag_metrics_are_token_weighted_over_policy_tokens() -> None:
     metrics = token_lag_metrics(trajectories, version=7)
     assert metrics == {"staleness/token_lag_mean": 7 / 8, "staleness/token_lag_max": 2.0,
                        "staleness/tokens_lag_0": 3 / 8, "staleness/tokens_lag_1": 3 / 8,
-                       "staleness/tokens_lag_2": 2 / 8}
+                       "staleness/tokens_lag_2": 2 / 8, "staleness/policy_tokens": 8.0}
     assert token_lag_metrics(trajectories[2:], version=7) == {}
     part = {"staleness/lag_max": 1.0, "buffer/wait_seconds": 0.0, "staleness/dropped_total": 0.0,
             "staleness/regenerated_total": 0.0}
     merged = merge_mini_batch_metrics([{**part, **metrics},
                                        {**part, **token_lag_metrics(trajectories[1:2], 7)}])
     assert merged["staleness/token_lag_max"] == 2.0
+    # token-weighted over both mini-batches (8 + 5 tokens), not a mean of the two means
+    assert merged["staleness/policy_tokens"] == 13.0
+    assert merged["staleness/token_lag_mean"] == pytest.approx((7 + 2) / 13)
+    assert merged["staleness/tokens_lag_0"] == pytest.approx((3 + 3) / 13)
+    assert merged["staleness/tokens_lag_2"] == pytest.approx(2 / 13)

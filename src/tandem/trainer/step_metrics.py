@@ -82,15 +82,17 @@ def rollout_metrics(trajectories: list[Trajectory], phase_seconds: dict[str, flo
 
 def token_lag_metrics(trajectories: list[Trajectory], version: int) -> dict[str, float]:
     """Token-weighted staleness at training version `version` over the policy tokens of the real
-    trajectories (lag = version - response_versions): staleness/token_lag_mean, _max and
-    staleness/tokens_lag_<k> (the fraction of tokens at lag k); {} when there are none."""
+    trajectories (lag = version - response_versions): staleness/token_lag_mean, _max,
+    staleness/tokens_lag_<k> (the fraction of tokens at lag k) and staleness/policy_tokens (the
+    count they are fractions of); {} when there are none."""
     lags = [version - t.response_versions[t.response_mask.bool()]
             for t in trajectories if not t.is_padding]
     lags = torch.cat(lags) if lags else torch.zeros(0, dtype=torch.long)
     if lags.numel() == 0:
         return {}
     metrics = {"staleness/token_lag_mean": float(lags.float().mean()),
-               "staleness/token_lag_max": float(lags.max())}
+               "staleness/token_lag_max": float(lags.max()),
+               "staleness/policy_tokens": float(lags.numel())}
     values, counts = torch.unique(lags, return_counts=True)
     for lag, count in zip(values.tolist(), counts.tolist()):
         metrics[f"staleness/tokens_lag_{lag}"] = count / lags.numel()
@@ -99,9 +101,17 @@ def token_lag_metrics(trajectories: list[Trajectory], version: int) -> dict[str,
 
 def merge_mini_batch_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     """One record for a step's mini-batches: means, except maxima (lag_max), sums (buffer
-    wait) and the latest value of running totals."""
+    wait, policy tokens), token-weighted means of the token-lag fractions and the latest value
+    of running totals."""
     merged = {key: sum(p.get(key, 0.0) for p in parts) / len(parts)
               for key in {key for p in parts for key in p}}
+    tokens = sum(p.get("staleness/policy_tokens", 0.0) for p in parts)
+    if tokens:
+        for key in [k for k in merged if k == "staleness/token_lag_mean"
+                    or k.startswith("staleness/tokens_lag_")]:
+            merged[key] = sum(p.get(key, 0.0) * p.get("staleness/policy_tokens", 0.0)
+                              for p in parts) / tokens
+        merged["staleness/policy_tokens"] = tokens
     for key in ("staleness/lag_max", "staleness/version_spread_max", "staleness/token_lag_max"):
         if key in merged:
             merged[key] = max(p.get(key, 0.0) for p in parts)
