@@ -1,0 +1,36 @@
+"""The reward-model client: score(request_id, sequences) through the same load balancer the
+rollout servers use (serving/balancer.py). A server whose actor died leaves the balancer and
+the call runs again on another; with none left, NoServerError (the caller fails its samples)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from tandem.serving.client import DEAD_SERVER_ERRORS
+from tandem.serving.remote import call, resolve, submit
+
+logger = logging.getLogger(__name__)
+
+
+class RewardModelClient:
+    """Routes each score call to the least-loaded reward server; always releases it."""
+
+    def __init__(self, balancer: Any, servers: dict[str, Any], timeout_s: float | None = None) -> None:
+        self.balancer = balancer
+        self.servers = servers  # server_id -> RewardModelServer actor (or local object)
+        self.timeout_s = timeout_s
+
+    async def score(self, request_id: str, sequences: Sequence[Sequence[int]]) -> list[float | None]:
+        """One score per sequence (None: that sequence could not be scored)."""
+        while True:  # ends: each failure removes a server, which acquire() never returns again
+            server_id = await call(self.balancer, "acquire", request_id)
+            try:
+                return await resolve(submit(self.servers[server_id], "score", list(sequences)),
+                                     self.timeout_s, f"score() on reward server {server_id!r}")
+            except DEAD_SERVER_ERRORS as error:
+                if await call(self.balancer, "report_dead", server_id, 1):
+                    logger.warning("reward server %r died (%s); its calls go to the others",
+                                   server_id, type(error).__name__)
+            finally:
+                await call(self.balancer, "release", server_id)
