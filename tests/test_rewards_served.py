@@ -179,3 +179,86 @@ def test_same_tokenizer_tells_the_tiny_reward_model_matches_the_policy():
     text = other.apply_chat_template(trajectory.metadata["messages"], tokenize=False)
     assert reward.sequence(trajectory) == other.encode(text, add_special_tokens=False)
     assert RewardModelReward(None).sequence(trajectory) == [3, 4, 5]  # same: its own ids
+
+
+def test_served_judge_follows_its_greedy_verdicts_and_survives_a_killed_replica(ray_cluster):
+    """A real native-engine judge on two replicas of its own: each score is the parse of the
+    judge's own greedy reply; a replica killed mid-batch leaves every score as it was."""
+    from transformers import AutoTokenizer
+
+    from tandem.config.schema import TandemConfig
+    from tandem.trainer.served_rewards import ServedRewards
+
+    config = TandemConfig()
+    # the random tiny judge writes digits often: score its first one (a reply without is bad)
+    config.reward.judge = RewardJudgeConfig(enable=True, path="tiny:qwen2", n_devices=2,
+                                            verdict_pattern=r"(\d)", score_scale=1.0,
+                                            max_new_tokens=12, prompt_length=512)
+    config.trainer.timeout_s = 300
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny:qwen2"))
+
+    async def run():
+        served = ServedRewards(config)
+        await served.start(None)
+        try:
+            (function,) = served.functions(tokenizer)
+            judge = function.fn
+            trajectories = fake_trajectories(6, [f"reply {i} is {i * 7}" for i in range(6)])
+            expected = []
+            for trajectory in trajectories:  # the verdicts, asked one by one through the client
+                output = await judge.client.generate(GenerateRequest(
+                    "direct", judge.prompt_ids(trajectory),
+                    {"temperature": 0.0, "max_tokens": 12, "logprobs": False,
+                     "stop_token_ids": [tokenizer.eos_token_id]}))
+                expected.append(parse_verdict(tokenizer.decode(output.token_ids, skip_special_tokens=True),
+                                              r"(\d)"))
+            batch = asyncio.ensure_future(judge(trajectories))
+            await asyncio.sleep(0.02)
+            ray.kill(served.judge.replicas["replica-0"].main_server)  # mid-batch
+            results = await batch
+            return expected, results, await served.fault_metrics()
+        finally:
+            await served.stop()
+
+    expected, results, faults = asyncio.run(run())
+    assert any(want is not None for want in expected)  # some verdicts parse (greedy: fixed)
+    for want, result in zip(expected, results):
+        if want is None:
+            assert result.extra == {FAILED: 1.0, BAD_VERDICT: 1.0}
+        else:
+            assert result.score == want and FAILED not in result.extra
+    assert faults["serving/judge_dead_servers"] == 1.0
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["trainer.trainer_mode=separate_async", "reward.model.enable=true",
+      "reward.model.path=tiny:reward", "reward.model.n_devices=0"], "reward.model.n_devices"),
+    (["trainer.trainer_mode=separate_async", "reward.judge.enable=true",
+      "reward.judge.path=tiny:qwen2", "reward.judge.n_devices=0"], "reward.judge.n_devices"),
+    (["reward.model.enable=true"], "reward.model.path"),
+    (["reward.judge.enable=true", "reward.judge.path=tiny:qwen2",
+      "reward.judge.prompt_template=rate {prompt}"], "reward.judge.prompt_template"),
+    (["reward.judge.enable=true", "reward.judge.path=tiny:qwen2",
+      "reward.judge.verdict_pattern=SCORE"], "reward.judge.verdict_pattern"),
+    (["reward.rule_weight=0"], "reward.rule_weight"),
+])
+def test_served_reward_config_is_refused_at_load_naming_the_field(overrides, field):
+    from tandem.config.choices import ConfigError
+    from tandem.config.load import load_config
+
+    base = ["trainer.n_devices=1", "rollout.nnodes=1", "rollout.n_gpus_per_node=1"] \
+        if "trainer.trainer_mode=separate_async" in overrides else []
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as error:
+        load_config(overrides=[*base, *overrides])
+    if field.endswith("n_devices"):
+        assert "n_devices >= 1" in str(error.value)  # the fix: a pool of its own
+
+
+def test_served_reward_config_accepted_in_separate_async_with_its_own_pool():
+    from tandem.config.load import load_config
+
+    config = load_config(overrides=["trainer.trainer_mode=separate_async", "trainer.n_devices=1",
+                                    "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
+                                    "reward.model.enable=true", "reward.model.path=tiny:reward",
+                                    "reward.rule_weight=0"])
+    assert config.reward.model.n_devices == 1
