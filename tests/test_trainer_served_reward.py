@@ -21,6 +21,9 @@ QUICK = ["rollout.multi_turn.enable=false", "rollout.multi_turn.tools=[]", "roll
 
 MODES = {
     "sync": (fit_sync, ["reward.placement=after_sampling", "reward.rule_weight=0", *MODEL]),
+    # both served on the training workers' bundle (n_devices=0), scored after sampling
+    "sync_shared_devices": (fit_sync, ["reward.placement=after_sampling", *MODEL, *JUDGE,
+                                       "reward.model.n_devices=0", "reward.judge.n_devices=0"]),
     "colocate_async": (fit_colocate_async, ["trainer.trainer_mode=colocate_async",
                                             "trainer.async_rollout.max_staleness=1", *MODEL, *JUDGE]),
     "separate_async": (fit_separate_async, ["trainer.trainer_mode=separate_async",
@@ -56,14 +59,15 @@ def test_every_trainer_mode_trains_with_a_served_reward(tmp_path, ray_cluster, m
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "time/update" in r]
     assert len(records) == 1
     record = records[0]
-    if mode == "sync":  # only the reward model: the reward is 2 x its score
-        assert all(extra.get("reward_failed") is None for _, extra in scored)
+    if "reward.placement=after_sampling" in overrides:  # scored in the reward phase
         assert record["time/reward"] > 0 and "time/reward_overlapped" not in record
-        assert len({reward for reward, _ in scored}) > 1  # a score per trajectory, not a constant
     else:  # agent_loop placement: the reward worker scored while generation went on
         assert record["time/reward_overlapped"] > 0
         assert record["reward/mean"] == pytest.approx(sum(r for r, _ in scored) / len(scored))
-    if mode == "colocate_async":  # rule + reward model + judge, one weighted sum per sample
+    if mode == "sync":  # only the reward model: the reward is 2 x its score
+        assert all(extra.get("reward_failed") is None for _, extra in scored)
+        assert len({reward for reward, _ in scored}) > 1  # a score per trajectory, not a constant
+    if mode in ("colocate_async", "sync_shared_devices"):  # rule + model + judge, weighted sum
         for reward, extra in scored:
             if not extra.get("reward_failed"):
                 expected = (extra["reward/test_parity"] if "reward/test_parity" in extra else

@@ -22,6 +22,10 @@ def served_reward_problem(config: TandemConfig) -> str | None:
             return f"{name}.n_devices: is {served.n_devices}; use >= 1 (a pool of its own) or 0"
         if served.torch_threads < 1:
             return f"{name}.torch_threads: is {served.torch_threads}; use at least 1"
+        if served.n_devices == 0 and config.model.device.startswith("cuda"):
+            return (f"{name}.n_devices: is 0 (share the training workers' devices), which is "
+                    "built for CPU only (the training worker holds its whole GPU); set "
+                    f"{name}.n_devices >= 1 on cuda")
         if served.n_devices == 0 and config.trainer.trainer_mode == "separate_async":
             return (f"{name}.n_devices: is 0 (share the training workers' devices), but in "
                     "trainer_mode=separate_async the actor trains while generation goes on, so "

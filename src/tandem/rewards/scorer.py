@@ -6,7 +6,10 @@
 - TRL's batched `fn(prompts, completions, **columns) -> list[float | None]` (reward.reward_funcs,
   or `Trainer(reward_funcs=[...])`): prompts and completions are chat messages, columns are the
   dataset's other columns (one list each) plus completion_ids; None counts as 0.
-- Neither given: tandem's registry by data_source (tandem.rewards.registry).
+- Neither given: tandem's registry by data_source (tandem.rewards.registry), weighted by
+  reward.rule_weight (0 leaves it out).
+- Served (RewardScorer.add, by the fleet): a reward model or LLM judge (rewards/served.py),
+  each weighted by its own reward.model.weight / reward.judge.weight.
 
 Async functions are awaited, others run in a thread; each call is bounded by
 reward.timeout_seconds. Several functions add up with reward.weights. A function that raises

@@ -19,8 +19,6 @@ from tandem.serving.replica import actor_resources, resolve_ready
 from tandem.serving.reward_client import RewardModelClient
 from tandem.serving.reward_server import RewardModelServerActor, RewardServerInfo
 
-# share of a training bundle a colocated reward server asks Ray for (it computes between phases)
-COLOCATED_FRACTION = 0.1
 
 
 class RewardModelPool:
@@ -64,10 +62,8 @@ class RewardModelPool:
             if shared_group is None:
                 raise ValueError("reward.model.n_devices=0 shares the training workers' bundles: "
                                  "pass their placement group")
-            bundle = shared_group.bundle_specs[0]
-            share = {k: round(v * COLOCATED_FRACTION, 4) for k, v in bundle.items()
-                     if k in ("CPU", "GPU")}
-            return [_in_group(shared_group, share)]
+            # the training worker holds the whole bundle: the server shares its core unreserved
+            return [_in_group(shared_group, {"CPU": 0.0})]
         # CPU threads on CPU; a GPU (with the CPU driving it) on cuda
         bundle = {"CPU": 1.0, "GPU": 1.0} if cuda else {"CPU": float(config.torch_threads)}
         placements = []

@@ -263,6 +263,8 @@ class RLTrainer:
                            self.step, error)
             return {"val/failed_sessions": float(len(self.runner.take_failures()))}
         await self.compute_rewards(trajectories)
+        if self.reward_worker is not None:  # validation's scoring is not the step's overlap
+            self.reward_worker.take_busy_seconds()
         return {**trajectory_metrics(trajectories, "val"),
                 "val/failed_sessions": len(self.runner.take_failures())}
 

@@ -57,7 +57,8 @@ class ServedRewards:
             rollout = judge_rollout_config(judge)
             if judge.n_devices:
                 self.judge = await ServerManager.create(rollout, options, "standalone")
-            else:
+            else:  # the training worker holds the whole bundle: share its core unreserved
+                options.colocated_fraction = 0.0
                 self.judge = await ServerManager.create(
                     dataclasses.replace(rollout, nnodes=0, n_gpus_per_node=0), options,
                     "colocated", placement_group=training_group, bundle_indices=[0])
