@@ -190,12 +190,12 @@ def test_served_judge_follows_its_greedy_verdicts_and_survives_a_killed_replica(
     from tandem.trainer.served_rewards import ServedRewards
 
     config = TandemConfig()
-    # the random tiny judge writes digits often: score its first one (a reply without is bad)
-    config.reward.judge = RewardJudgeConfig(enable=True, path="tiny:qwen2", n_devices=2,
+    # the demo model (warmed up on word problems) answers with numbers: score its first digit
+    config.reward.judge = RewardJudgeConfig(enable=True, path="tiny:demo", n_devices=2,
                                             verdict_pattern=r"(\d)", score_scale=1.0,
                                             max_new_tokens=12, prompt_length=512)
     config.trainer.timeout_s = 300
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny:qwen2"))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny:demo"))
 
     async def run():
         served = ServedRewards(config)
