@@ -68,9 +68,11 @@ def test_killed_reward_replica_mid_batch_is_retried_on_another(ray_cluster):
             enable=True, path=str(path), n_devices=2))
         try:
             client = pool.client()
-            calls = [asyncio.ensure_future(client.score(f"k{i}", SEQUENCES)) for i in range(8)]
-            await asyncio.sleep(0.05)
-            ray.kill(pool.servers["reward-0"])  # mid-batch: some calls are on it
+            heavy = [list(range(1 + i, 400 + i)) for i in range(32)]  # long enough to be caught
+            calls = [asyncio.ensure_future(client.score(f"k{i}", heavy)) for i in range(8)]
+            while not (await pool.balancer.status.remote()).in_flight().get("reward-0"):
+                await asyncio.sleep(0.005)
+            ray.kill(pool.servers["reward-0"])  # mid-batch: calls are on it
             results = await asyncio.gather(*calls)
             status = await pool.balancer.status.remote()
             # the last server goes too: the reward fails these samples and nothing raises
