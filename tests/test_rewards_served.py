@@ -264,3 +264,35 @@ def test_served_reward_config_accepted_in_separate_async_with_its_own_pool():
                                     "reward.model.enable=true", "reward.model.path=tiny:reward",
                                     "reward.rule_weight=0"])
     assert config.reward.model.n_devices == 1
+
+
+def test_reward_client_releases_its_server_when_cancelled_and_routes_least_loaded():
+    from tandem.serving.balancer import LoadBalancer
+    from tandem.serving.reward_client import RewardModelClient
+
+    class SlowServer:
+        def __init__(self):
+            self.calls = 0
+
+        async def score(self, sequences):
+            self.calls += 1
+            await asyncio.sleep(10)
+            return [0.0] * len(sequences)
+
+    balancer, servers = LoadBalancer(), {"a": SlowServer(), "b": SlowServer()}
+    for server_id in servers:
+        balancer.add_server(server_id)
+    client = RewardModelClient(balancer, servers)
+
+    async def run():
+        calls = [asyncio.ensure_future(client.score(f"c{i}", [[1, 2]])) for i in range(4)]
+        await asyncio.sleep(0.05)
+        in_flight = balancer.status().in_flight()
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        await asyncio.sleep(0)
+        return in_flight, balancer.status().in_flight()
+
+    during, after = asyncio.run(run())
+    assert during == {"a": 2, "b": 2} and after == {"a": 0, "b": 0}

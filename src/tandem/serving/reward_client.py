@@ -4,6 +4,7 @@ the call runs again on another; with none left, NoServerError (the caller fails 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Sequence
 
@@ -24,7 +25,13 @@ class RewardModelClient:
     async def score(self, request_id: str, sequences: Sequence[Sequence[int]]) -> list[float | None]:
         """One score per sequence (None: that sequence could not be scored)."""
         while True:  # ends: each failure removes a server, which acquire() never returns again
-            server_id = await call(self.balancer, "acquire", request_id)
+            acquire = asyncio.ensure_future(resolve(submit(self.balancer, "acquire", request_id),
+                                                    cancel_remote=False))
+            try:
+                server_id = await asyncio.shield(acquire)
+            except asyncio.CancelledError:  # the balancer may count it: release once it answers
+                acquire.add_done_callback(self._release_if_acquired)
+                raise
             try:
                 return await resolve(submit(self.servers[server_id], "score", list(sequences)),
                                      self.timeout_s, f"score() on reward server {server_id!r}")
@@ -32,5 +39,11 @@ class RewardModelClient:
                 if await call(self.balancer, "report_dead", server_id, 1):
                     logger.warning("reward server %r died (%s); its calls go to the others",
                                    server_id, type(error).__name__)
-            finally:
-                await call(self.balancer, "release", server_id)
+            finally:  # submitted at once: the release happens even if we are cancelled here
+                await asyncio.shield(asyncio.ensure_future(resolve(
+                    submit(self.balancer, "release", server_id), cancel_remote=False)))
+
+    def _release_if_acquired(self, acquire: asyncio.Future) -> None:
+        if not acquire.cancelled() and acquire.exception() is None:
+            asyncio.ensure_future(resolve(submit(self.balancer, "release", acquire.result()),
+                                          cancel_remote=False))
