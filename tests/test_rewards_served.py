@@ -296,3 +296,28 @@ def test_reward_client_releases_its_server_when_cancelled_and_routes_least_loade
 
     during, after = asyncio.run(run())
     assert during == {"a": 2, "b": 2} and after == {"a": 0, "b": 0}
+
+
+def test_stalled_reward_replica_leaves_and_its_calls_run_on_another(ray_cluster):
+    import os
+    import signal
+
+    path = build_tiny_reward_model()
+
+    async def run():
+        pool = await RewardModelPool.create(str(path), RewardModelConfig(
+            enable=True, path=str(path), n_devices=2))
+        stopped = pool.infos["reward-0"].pid
+        try:
+            reference = await pool.client().score("ref", SEQUENCES)
+            os.kill(stopped, signal.SIGSTOP)  # alive, answering nothing
+            client = pool.client(stall_timeout_s=2.0)
+            results = await asyncio.gather(*(client.score(f"s{i}", SEQUENCES) for i in range(4)))
+            return reference, results, await pool.balancer.status.remote()
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+            await pool.shutdown()
+
+    reference, results, status = asyncio.run(run())
+    assert all(r == reference for r in results)
+    assert status.stalled_servers == ["reward-0"] and status.retried_requests >= 1

@@ -13,7 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.config.schema import RewardModelConfig
 from tandem.serving.balancer import LoadBalancerActor
-from tandem.serving.client import DEAD_SERVER_ERRORS
+from tandem.serving.client import DEAD_SERVER_ERRORS, STALL_TIMEOUT_S
 from tandem.serving.remote import call
 from tandem.serving.replica import actor_resources, resolve_ready
 from tandem.serving.reward_client import RewardModelClient
@@ -75,9 +75,10 @@ class RewardModelPool:
             placements.append(_in_group(group, bundle))
         return placements
 
-    def client(self, timeout_s: float | None = None) -> RewardModelClient:
+    def client(self, timeout_s: float | None = None,
+               stall_timeout_s: float | None = STALL_TIMEOUT_S) -> RewardModelClient:
         """A client routing score calls over the pool's servers."""
-        return RewardModelClient(self.balancer, self.servers, timeout_s)
+        return RewardModelClient(self.balancer, self.servers, timeout_s, stall_timeout_s)
 
     async def stats(self) -> dict[str, dict[str, Any]]:
         """server_id -> its counters (servers that died are left out)."""
