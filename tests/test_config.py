@@ -129,6 +129,7 @@ def test_tempered_sampling_with_processed_logprobs_is_fine():
 
 
 @pytest.mark.parametrize("name", ["examples/arithmetic.yaml", "examples/smollm2.yaml",
+                                  "examples/reward_model.yaml",
                                   "src/tandem/demo/demo.yaml"])
 def test_shipped_configs_load(name):
     from pathlib import Path

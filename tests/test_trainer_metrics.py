@@ -86,3 +86,22 @@ def test_every_timed_phase_has_its_own_timeline_colour():
     assert timed <= set(TIMELINE_PHASES), f"not on the timeline: {timed - set(TIMELINE_PHASES)}"
     colours = phase_colours()
     assert len(set(colours.values())) == len(TIMELINE_PHASES) == 14
+
+
+def test_timeline_draws_reward_overlapping_generate(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    bars = []
+    original = Axes.barh
+
+    def spy(self, y, width, *args, **kwargs):
+        bars.append((y, width, kwargs.get("left"), kwargs.get("label"), kwargs.get("hatch")))
+        return original(self, y, width, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "barh", spy)
+    logger = MetricsLogger(tmp_path)
+    logger.log(1, {"time/generate": 2.0, "time/reward_overlapped": 1.5, "time/update": 0.5})
+    plot_run(tmp_path)
+    overlap = [bar for bar in bars if bar[4] == "//"]
+    # from the step's start (where generate starts), as long as the scoring took
+    assert overlap == [(1.3, 1.5, 0.0, "reward (overlapping generate)", "//")]

@@ -86,3 +86,13 @@ def rollout_devices(config: TandemConfig) -> int:
     """Devices of the standalone rollout replicas (rollout.nnodes x rollout.n_gpus_per_node):
     0 means the engines live in the training workers (the hybrid layout)."""
     return config.rollout.nnodes * config.rollout.n_gpus_per_node
+
+
+def reward_devices(config: TandemConfig) -> int:
+    """CPU cores (or GPUs on cuda) the served reward model and judge reserve for themselves."""
+    cuda = config.model.device.startswith("cuda")
+    total = 0
+    for served in (config.reward.model, config.reward.judge):
+        if served.enable:
+            total += served.n_devices * (1 if cuda else served.torch_threads)
+    return total

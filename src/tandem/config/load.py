@@ -321,6 +321,11 @@ def validate(config: TandemConfig) -> None:
     from tandem.rewards.scorer import user_reward_functions
 
     user_reward_functions(config.reward)  # a bad entry or weights list is a ConfigError
+    from tandem.config.reward_check import served_reward_problem
+
+    problem = served_reward_problem(config)
+    if problem:
+        raise ConfigError(problem)
 
     if config.data.train_batch_size < actor.ppo_mini_batch_size:
         _fail("actor.ppo_mini_batch_size", f"is {actor.ppo_mini_batch_size} prompts, more than "

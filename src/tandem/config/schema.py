@@ -248,9 +248,45 @@ class CustomRewardFunctionConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A served sequence-classification reward model (one scalar head) on a reward pool of its
+    own (docs/rewards.md)."""
+
+    enable: bool = False
+    path: str = ""  # an HF directory with AutoModelForSequenceClassification weights, or "tiny:reward"
+    weight: float = 1.0  # its share of the summed reward
+    n_devices: int = 1  # devices (CPU: cores) reserved for it, one replica each; 0: share the training workers'
+    torch_threads: int = 1  # CPU threads of each replica
+    max_batch_size: int = 32  # sequences in one forward; concurrent calls are batched up to it
+    max_length: int = 2048  # a longer sequence fails its sample
+
+
+@dataclass
+class RewardJudgeConfig:
+    """A generative LLM judge served by the native engine on replicas of its own: a prompt
+    template, a verdict parser, a score (docs/rewards.md)."""
+
+    enable: bool = False
+    path: str = ""  # an HF causal-LM directory, or a tiny: model name
+    weight: float = 1.0
+    n_devices: int = 1  # devices (CPU: cores) of the judge's replicas; 0: share the training workers'
+    torch_threads: int = 1
+    # {prompt} (the row's last user message) and {response} (the policy's reply) are filled in
+    prompt_template: str = ("Rate the answer from 0 to 10.\nQuestion: {prompt}\nAnswer: {response}\n"
+                            "Reply as SCORE: <number>.")
+    # a regex whose first group is the verdict's number; no match is a bad verdict
+    verdict_pattern: str = r"SCORE:\s*(-?\d+(?:\.\d+)?)"
+    score_scale: float = 0.1  # score = number x score_scale
+    max_new_tokens: int = 16
+    prompt_length: int = 1024  # longer judge prompts fail their sample
+    kv_cache_memory_bytes: int = 1 << 26
+
+
+@dataclass
 class RewardConfig:
     """Where rewards come from: the user's functions (custom_function, reward_funcs) or, with
-    neither, tandem's rule-based rewards by data source (docs/api.md, "Rewards")."""
+    neither, tandem's rule-based rewards by data source (docs/api.md, "Rewards"), plus a served
+    reward model and judge (docs/rewards.md); all add up with their weights."""
 
     placement: str = "agent_loop"  # agent_loop (async order) | after_sampling (colocated order)
     custom_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
@@ -259,6 +295,9 @@ class RewardConfig:
     reward_funcs: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # one per function; empty: all 1.0
     timeout_seconds: float = 60.0  # per call of a reward function; over it the sample fails
+    rule_weight: float = 1.0  # weight of the rule reward by data_source (no user function); 0: off
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: RewardJudgeConfig = field(default_factory=RewardJudgeConfig)
 
 
 @dataclass

@@ -146,6 +146,27 @@ def build_tiny_model(spec: TinyModelSpec | None = None, **overrides) -> Path:
     return build_once(spec.key(), build)
 
 
+def build_tiny_reward_model(spec: TinyModelSpec | None = None, **overrides) -> Path:
+    """Build (once) a randomly initialised tiny sequence-classification reward model (one
+    scalar head) with the same tokenizer as the tiny causal LM of the same spec."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    spec = spec or TinyModelSpec(**overrides)
+
+    def build(directory: Path) -> None:
+        tokenizer = build_tokenizer(spec.tokenizer_vocab_size, spec.seed)
+        vocab = max(spec.vocab_size, len(tokenizer))
+        config = _model_config(spec, vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        config.num_labels = 1
+        torch.manual_seed(spec.seed + 1)
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+
+    return build_once(f"{spec.key()}-reward", build)
+
+
 # Warmed-up tiny models shipped with the package (`make demo-model` rebuilds them with
 # tandem.demo.warmup): model.path -> directory. tiny:demo is what `tandem demo` starts from;
 # tiny:calculator only learned the calculator's call format (for examples and tests of tools).
@@ -164,11 +185,14 @@ def shipped_model_path(name: str = "tiny:demo") -> Path:
 
 
 def resolve_model_path(path: str) -> Path:
-    """Turn a `model.path` value into a directory: "tiny:qwen2", "tiny:llama", "tiny:demo" and
+    """Turn a `model.path` value into a directory: "tiny:qwen2", "tiny:llama", "tiny:reward" (a
+    tiny reward model), "tiny:demo" and
     "tiny:calculator" (shipped), "smollm2", a local HF directory or a hub id (tandem.models.hub: transformers'
     cache, offline honoured)."""
     if path in SHIPPED_MODELS:
         return shipped_model_path(path)
+    if path == "tiny:reward":
+        return build_tiny_reward_model()
     if path.startswith("tiny:"):
         return build_tiny_model(TinyModelSpec(architecture=path.split(":", 1)[1]))
     if path == "smollm2":

@@ -6,7 +6,10 @@
 - TRL's batched `fn(prompts, completions, **columns) -> list[float | None]` (reward.reward_funcs,
   or `Trainer(reward_funcs=[...])`): prompts and completions are chat messages, columns are the
   dataset's other columns (one list each) plus completion_ids; None counts as 0.
-- Neither given: tandem's registry by data_source (tandem.rewards.registry).
+- Neither given: tandem's registry by data_source (tandem.rewards.registry), weighted by
+  reward.rule_weight (0 leaves it out).
+- Served (RewardScorer.add, by the fleet): a reward model or LLM judge (rewards/served.py),
+  each weighted by its own reward.model.weight / reward.judge.weight.
 
 Async functions are awaited, others run in a thread; each call is bounded by
 reward.timeout_seconds. Several functions add up with reward.weights. A function that raises
@@ -36,7 +39,8 @@ FAILED = "reward_failed"
 
 @dataclass
 class RewardFunction:
-    """One scoring function: kind "registry" (by data source), "verl" (per sample) or "batched" (TRL)."""
+    """One scoring function: kind "registry" (by data source), "verl" (per sample), "batched"
+    (TRL) or "served" (`await fn(trajectories) -> [RewardResult]`: a reward model or judge)."""
 
     name: str
     fn: Callable[..., Any]
@@ -52,9 +56,7 @@ class RewardScorer:
         """decode(response token ids) -> solution_str for verl functions (verl decodes the whole
         response, tool turns included); without it the final assistant text is used.
         prompt_key: the dataset column batched functions get as `prompts` (data.prompt_key)."""
-        if not functions:
-            raise ValueError("RewardScorer needs at least one reward function")
-        self.functions = list(functions)
+        self.functions = list(functions)  # may start empty when served ones join (add())
         self.timeout_seconds = timeout_seconds
         self.decode = decode
         self.prompt_key = prompt_key
@@ -67,9 +69,18 @@ class RewardScorer:
                     prompt_key: str = "prompt") -> "RewardScorer":
         """The scorer a job's config and Python arguments describe (see the module docstring)."""
         functions = user_reward_functions(config, reward_fn, reward_funcs)
-        if not functions:
-            functions = [RewardFunction("registry", compute_reward, "registry")]
+        if not functions and config.rule_weight:
+            functions = [RewardFunction("registry", compute_reward, "registry", config.rule_weight)]
         return cls(functions, config.timeout_seconds, decode, prompt_key)
+
+    def add(self, function: RewardFunction) -> None:
+        """One more function in the weighted sum (the fleet's served reward model and judge)."""
+        self.functions.append(function)
+
+    @property
+    def served(self) -> bool:
+        """Whether a served reward model or judge scores (their calls wait on other processes)."""
+        return any(f.kind == "served" for f in self.functions)
 
     @property
     def uses_registry(self) -> bool:
@@ -87,12 +98,17 @@ class RewardScorer:
         """Set reward and reward_extra of every trajectory (weighted sum of the functions)."""
         if not trajectories:
             return
+        if not self.functions:
+            raise RuntimeError("no reward function: give one (reward.custom_function, "
+                               "reward.reward_funcs), keep reward.rule_weight > 0, or enable "
+                               "reward.model / reward.judge")
         totals = [0.0] * len(trajectories)
         extras: list[dict[str, Any]] = [{} for _ in trajectories]
         for function in self.functions:
             results = await self._run(function, trajectories)
             for index, result in enumerate(results):
-                if result is None:
+                if result is None or result.extra.get(FAILED):
+                    extras[index].update(result.extra if result is not None else {})
                     extras[index][FAILED] = 1.0
                     continue
                 totals[index] += function.weight * result.score
@@ -105,6 +121,8 @@ class RewardScorer:
 
     async def _run(self, function: RewardFunction, trajectories: Sequence["Trajectory"]
                    ) -> list[RewardResult | None]:
+        if function.kind == "served":  # fails its own samples, never raises for one
+            return list(await function.fn(trajectories))
         if function.kind == "batched":
             try:
                 return await self._batched(function, trajectories)

@@ -27,6 +27,7 @@ from tandem.trainer import placement
 from tandem.trainer.cross_process_sync import CrossProcessSync
 from tandem.trainer.hybrid_worker import HybridWorkerActor
 from tandem.trainer.in_process_sync import InProcessSync
+from tandem.trainer.served_rewards import ServedRewards
 from tandem.trainer.startup import StartupClock
 from tandem.trainer.sync_seam import WeightSync, choose_transport, receiver_nodes
 
@@ -48,10 +49,12 @@ class Fleet:
         self.rollout: ServerManager | None = None
         self.weight_sync: WeightSync | None = None
         self.transport = "naive"  # the checkpoint engine the sync uses (resolved at start)
+        self.rewards = ServedRewards(config)  # reward.model / reward.judge servers
 
     async def start(self, actor_steps: int, critic_steps: int) -> None:
         """Join or start Ray, place one training worker per device bundle (rendezvous on rank
-        0's node), start the rollout servers of the layout and the weight-sync seam."""
+        0's node), start the rollout servers of the layout, the weight-sync seam and the served
+        rewards (reward pools of their own, or the workers' bundles: reward.*.n_devices)."""
         config, timeout_s = self.config, self.config.trainer.timeout_s
         n = config.trainer.n_devices
         placement.init_ray(config)
@@ -85,6 +88,7 @@ class Fleet:
             self.weight_sync = InProcessSync(self.workers, list(self.rollout.replicas),
                                              ckpt.timeout_s)
         await placement.log_torch_threads(config, self.workers, self.rollout)
+        await self.rewards.start(self.placement_group)
         self.startup.mark("servers")
 
     def client(self) -> Any:
@@ -128,6 +132,7 @@ class Fleet:
 
     async def stop(self) -> None:
         """Stop the servers and workers and free the placement group; leave Ray to its owner."""
+        await self.rewards.stop()
         if self.rollout is not None:
             await self.rollout.shutdown()
         for worker in self.workers:

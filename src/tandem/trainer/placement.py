@@ -41,7 +41,8 @@ def ray_init_kwargs(config: TandemConfig) -> dict[str, Any]:
     # worker_niceness 0: Ray's default (15) starves the workers on a busy machine.
     # address "local": a cluster of its own, never the last one `ray start` left on this machine
     return {"address": "local",
-            "num_cpus": max(os.cpu_count() or 1, config.trainer.n_devices + standalone_rollout_devices(config)),
+            "num_cpus": max(os.cpu_count() or 1, config.trainer.n_devices + standalone_rollout_devices(config)
+                            + reward_cpus(config)),
             "include_dashboard": False, "logging_level": logging.WARNING,
             "log_to_driver": True, "_system_config": {"worker_niceness": 0}}
 
@@ -100,6 +101,13 @@ def standalone_rollout_devices(config: TandemConfig) -> int:
     from tandem.config.footprint import rollout_devices
 
     return rollout_devices(config)
+
+
+def reward_cpus(config: TandemConfig) -> int:
+    """CPUs the reward pools reserve (on cuda each reward device also holds one CPU)."""
+    from tandem.config.footprint import reward_devices
+
+    return reward_devices(config)
 
 
 def torch_threads(config: TandemConfig, cores: int | None = None) -> tuple[int, int]:

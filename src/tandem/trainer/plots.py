@@ -26,7 +26,9 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot_run(output_dir: str | Path) -> list[Path]:
     """Write reward.png, logprob_gap.png, timeline.png (and staleness.png for the async modes)
-    next to metrics.jsonl; return their paths ([] with a warning without matplotlib)."""
+    next to metrics.jsonl; return their paths ([] with a warning without matplotlib). The
+    timeline stacks each step's phases and draws served-reward scoring that overlapped
+    generation (time/reward_overlapped) as a hatched bar from the step's start."""
     try:
         import matplotlib
     except ImportError:
@@ -71,6 +73,7 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     figure, axis = plt.subplots(figsize=(8, 4))
     colors = phase_colours()
     train = [r for r in records if "time/update" in r]
+    drawn_overlap = False
     for row, record in enumerate(train):
         left = 0.0
         for phase in TIMELINE_PHASES:
@@ -78,6 +81,12 @@ def plot_run(output_dir: str | Path) -> list[Path]:
             axis.barh(record["step"], seconds, left=left, color=colors[phase],
                       label=phase if row == 0 else None)
             left += seconds
+        overlapped = record.get("time/reward_overlapped") or 0.0
+        if overlapped:  # scored by the reward worker while generation went on (rewards/worker.py)
+            axis.barh(record["step"] + 0.3, overlapped, left=0.0, height=0.25, hatch="//",
+                      color=colors["reward"], edgecolor="black", linewidth=0.3,
+                      label=None if drawn_overlap else "reward (overlapping generate)")
+            drawn_overlap = True
     axis.set_xlabel("seconds")
     axis.set_ylabel("step")
     axis.yaxis.get_major_locator().set_params(integer=True)

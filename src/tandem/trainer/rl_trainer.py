@@ -26,6 +26,7 @@ from tandem.config.schema import TandemConfig
 from tandem.models.tiny import resolve_model_path
 from tandem.progress import progress_bar
 from tandem.rewards.scorer import RewardScorer
+from tandem.rewards.worker import RewardWorker
 from tandem.tools.registry import ToolRegistry
 from tandem.trainer import ppo
 from tandem.trainer.fleet import Fleet
@@ -82,16 +83,26 @@ class RLTrainer:
         self.skipped_steps = 0  # steps whose sessions all failed (skip_step)
         self.fleet = Fleet(config, self.model_path, self.startup)
         self.runner: AgentLoopRunner | None = None
+        self.reward_worker: RewardWorker | None = None  # agent_loop placement with a served reward
         self.startup.mark("data")
 
     # ---- start and stop ---------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the fleet (Ray, workers, servers, weight sync) and the agent loops."""
+        """Start the fleet (Ray, workers, servers, weight sync, served rewards) and the agent
+        loops. With agent_loop placement and a served reward, finished trajectories are scored
+        in batches by the reward worker while generation goes on."""
         config = self.config
         await self.fleet.start(self.total_optimizer_steps(config.actor.ppo_epochs),
                                self.total_optimizer_steps(config.critic.ppo_epochs))
-        reward_fn = self.rewards.score_one if config.reward.placement == "agent_loop" else None
+        for function in self.fleet.rewards.functions(self.tokenizer):
+            self.rewards.add(function)
+        reward_fn = None
+        if config.reward.placement == "agent_loop":
+            reward_fn = self.rewards.score_one
+            if self.rewards.served:
+                self.reward_worker = RewardWorker(self.rewards)
+                reward_fn = self.reward_worker.score_one
         self.runner = AgentLoopRunner.from_tokenizer(self.client(), self.tokenizer, config.rollout,
                                                      tools=self.tools, reward_fn=reward_fn)
 
@@ -252,6 +263,8 @@ class RLTrainer:
                            self.step, error)
             return {"val/failed_sessions": float(len(self.runner.take_failures()))}
         await self.compute_rewards(trajectories)
+        if self.reward_worker is not None:  # validation's scoring is not the step's overlap
+            self.reward_worker.take_busy_seconds()
         return {**trajectory_metrics(trajectories, "val"),
                 "val/failed_sessions": len(self.runner.take_failures())}
 
@@ -306,6 +319,9 @@ class RLTrainer:
         record.update(timer.metrics())
         record.update(rollout_metrics(trajectories, timer.times))
         record.update(await self.fleet.rollout.fault_metrics())  # dead servers, retried requests
+        record.update(await self.fleet.rewards.fault_metrics())
+        if self.reward_worker is not None:  # scoring that overlapped generation (timeline)
+            record["time/reward_overlapped"] = self.reward_worker.take_busy_seconds()
         record["rollout/failed_sessions"] = len(self.runner.take_failures())
         record["weight_version"] = self.step
         return record

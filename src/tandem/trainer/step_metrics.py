@@ -13,6 +13,7 @@ from tandem.batch.balance import token_imbalance
 from tandem.batch.padding import drop_padding_samples
 from tandem.batch.trajectory import Trajectory
 from tandem.rewards.scorer import FAILED
+from tandem.rewards.served import BAD_VERDICT
 from tandem.trainer import ppo
 
 
@@ -37,6 +38,13 @@ def trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str,
     metrics[f"{prefix}/response_length"] = sum(len(t.responses) for t in real) / count
     metrics[f"{prefix}/num_turns"] = sum(t.num_turns for t in real) / count
     metrics[f"{prefix}/failed_rewards"] = float(sum(t.reward_extra.get(FAILED, 0.0) for t in real))
+    bad_verdicts = sum(t.reward_extra.get(BAD_VERDICT, 0.0) for t in real)
+    if bad_verdicts:
+        metrics[f"{prefix}/judge_bad_verdicts"] = float(bad_verdicts)
+    for key in sorted({k for t in real for k in t.reward_extra if k.startswith("reward/")}):
+        values = [t.reward_extra[key] for t in real if key in t.reward_extra]  # each function's share
+        metrics[f"{prefix}/{key.split('/', 1)[1]}" if prefix == "reward" else f"{prefix}/{key}"] = \
+            sum(values) / len(values)
     return metrics
 
 
