@@ -25,7 +25,8 @@ from tandem.config.footprint import fleet_problem, rollout_devices
 from tandem.config.kv_budget import hf_config, kv_budget_problem
 from tandem.config.model_check import model_problem
 from tandem.config.ranges import out_of_range
-from tandem.config.schema import RolloutConfig, RolloutCorrectionConfig, TandemConfig
+from tandem.config.schema import (LORA_TARGETS, LoraConfig, RolloutConfig, RolloutCorrectionConfig,
+                                  TandemConfig)
 from tandem.types import TEMPERATURE_FLOOR
 
 
@@ -291,6 +292,7 @@ def validate(config: TandemConfig) -> None:
               f"raise it to at least {longest}")
     if actor.micro_batch_memory_gb:
         _check_memory_budget(config)
+    _check_lora(actor.lora)
 
     algorithm = config.algorithm
     _choice("algorithm.adv_estimator", algorithm.adv_estimator, ADV_ESTIMATORS)
@@ -407,6 +409,24 @@ def _check_memory_budget(config: TandemConfig) -> None:
         micro_batch_token_budget(config, hf, full_logits=config.actor.fsdp_size > 1)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def _check_lora(lora: LoraConfig) -> None:
+    """actor.lora: targets the engines serve, each once; save_merged only with adapters on."""
+    if not lora.rank:
+        if lora.save_merged:
+            _fail("actor.lora.save_merged", "is true but actor.lora.rank=0 (LoRA off): there is "
+                  "no adapter to merge; set actor.lora.rank > 0 or save_merged=false")
+        return
+    targets = list(lora.target_modules)
+    if not targets:
+        _fail("actor.lora.target_modules", f"is empty; name some of {', '.join(LORA_TARGETS)}")
+    unknown = [name for name in targets if name not in LORA_TARGETS]
+    if unknown:
+        _fail("actor.lora.target_modules", f"{unknown} are not decoder linears the rollout "
+              f"engines serve with an adapter; use some of {', '.join(LORA_TARGETS)}")
+    if len(set(targets)) != len(targets):
+        _fail("actor.lora.target_modules", f"{targets} names a module twice; list each once")
 
 
 def _kl_type(field_name: str, value: str) -> None:
