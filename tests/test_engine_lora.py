@@ -123,3 +123,36 @@ async def test_the_kv_cache_sleep_keeps_base_and_adapter_and_model_weights_becom
     with pytest.raises(KeyError, match="no adapter tensor"):
         rollout.current_weight("model.layers.0.self_attn.q_proj.lora_A.weight")
     await rollout.shutdown()
+
+
+def test_the_peft_folder_for_vllm_and_sglang_holds_the_merged_model(model_path, tmp_path):
+    """write_peft_adapter (what the vLLM and SGLang backends hand their LoRA APIs) loads in
+    peft, and peft's merge of it is the merged actor (scale folded into B, alpha = r), within
+    float32 rounding of W + B @ A."""
+    from peft import PeftModel
+
+    from tandem.rollout.adapter_stream import read_adapter, write_peft_adapter
+    from tandem.rollout.external import safetensors_shapes
+
+    from float_bounds import U, gamma
+
+    actor = lora_actor(model_path, seed=5)
+    shapes = safetensors_shapes(model_path, tied_embeddings=True)
+    adapter = read_adapter(actor.export_weights(), shapes)
+    write_peft_adapter(adapter, tmp_path, str(model_path), 8)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    base_weights = {n: p.detach().clone() for n, p in base.named_parameters()}
+    loaded = PeftModel.from_pretrained(base, str(tmp_path)).merge_and_unload()
+    expected = dict(iter_merged_weights(actor.model))
+    for name, tensor in loaded.named_parameters():
+        module = name.removesuffix(".weight")
+        if module not in adapter:
+            assert torch.equal(tensor, expected[name]), name
+            continue
+        a, b = (t.double() for t in adapter[module])
+        exact = base_weights[name].double() + b @ a
+        bound = gamma(a.shape[0] + 2) * (b.abs() @ a.abs() + base_weights[name].double().abs()) + U * exact.abs()
+        assert_within(tensor.detach(), exact, bound, f"peft folder {name}")
+        assert_within(expected[name], exact, bound, f"merged actor {name}")
+    with pytest.raises(ValueError, match="rank"):
+        write_peft_adapter(adapter, tmp_path / "small", "", 2)

@@ -136,3 +136,10 @@ def test_the_config_refuses_lora_settings_it_cannot_honour(override, field):
 def test_a_lora_config_loads():
     config = load_config({"actor": {"lora": {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}}})
     assert config.actor.lora.rank == 16 and config.actor.lora.target_modules == ["q_proj", "v_proj"]
+
+
+def test_the_engines_lora_rank_follows_the_actor():
+    assert load_config({"actor": {"lora": {"rank": 8}}}).rollout.lora_rank == 8
+    assert load_config().rollout.lora_rank == 0
+    with pytest.raises(ConfigError, match=r"rollout\.lora_rank: .*derived from actor\.lora\.rank"):
+        load_config({"actor": {"lora": {"rank": 8}}, "rollout": {"lora_rank": 16}})

@@ -61,6 +61,7 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None,
         raise ConfigError(f"{key}: {message}. "
                           "Fix the value's type or spelling in the YAML or override.") from None
     derive_separate_async(config, given)
+    derive_lora_rank(config, given)
     validate(config)
     return config
 
@@ -78,6 +79,17 @@ def derive_separate_async(config: TandemConfig, given: set[str]) -> None:
     batch, mini = config.data.train_batch_size, config.actor.ppo_mini_batch_size
     if "trainer.separate_async.parameter_sync_step" not in given and mini and batch % mini == 0:
         config.trainer.separate_async.parameter_sync_step = batch // mini
+
+
+def derive_lora_rank(config: TandemConfig, given: set[str]) -> None:
+    """rollout.lora_rank follows actor.lora.rank (the engines must fit the actor's adapter)."""
+    rollout, rank = config.rollout, config.actor.lora.rank
+    if "rollout.lora_rank" in given and rollout.lora_rank < 0:
+        return  # out of its range: validate() says so
+    if "rollout.lora_rank" in given and rollout.lora_rank != rank:
+        raise ConfigError(f"rollout.lora_rank: is {rollout.lora_rank} but actor.lora.rank={rank}; "
+                          "it is derived from actor.lora.rank, leave it unset")
+    rollout.lora_rank = max(rank, 0)  # a negative rank is refused below, under its own name
 
 
 def _dotted_keys(tree: Any, prefix: str = "") -> Iterator[str]:

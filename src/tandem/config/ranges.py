@@ -27,6 +27,7 @@ RANGES: dict[str, str] = {
     "rollout.gpu_memory_utilization": "(0, 1]",
     "rollout.kv_cache_memory_bytes": "[0, inf)",
     "rollout.block_size": "[1, inf)",
+    "rollout.lora_rank": "[0, inf)",  # derived from actor.lora.rank
     "rollout.seed": "[0, 9223372036854775807]",  # an int64: torch and numpy seeds
     "rollout.agent_concurrency": "[1, inf)",
     "rollout.torch_threads": "[0, inf)",  # 0: auto

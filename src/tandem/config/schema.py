@@ -109,6 +109,9 @@ class RolloutConfig:
     enable_prefix_caching: bool = True
     free_cache_engine: bool = True  # release KV (and weights) while the actor trains
     seed: int = 0
+    # the adapter rank engines load (vLLM / SGLang reserve LoRA slots of it); load_config sets
+    # it from actor.lora.rank, 0: no adapters
+    lora_rank: int = 0
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)

@@ -1,7 +1,7 @@
 """LoRA on the actor through peft: wrapping, the adapter-only weight stream, the merged model.
 
 Wire format of an adapter stream (what every checkpoint engine carries and every rollout
-backend reads, rollout/adapter_stream.py): for each targeted linear `<module>` (its HF name,
+backend reads: rollout/adapter_stream.py): for each targeted linear `<module>` (its HF name,
 e.g. model.layers.0.self_attn.q_proj), `<module>.lora_A.weight` [rank, in] and
 `<module>.lora_B.weight` [out, rank] with the scale alpha / rank already folded into B, so the
 served weight is `W + B @ A` and a receiver needs no adapter config.

@@ -1,7 +1,6 @@
 """Serving a LoRA adapter: merge it into a working copy of the targeted linears, base kept.
 
-An adapter stream (training/lora.py's wire format: `<module>.lora_A.weight` [rank, in] and
-`<module>.lora_B.weight` [out, rank], the scale folded into B) is staged as whole merged
+An adapter stream (rollout/adapter_stream.py's wire format) is staged as whole merged
 weights `W_base + B @ A` (float32 sums, then the engine dtype, packed where the linear is),
 so it swaps in through the engine's usual all-or-nothing commit and decoding runs at full
 speed. The base of every module ever merged is kept on the host (`LoraState.base`), so the
@@ -17,14 +16,10 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from tandem.rollout.engine.weight_staging import all_finite
+from tandem.rollout.adapter_stream import is_adapter_name, read_adapter
+from tandem.rollout.base import all_finite
 
-SUFFIXES = (".lora_A.weight", ".lora_B.weight")
-
-
-def is_adapter_name(name: str) -> bool:
-    """Whether `name` is a tensor of an adapter stream."""
-    return name.endswith(SUFFIXES)
+__all__ = ["LoraState", "StagedAdapter", "is_adapter_name", "stage_adapter"]
 
 
 @dataclass
@@ -56,24 +51,6 @@ class StagedAdapter:
     adapter: dict[str, torch.Tensor]
 
 
-def _read_pairs(named_tensors: Iterable[tuple[str, torch.Tensor]]
-                ) -> dict[str, dict[str, torch.Tensor]]:
-    """module -> {"A": ..., "B": ...}, host copies (a transport may reuse its buffers)."""
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in named_tensors:
-        if not is_adapter_name(name):
-            raise ValueError(f"update_weights: {name!r} in an adapter stream; an update holds "
-                             "either adapter tensors (lora_A / lora_B) or model weights")
-        if not tensor.is_floating_point():
-            raise TypeError(f"update_weights: adapter tensor {name!r} has dtype {tensor.dtype}")
-        copy = tensor.detach().to("cpu", copy=True)
-        if not all_finite(copy):
-            raise ValueError(f"update_weights: adapter tensor {name!r} holds NaN or inf values")
-        module, kind = name.rsplit(".lora_", 1)
-        pairs.setdefault(module, {})[kind[0]] = copy
-    return pairs
-
-
 def stage_adapter(runner: Any, shapes: Mapping[str, torch.Size],
                   named_tensors: Iterable[tuple[str, torch.Tensor]], state: LoraState
                   ) -> StagedAdapter:
@@ -81,22 +58,8 @@ def stage_adapter(runner: Any, shapes: Mapping[str, torch.Size],
     touched, so any error leaves the previous adapter serving."""
     staged, new_base, adapter = {}, {}, {}
     with torch.no_grad():
-        for module, pair in _read_pairs(named_tensors).items():
+        for module, (a, b) in read_adapter(named_tensors, shapes).items():
             key = f"{module}.weight"
-            if key not in shapes or len(shapes[key]) != 2:
-                raise ValueError(f"update_weights: the adapter targets {module!r}, which is not a "
-                                 "linear layer of this model")
-            if set(pair) != {"A", "B"}:
-                raise ValueError(f"update_weights: the adapter of {module!r} lacks "
-                                 f"lora_{'B' if 'A' in pair else 'A'}.weight")
-            a, b = pair["A"], pair["B"]
-            out_features, in_features = shapes[key]
-            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or \
-                    b.shape[0] != out_features or a.shape[0] != b.shape[1]:
-                raise ValueError(f"update_weights: the adapter of {module!r} has A "
-                                 f"{tuple(a.shape)} and B {tuple(b.shape)}; the linear is "
-                                 f"[{out_features}, {in_features}], so A must be [rank, "
-                                 f"{in_features}] and B [{out_features}, rank]")
             base = state.base.get(key)
             if base is None:  # served unmerged until now: what it serves is the base
                 base = new_base[key] = runner.dense_weight(key).to("cpu", copy=True)
