@@ -36,13 +36,15 @@ def _use_engine(worker, config) -> None:
     worker._sync_engine = None
 
 
-def _perturb_adapter(worker, seed: int) -> None:
+def _perturb_adapter(worker, seed: int, fraction: float) -> None:
+    """Change `fraction` of every local adapter shard's elements."""
     generator = torch.Generator().manual_seed(seed * 10 + worker.rank)
     with torch.no_grad():
         for name, parameter in worker.actor.model.named_parameters():
             if ".lora_" in name:
                 local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-                local.add_(torch.randn(local.shape, generator=generator) * 0.2)
+                mask = torch.rand(local.shape, generator=generator) < fraction
+                local.add_(torch.randn(local.shape, generator=generator) * 0.2 * mask)
 
 
 def _merged_state(worker) -> dict[str, torch.Tensor]:
@@ -55,6 +57,10 @@ def _sync_bytes(worker) -> tuple[int, int]:
     from tandem.training.lora import adapter_bytes
 
     return worker._sync_engine.bytes_sent, adapter_bytes(worker.actor.model)
+
+
+def _sparse_tensors(worker) -> int:
+    return worker._sync_engine.sparse_tensors
 
 
 def _trainable_are_adapters(worker) -> bool:
@@ -90,20 +96,25 @@ def fleet(ray_cluster, model_path):
         ray.kill(worker)
 
 
-@pytest.mark.parametrize("version, backend, kwargs", [(1, "gloo", {}), (2, "shm", {}),
-                                                      (3, "delta", {"transport": "gloo"})])
+@pytest.mark.parametrize("version, backend, kwargs, fraction", [
+    (1, "gloo", {}, 1.0), (2, "shm", {}, 1.0),
+    (3, "delta", {"transport": "gloo"}, 1.0),  # the first delta sync is full: no kept copy yet
+    (4, "delta", {"transport": "gloo"}, 0.02)])  # sparse, against the servers' adapter
 async def test_adapter_only_sync_serves_the_merged_actor(fleet, model_path, tmp_path, version,
-                                                         backend, kwargs):
+                                                         backend, kwargs, fraction):
     workers, servers = fleet
     assert on_all(workers, _trainable_are_adapters) == [True, True]
     config = lora_config(backend, **kwargs).rollout.checkpoint_engine
-    on_all(workers, _use_engine, config)
-    on_all(workers, _perturb_adapter, version)
+    if version != 4:  # version 4 keeps version 3's sender: delta remembers what it sent
+        on_all(workers, _use_engine, config)
+    on_all(workers, _perturb_adapter, version, fraction)
     report = await cross_process(workers, servers, config).sync(version)
     assert report.served == {"replica-0": version, "replica-1": version}, report
     sent, adapter = on_all(workers[:1], _sync_bytes)[0]
     print(f"{backend}: {sent} bytes sent, adapter {adapter} bytes")
     assert 0 < sent <= adapter, (sent, adapter)
+    if fraction < 1:
+        assert on_all(workers[:1], _sparse_tensors)[0] > 0 and sent < adapter / 2
     expected = await fresh_engine_tokens(model_path, on_all(workers, _merged_state)[0], tmp_path)
     assert expected != await base_tokens(model_path)  # the adapter changes what is served
     for server_id, replica in servers.replicas.items():
