@@ -122,6 +122,13 @@ async def test_the_kv_cache_sleep_keeps_base_and_adapter_and_model_weights_becom
     assert [o.token_ids for o in await greedy(rollout, "full")] == served
     with pytest.raises(KeyError, match="no adapter tensor"):
         rollout.current_weight("model.layers.0.self_attn.q_proj.lora_A.weight")
+    # after the weights were dropped there is no base to merge into: a full stream must come first
+    await rollout.sleep(["weights"])
+    await rollout.wake_up(["weights"])
+    with pytest.raises(RuntimeError, match="dropped"):
+        await rollout.update_weights(actor.export_weights(), version=4)
+    await rollout.update_weights(iter_merged_weights(actor.model), version=4)
+    assert [o.token_ids for o in await greedy(rollout, "refilled")] == served
     await rollout.shutdown()
 
 

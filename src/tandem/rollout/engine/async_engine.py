@@ -404,6 +404,8 @@ class AsyncEngine:
             return {}
         stream = itertools.chain([first], stream)
         if is_adapter_name(first[0]):
+            if self.unfilled_weights:  # dropped by sleep: there is no base to merge into
+                raise RuntimeError(self._weights_missing_message())
             return stage_adapter(self.runner, self._accepted_shapes(), stream, self.lora)
         return stage_weights(self.runner, self._accepted_shapes(), stream, self.version)
 
