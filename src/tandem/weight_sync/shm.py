@@ -36,7 +36,7 @@ from tandem.weight_sync.base import CheckpointEngine, NamedTensors, SyncPlan, We
 from tandem.weight_sync.bucketing import Unpacker, bucket_size, fill_bucket, plan_buckets
 from tandem.weight_sync.control import (await_commit, commit, put, rendezvous, serve_store, take,
                                         wait_keys)
-from tandem.weight_sync.slot_transfer import receive_slot, send_into_slots
+from tandem.weight_sync.slot_transfer import map_slots, receive_slot, send_into_slots
 
 N_BUFFERS = 2
 
@@ -104,6 +104,7 @@ class ShmCheckpointEngine(CheckpointEngine):
         """Receivers map the buffers; everyone meets; then the sender unlinks the files."""
         super().init_process_group(plan, rank)
         if "slots" in plan.details:
+            map_slots(plan, rank)
             self._store = rendezvous(self._store, plan, rank)
             return
         if rank:

@@ -1,7 +1,8 @@
 """The shm transport's double-buffered mode: the sender writes each receiver's inactive weight
 slot (slots.py) directly, cast to the slot's dtype in the same pass, and announces the written
-tensors with their checksums in groups of about `bucket_bytes` (`ready/<rank>/<k>`, an empty
-value ends the stream). A receiver checks each announced tensor's checksum in its slot and
+tensors with their checksums in groups of about ANNOUNCE_BYTES (at most `bucket_bytes`;
+`ready/<rank>/<k>`, an empty value ends the stream), so the receiver checks one small group
+behind the writer instead of a whole bucket after it. A receiver checks each announced tensor's checksum in its slot and
 yields it (a view of the inactive slot); its iterator ends only after every weight of its
 layout arrived and the sender committed (control.py's done/commit handshake), so a sender that
 dies part-way leaves nothing the engine would flip to.
@@ -18,6 +19,16 @@ from tandem.weight_sync.base import NamedTensors, SyncPlan, WeightSyncError
 from tandem.weight_sync.control import await_commit, commit, put, take, wait_keys
 from tandem.weight_sync.slots import SlotsDescriptor, byte_sum, mapped, view, write_and_sum
 
+ANNOUNCE_BYTES = 4 << 20
+
+
+def map_slots(plan: SyncPlan, rank: int) -> None:
+    """Map the slots this participant writes (sender) or checks (receiver) before the transfer,
+    so page-table set-up is part of init_process_group, once per process and slot."""
+    targets = plan.details["slots"] if rank == 0 else [plan.details["slots"][rank - 1]]
+    for target in targets:
+        mapped(target.paths[target.inactive], target.layout.nbytes)
+
 
 def send_into_slots(store: dist.TCPStore, plan: SyncPlan, named_tensors: NamedTensors) -> int:
     """Write the stream into every receiver's inactive slot; returns the bytes written."""
@@ -30,6 +41,7 @@ def send_into_slots(store: dist.TCPStore, plan: SyncPlan, named_tensors: NamedTe
     groups = [0] * len(targets)
     filled: list[set[str]] = [set() for _ in targets]
     written = 0
+    group_bytes = min(plan.bucket_bytes, ANNOUNCE_BYTES)
     for name, tensor in named_tensors:
         for index, (slot, layout) in enumerate(zip(slots, layouts)):
             rank = index + 1
@@ -47,7 +59,7 @@ def send_into_slots(store: dist.TCPStore, plan: SyncPlan, named_tensors: NamedTe
             pending[index].append((key, write_and_sum(view(slot, entry), tensor)))
             pending_bytes[index] += entry.nbytes
             written += entry.nbytes
-            if pending_bytes[index] >= plan.bucket_bytes:
+            if pending_bytes[index] >= group_bytes:
                 _announce(store, rank, groups[index], pending[index])
                 groups[index] += 1
                 pending[index], pending_bytes[index] = [], 0
