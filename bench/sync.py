@@ -27,11 +27,13 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import torch
 
 from tandem.weight_sync.registry import get_checkpoint_engine_class
+from tandem.weight_sync.slots import WeightSlots, make_layout
 
 GIB = 1 << 30
 
@@ -50,14 +52,29 @@ def make_state(total_megabytes: int, tensor_megabytes: int,
 
 
 def receiver_main(conn, threads: int, device: str) -> None:
-    """The rollout side: holds parameters, joins each sync it is sent, copies what arrives."""
+    """The rollout side: holds parameters, joins each sync it is sent, copies what arrives
+    (double-buffered: its parameters are views of one of two weight slots; it checks the slot
+    the sender wrote and flips to it, under a lock as an engine flips between two steps)."""
     torch.set_num_threads(threads)
     params: dict[str, torch.Tensor] = {}
+    slots, active, step_lock = None, 0, threading.Lock()
     while (message := conn.recv()) is not None:
         kind, payload = message
         if kind == "allocate":
             params = {name: torch.zeros(numel, device=device) for name, numel in payload.items()}
+            if slots is not None:
+                slots.close()
+                slots = None
             conn.send("ok")
+            continue
+        if kind == "slots":  # serve from slot `active` from now on (the engine's first sync)
+            if slots is None:
+                slots, active = WeightSlots(make_layout((name, tuple(t.shape), t.dtype)
+                                                        for name, t in params.items())), 0
+            for name, view in slots.views(active).items():
+                view.copy_(params[name])
+                params[name] = view
+            conn.send(slots.descriptor(active))
             continue
         if kind == "checksum":  # the bits that arrived, to compare with the sender's
             conn.send(_checksum(params))
@@ -66,15 +83,25 @@ def receiver_main(conn, threads: int, device: str) -> None:
         if engine_name == "delta":
             kwargs = dict(kwargs, current_weights=params.__getitem__, current_version=version)
         engine = get_checkpoint_engine_class(engine_name)(**kwargs)
+        flip_s = None
         try:
             engine.init_process_group(plan, 1)
-            for name, tensor in engine.receive_weights():
-                params[name].copy_(tensor)
+            if "slots" in plan.details:
+                for _ in engine.receive_weights():  # each tensor's checksum checked in the slot
+                    pass
+                started = time.perf_counter()
+                with step_lock:  # generation stands still only here
+                    active = plan.details["slots"][0].inactive
+                    params = slots.views(active)
+                flip_s = time.perf_counter() - started
+            else:
+                for name, tensor in engine.receive_weights():
+                    params[name].copy_(tensor)
             if device == "cuda":
                 torch.cuda.synchronize()
         finally:
             engine.finalize()
-        conn.send("ok")
+        conn.send("ok" if flip_s is None else ("ok", flip_s, slots.descriptor(active)))
 
 
 def _checksum(state: dict[str, torch.Tensor]) -> list[int]:
@@ -95,9 +122,13 @@ class Receiver:
     def call(self, kind: str, payload) -> None:
         self.conn.send((kind, payload))
 
-    def wait(self) -> None:
-        if self.conn.recv() != "ok":
+    def wait(self):
+        """The receiver's answer: "ok", or ("ok", flip seconds, its slots) after a
+        double-buffered sync."""
+        answer = self.conn.recv()
+        if answer != "ok" and not (isinstance(answer, tuple) and answer[0] == "ok"):
             raise RuntimeError("receiver failed")
+        return answer
 
     def checksum(self) -> list[int]:
         self.call("checksum", None)
@@ -166,6 +197,10 @@ def _time_remote(engine_name: str, kwargs: dict, state, receiver: Receiver, repe
     generator = torch.Generator().manual_seed(0)
     best = {"send_s": float("inf")}
     version = 0
+    slots = None
+    if kwargs.get("double_buffer"):
+        receiver.call("slots", None)
+        slots = receiver.conn.recv()
     for attempt in range(repeats + (1 if change_fraction else 0)):
         if change_fraction and attempt:
             for tensor in state.values():
@@ -173,7 +208,7 @@ def _time_remote(engine_name: str, kwargs: dict, state, receiver: Receiver, repe
                                       generator=generator)
                 tensor[where] += 1.0
         started = time.perf_counter()
-        plan = engine.build_topology(1, version + 1, [version])
+        plan = engine.build_topology(1, version + 1, [version], [slots] if slots else None)
         receiver.call("sync", (engine_name, kwargs, plan, version))
         engine.init_process_group(plan, 0)
         setup = time.perf_counter() - started
@@ -182,12 +217,15 @@ def _time_remote(engine_name: str, kwargs: dict, state, receiver: Receiver, repe
         elapsed = time.perf_counter() - started
         sent = engine.bytes_sent
         engine.finalize()
-        receiver.wait()
+        answer = receiver.wait()
+        flip_s = None
+        if slots is not None:
+            _, flip_s, slots = answer
         version += 1
         if change_fraction and attempt == 0:
             continue  # the full sync that gives the receiver the base version
         if elapsed < best["send_s"]:
-            best = {"send_s": elapsed, "setup_s": setup, "bytes_sent": sent}
+            best = {"send_s": elapsed, "setup_s": setup, "bytes_sent": sent, "flip_s": flip_s}
     return best
 
 
@@ -197,8 +235,9 @@ def main() -> None:
     parser.add_argument("--tensor-megabytes", type=int, default=25)
     parser.add_argument("--bucket-megabytes", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engines", default="naive,shm,gloo,delta,delta-gloo",
-                        help="delta runs over shm, delta-gloo over gloo")
+    parser.add_argument("--engines", default="naive,shm,shm-db,gloo,delta,delta-gloo",
+                        help="shm: the bucket ring; shm-db: double-buffered (the receiver serves "
+                        "from two weight slots); delta runs over shm, delta-gloo over gloo")
     parser.add_argument("--peer-threads", type=int, default=1,
                         help="torch threads of each side of a cross-process sync")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU, CUDA IPC)")
@@ -223,7 +262,8 @@ def main() -> None:
         print("shm between processes through " + ("CUDA IPC handles of two device buffers"
               if args.device == "cuda" else "/dev/shm files (CUDA IPC needs --device cuda)"))
     receiver = Receiver(args.peer_threads, args.device)
-    shm_ratios: dict[int, float] = {}
+    shm_ratios: dict[int, dict[str, float]] = {}
+    pause_ratios: dict[int, float] = {}
     kwargs = {"bucket_megabytes": args.bucket_megabytes, "timeout_s": 600.0,
               **({"device": "cuda"} if args.device == "cuda" else {})}
     for size in (int(s) for s in args.sizes.split(",")):
@@ -247,17 +287,24 @@ def main() -> None:
         for engine in engines:
             if engine == "naive":
                 report("naive", time_naive(state, destination, args.repeats, args.bucket_megabytes))
-            elif engine in ("shm", "gloo"):
-                result = time_remote(engine, kwargs, state, receiver, args.repeats,
+            elif engine in ("shm", "shm-db", "gloo"):
+                transport = "gloo" if engine == "gloo" else "shm"
+                engine_kwargs = dict(kwargs, double_buffer=True) if engine == "shm-db" else \
+                    dict(kwargs, double_buffer=False) if engine == "shm" else kwargs
+                result = time_remote(transport, engine_kwargs, state, receiver, args.repeats,
                                      threads=args.peer_threads)
                 exact = receiver.checksum() == _checksum(state)
+                flip = (f", pause (flip) {result['flip_s'] * 1e3:.3f} ms = "
+                        f"{result['flip_s'] / memcpy:.4f}x one memcpy" if result["flip_s"] else "")
                 rate = report(engine, result["send_s"], f"  (setup {result['setup_s'] * 1e3:.0f} "
-                              f"ms, bits {'equal' if exact else 'DIFFER'})")
+                              f"ms, bits {'equal' if exact else 'DIFFER'}{flip})")
                 full_times[engine] = result["send_s"]
                 if not exact:
                     raise SystemExit(f"sync.py: {engine} delivered other bits than were sent")
-                if engine == "shm":
-                    shm_ratios[size] = rate / memcpy_rate
+                if engine in ("shm", "shm-db"):
+                    shm_ratios.setdefault(size, {})[engine] = rate / memcpy_rate
+                if result["flip_s"]:
+                    pause_ratios[size] = result["flip_s"] / memcpy
             elif engine in ("delta", "delta-gloo"):
                 transport = "gloo" if engine == "delta-gloo" else "shm"
                 for fraction in (0.01, 0.10):
@@ -270,9 +317,14 @@ def main() -> None:
         del state, destination
     receiver.close()
     print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    if shm_ratios:
+    if pause_ratios:
+        size = min(pause_ratios, key=lambda s: abs(s - 500))
+        print(f"PAUSE_RATIO {pause_ratios[size]:.4f} generation pause (flip) of a double-buffered "
+              f"shm sync / one memcpy, {size} MB, {args.device}")
+    if shm_ratios:  # the default same-host path: double-buffered where it ran, else the ring
         size = min(shm_ratios, key=lambda s: abs(s - 500))
-        print(f"RATIO {shm_ratios[size]:.2f} shm cross-process, {size} MB, {args.device}")
+        path = "shm-db" if "shm-db" in shm_ratios[size] else "shm"
+        print(f"RATIO {shm_ratios[size][path]:.2f} {path} cross-process, {size} MB, {args.device}")
 
 
 if __name__ == "__main__":

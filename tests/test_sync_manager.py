@@ -51,8 +51,8 @@ class LoopbackEngine(CheckpointEngine):
         super().__init__(bucket_megabytes, timeout_s)
         self.stop_after = stop_after
 
-    def build_topology(self, n_receivers, version, receiver_versions=None):
-        plan = super().build_topology(n_receivers, version, receiver_versions)
+    def build_topology(self, n_receivers, version, receiver_versions=None, receiver_slots=None):
+        plan = super().build_topology(n_receivers, version, receiver_versions, receiver_slots)
         channel = uuid.uuid4().hex
         self.channels[channel] = [queue.Queue() for _ in range(n_receivers)]
         plan = dataclasses.replace(plan, details={"channel": channel,

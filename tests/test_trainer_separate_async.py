@@ -186,7 +186,7 @@ def test_separate_async_trains_while_standalone_rollout_generates(tmp_path, ray_
         assert ("spill/joins_total" in record) == spillover
         if spillover:
             assert record["spill/joins_total"] >= 1 and record["spill/tokens"] >= 0
-        for key in ("sync/total_s", "sync/transfer_s", "sync/abort_s", "idle/trainer_seconds",
+        for key in ("sync/total_s", "sync/transfer_s", "sync/pause_s", "idle/trainer_seconds",
                     "idle/rollout_seconds", "buffer/wait_seconds", "actor/grad_norm",
                     "rollout/cross_version_fraction"):
             assert key in record, key

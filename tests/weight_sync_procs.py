@@ -76,11 +76,11 @@ def error_record(error: WeightSyncError, started: float) -> dict:
 
 
 def build_sender(key: str, engine: str, kwargs: dict, n_receivers: int, version: int,
-                 receiver_versions: list[int] | None):
+                 receiver_versions: list[int] | None, receiver_slots: list | None = None):
     """Make (or reuse) the sender engine `key` and return its plan."""
     if key not in _SENDERS:
         _SENDERS[key] = get_checkpoint_engine_class(engine)(**kwargs)
-    return _SENDERS[key].build_topology(n_receivers, version, receiver_versions)
+    return _SENDERS[key].build_topology(n_receivers, version, receiver_versions, receiver_slots)
 
 
 def use_cuda(index: int) -> str:
@@ -90,9 +90,10 @@ def use_cuda(index: int) -> str:
 
 
 def run_sender(key: str, plan, state: dict[str, torch.Tensor], die_after: int | None = None,
-               device: str = "cpu"):
+               device: str = "cpu", pause_s: float = 0.0):
     """Rank 0: send `state` (moved to `device`); returns bytes_sent, or the error's record.
-    die_after makes this process exit abruptly once that many tensors were taken."""
+    die_after makes this process exit abruptly once that many tensors were taken; pause_s
+    sleeps before each tensor (a slow writer)."""
     engine = _SENDERS[key]
     state = {name: tensor.to(device) for name, tensor in state.items()}
 
@@ -100,6 +101,7 @@ def run_sender(key: str, plan, state: dict[str, torch.Tensor], die_after: int | 
         for index, item in enumerate(state.items()):
             if die_after is not None and index == die_after:
                 os._exit(3)
+            time.sleep(pause_s)
             yield item
 
     started = time.monotonic()

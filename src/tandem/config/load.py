@@ -90,6 +90,11 @@ def derive_lora_rank(config: TandemConfig, given: set[str]) -> None:
         raise ConfigError(f"rollout.lora_rank: is {rollout.lora_rank} but actor.lora.rank={rank}; "
                           "it is derived from actor.lora.rank, leave it unset")
     rollout.lora_rank = max(rank, 0)  # a negative rank is refused below, under its own name
+    kwargs = rollout.checkpoint_engine.engine_kwargs
+    if rank > 0 and kwargs.get("double_buffer") is True:
+        raise ConfigError("rollout.checkpoint_engine.engine_kwargs.double_buffer: weight slots "
+                          "hold full versions and a LoRA sync sends only the adapter; set it "
+                          "false (or leave it unset) with actor.lora")
 
 
 def _dotted_keys(tree: Any, prefix: str = "") -> Iterator[str]:

@@ -156,6 +156,12 @@ class BaseRollout(ABC):
         """Install what stage_weights() returned and stamp `version` on later tokens."""
         await self.update_weights(staged, version, partial)
 
+    def weight_slot_specs(self) -> Any:
+        """(name, shape, dtype) list and aliases of the weights two shared slots would hold, for
+        the double-buffered handoff; None (the default): this engine cannot serve from slots,
+        so a shm sync loads it through the plain path (native.py implements the slots)."""
+        return None
+
     def current_weight(self, name: str) -> torch.Tensor:
         """The dense weight `name` now served (a delta sync applies its changes to it)."""
         raise NotImplementedError(f"{type(self).__name__} cannot report its weights; use a "

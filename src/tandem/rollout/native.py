@@ -58,9 +58,22 @@ class NativeRollout(BaseRollout):
         event loop (commit_weights re-checks that the weights were not put to sleep meanwhile)."""
         return self.engine.stage_weights(named_tensors)
 
-    async def commit_weights(self, staged: dict[str, torch.Tensor], version: int,
-                             partial: bool = False) -> None:
-        await self.engine.commit_weights(staged, version, partial)
+    async def commit_weights(self, staged, version: int, partial: bool = False) -> float:
+        """Swap in (or flip to) what was staged; returns the seconds generation stood still."""
+        return await self.engine.commit_weights(staged, version, partial)
+
+    def weight_slot_specs(self):
+        return self.engine.weight_slot_specs()
+
+    async def map_weight_slots(self, views: list[dict[str, torch.Tensor]], active: int) -> None:
+        await self.engine.map_weight_slots(views, active)
+
+    @property
+    def weight_slot_active(self) -> int | None:
+        return self.engine.weight_slot_active
+
+    def stage_slot_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], index: int):
+        return self.engine.stage_slot_weights(named_tensors, index)
 
     def current_weight(self, name: str) -> torch.Tensor:
         return self.engine.current_weight(name)

@@ -31,6 +31,7 @@ from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags
 from tandem.types import GenerateRequest, TokenOutput
 from tandem.weight_sync.base import SyncPlan
 from tandem.weight_sync.participants import receive_into
+from tandem.weight_sync.slots import SlotsDescriptor, WeightSlots, make_layout, slots_fit
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class RolloutServer:
         self._idle.set()
         self._generating = 0
         self._sync: dict[str, Any] | None = None  # the sync being received: version, progress
+        self._slots: WeightSlots | None = None  # the engine's two weight slots, once made
         self._counts = {"requests": 0, "completed": 0, "aborted": 0, "failed": 0, "cancelled": 0,
                         "tokens": 0}
 
@@ -265,7 +267,8 @@ class RolloutServer:
         it after abort_all_requests() and release_kv_cache()). The whole stream is staged and
         checked before it is swapped in, so a failure (WeightSyncError naming the phase) leaves
         the engine serving its previous version. Returns seconds per phase and the version."""
-        self._require_quiet("receive_weights()")
+        if "slots" not in plan.details:  # double-buffered syncs run while generation goes on
+            self._require_quiet("receive_weights()")
         if self._sync is not None:
             raise RuntimeError(f"server {self.server_id!r} is already receiving version "
                                f"{self._sync['version']}")
@@ -277,6 +280,42 @@ class RolloutServer:
             self._sync = None
         return {**timings, "version": self.backend.weight_version}
 
+    async def weight_slots(self, engine_kwargs: dict[str, Any] | None = None
+                           ) -> SlotsDescriptor | None:
+        """The engine's two weight slots for a double-buffered shm sync (made, and the weights
+        copied into one, on first use); None where the engine cannot serve from slots or two
+        copies do not fit, unless engine_kwargs.double_buffer is true: then a ValueError."""
+        kwargs = engine_kwargs or {}
+        wanted = kwargs.get("double_buffer")
+        if wanted is False:
+            return None
+        field_name = "rollout.checkpoint_engine.engine_kwargs.double_buffer"
+        specs = self.backend.weight_slot_specs()
+        if specs is None:
+            if wanted:
+                raise ValueError(f"{field_name} is true, but server {self.server_id!r}'s "
+                                 f"{type(self.backend).__name__} cannot serve from weight slots "
+                                 "(a CUDA or non-native engine, or its weights asleep); set it "
+                                 "false")
+            return None
+        layout = make_layout(*specs)
+        if self._slots is None or self._slots.layout != layout:
+            shm_dir = kwargs.get("shm_dir", "/dev/shm")
+            problem = slots_fit(layout.nbytes, shm_dir)
+            if problem:
+                if wanted:
+                    raise ValueError(f"{field_name} is true, but {problem}; set it false (one "
+                                     "copy, generation paused for the load) or free memory")
+                logger.warning("server %s: no double buffer (%s); shm syncs pause generation "
+                               "for the load", self.server_id, problem)
+                return None
+            if self._slots is not None:
+                self._slots.close()
+            self._slots = WeightSlots(layout, shm_dir)
+        if self.backend.weight_slot_active is None:
+            await self.backend.map_weight_slots([self._slots.views(0), self._slots.views(1)], 0)
+        return self._slots.descriptor(self.backend.weight_slot_active)
+
     async def weight_version(self) -> int:
         """The version stamped on tokens generated now."""
         return self.backend.weight_version
@@ -287,6 +326,9 @@ class RolloutServer:
             self._paused = True
             self._update_gate()
             await self._backend.shutdown()
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
 
 
 # Calls must overlap (generate waits, abort arrives): an async actor with room for many of them.

@@ -5,7 +5,9 @@ their own processes (STANDALONE and COLOCATED replicas), in the seed's order (§
     -> actor send || every server receive + load -> finalize -> resume KV cache -> resume generation
 
 The resumable client keeps the tokens of aborted requests and asks again once generation
-resumes. Every wait has the deadline rollout.checkpoint_engine.timeout_s; a server that is dead
+resumes. With shm and engines that serve from two weight slots (double-buffered handoff,
+weight_sync/slots.py) nothing is aborted or released: the actor writes every engine's inactive
+slot while generation goes on, and each engine flips between two steps; the pause is the flip. Every wait has the deadline rollout.checkpoint_engine.timeout_s; a server that is dead
 or stuck before the transfer is left out of it (reported in `SyncReport.left_out`), a failure
 during it raises WeightSyncError naming the phase and the peer. Either way every server that
 took part resumes generating, each on its last complete version (loads are all or nothing).
@@ -54,6 +56,12 @@ class CrossProcessSync:
         timings: dict[str, float] = {}
         left_out: dict[str, str] = {}
         start = time.perf_counter()
+        replicas = list(self.servers.replicas.values())
+        slots = await self._offered_slots(replicas, timings)
+        if slots is not None:  # double-buffered: generation goes on; each engine flips
+            await self._transfer(replicas, version, timings, slots)
+            timings["sync/pause_s"] = timings.get("sync/flip_s", 0.0)
+            return await self._report(version, timings, start, left_out)
         paused = await self._each(list(self.servers.replicas.values()), "abort_all_requests",
                                   timings, "abort", left_out)
         try:
@@ -62,13 +70,32 @@ class CrossProcessSync:
             if not replicas:
                 raise WeightSyncError("prepare", None, "no rollout server is left to receive "
                                       f"version {version}: {left_out}")
-            await self._transfer(replicas, version, timings)
+            await self._transfer(replicas, version, timings, None)
         finally:
             # generation resumes whatever happened above, on each server's last complete version
             await self._each(paused, "resume_kv_cache", timings, "resume_kv_cache", left_out)
             await self._each(paused, "resume_generation", timings, "resume_generation", left_out)
+        timings["sync/pause_s"] = time.perf_counter() - start  # abort .. resume: nothing generates
+        return await self._report(version, timings, start, left_out)
+
+    async def _report(self, version: int, timings: dict[str, float], start: float,
+                      left_out: dict[str, str]) -> SyncReport:
         timings["sync/total_s"] = time.perf_counter() - start
+        timings["sync/copy_s"] = timings.get("sync/send_s", 0.0)  # the sender's pass over the weights
         return SyncReport(version, timings, await self.servers.weight_versions(), left_out)
+
+    async def _offered_slots(self, replicas: list[RolloutReplica], timings: dict[str, float]
+                             ) -> list | None:
+        """Every receiving server's weight slots when this sync can be double-buffered (shm,
+        engine_kwargs.double_buffer not false, every engine serving from slots), else None."""
+        if self.engine != "shm" or self.engine_kwargs.get("double_buffer") is False:
+            return None
+        begin = time.perf_counter()
+        offered = [await self._within(call(server, "weight_slots", self.engine_kwargs,
+                                           timeout_s=self.timeout_s), "prepare", name)
+                   for name, server in _receivers(replicas)]
+        timings["sync/prepare_slots_s"] = time.perf_counter() - begin
+        return offered if all(slots is not None for slots in offered) else None
 
     async def _each(self, replicas: list[RolloutReplica], method: str, timings: dict[str, float],
                     phase: str, left_out: dict[str, str]) -> list[RolloutReplica]:
@@ -87,15 +114,14 @@ class CrossProcessSync:
         return answered
 
     async def _transfer(self, replicas: list[RolloutReplica], version: int,
-                        timings: dict[str, float]) -> None:
+                        timings: dict[str, float], slots: list | None) -> None:
         """build topology, then send || receive + load (each participant finalizes itself)."""
-        receivers = [(f"receiver {rank} ({replica.server_id})", server) for rank, (replica, server)
-                     in enumerate(((r, s) for r in replicas for s in r.servers), start=1)]
+        receivers = _receivers(replicas)
         begin = time.perf_counter()
         versions = [await self._within(call(server, "weight_version", timeout_s=self.timeout_s),
                                        "build_topology", name) for name, server in receivers]
         plan = await self._within(call(self.trainers[0], "build_sync_plan", self.engine,
-                                       len(receivers), version, versions,
+                                       len(receivers), version, versions, slots,
                                        timeout_s=self.timeout_s),
                                   "build_topology", "sender rank 0")
         timings["sync/build_topology_s"] = time.perf_counter() - begin
@@ -112,10 +138,10 @@ class CrossProcessSync:
         for task, name in tasks.items():
             error = asyncio.CancelledError() if task.cancelled() else task.exception()
             if error is None:
-                for key, seconds in task.result().items():
+                for key, value in task.result().items():
                     if key != "version":  # the slowest participant sets each phase's time
-                        metric = f"sync/{key}_s"
-                        timings[metric] = max(timings.get(metric, 0.0), seconds)
+                        metric = "sync/bytes_moved" if key == "bytes_moved" else f"sync/{key}_s"
+                        timings[metric] = max(timings.get(metric, 0.0), value)
             else:
                 failures.append((name, error))
         if failures:
@@ -142,6 +168,12 @@ class CrossProcessSync:
             return await awaitable
         except Exception as error:
             raise WeightSyncError(phase, peer, f"{type(error).__name__}: {error}") from error
+
+
+def _receivers(replicas: list[RolloutReplica]) -> list[tuple[str, Any]]:
+    """(name, server) of every receiving server, rank 1 first."""
+    return [(f"receiver {rank} ({replica.server_id})", server) for rank, (replica, server)
+            in enumerate(((r, s) for r in replicas for s in r.servers), start=1)]
 
 
 def _transfer_error(failures: list[tuple[str, BaseException]], labels: dict[str, str],

@@ -80,8 +80,12 @@ class Fleet:
             self.transport = choose_transport(ckpt.backend, config.model.device, sender_node,
                                               receiver_nodes(self.rollout.replicas.values()),
                                               ckpt.engine_kwargs)
+            engine_kwargs = dict(ckpt.engine_kwargs)
+            # a LoRA sync streams only the adapter, while weight slots hold full versions
+            if config.actor.lora.rank and self.transport == "shm":
+                engine_kwargs["double_buffer"] = False
             self.weight_sync = CrossProcessSync(self.workers, self.rollout, self.transport,
-                                                ckpt.timeout_s, ckpt.engine_kwargs)
+                                                ckpt.timeout_s, engine_kwargs)
         else:
             self.rollout = await ServerManager.create(config.rollout, options, "hybrid",
                                                       hosts=self.workers)

@@ -174,10 +174,12 @@ class HybridWorker(RolloutServer):
         self._engine_matches_actor_at = None
 
     async def build_sync_plan(self, engine: str, n_receivers: int, version: int,
-                              receiver_versions: list[int] | None = None) -> SyncPlan:
+                              receiver_versions: list[int] | None = None,
+                              receiver_slots: list | None = None) -> SyncPlan:
         """Rank 0: make this sync's sender (checkpoint engine `engine`, which the fleet chose;
         its store on this node's IP unless engine_kwargs.master_addr says otherwise) and its
-        plan, which the cross-process sync hands to every receiving server (build_topology)."""
+        plan, which the cross-process sync hands to every receiving server (build_topology;
+        `receiver_slots`: the servers' weight slots of a double-buffered shm sync)."""
         if self.rank != 0:
             raise RuntimeError(f"build_sync_plan on rank {self.rank}: only rank 0 sends")
         if self._sync_engine is None or self._sync_engine.name != engine:
@@ -188,7 +190,8 @@ class HybridWorker(RolloutServer):
             self._sync_engine = make_checkpoint_engine(
                 engine, ckpt.update_weights_bucket_megabytes, ckpt.timeout_s, **kwargs)
             self._sync_engine.prepare()
-        return self._sync_engine.build_topology(n_receivers, version, receiver_versions)
+        return self._sync_engine.build_topology(n_receivers, version, receiver_versions,
+                                                receiver_slots)
 
     async def send_weights(self, plan: SyncPlan) -> dict[str, float]:
         """Every training rank, concurrently with the receivers: the full tensors of the

@@ -94,8 +94,10 @@ class CheckpointEngine(ABC):
         """Allocate what outlives one sync (nothing by default)."""
 
     def build_topology(self, n_receivers: int, version: int,
-                       receiver_versions: list[int] | None = None) -> SyncPlan:
-        """Sender side: decide who receives what; the plan travels to every receiver."""
+                       receiver_versions: list[int] | None = None,
+                       receiver_slots: list | None = None) -> SyncPlan:
+        """Sender side: decide who receives what; the plan travels to every receiver.
+        `receiver_slots` (per receiver a slots.SlotsDescriptor or None) is read by shm only."""
         if n_receivers < 1:
             raise ValueError(f"n_receivers must be >= 1, got {n_receivers}")
         return SyncPlan(self.name, version, n_receivers, self.bucket_bytes, self.timeout_s)

@@ -47,7 +47,8 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             if self.device_type == "cuda" else torch.device("cpu")
 
     def build_topology(self, n_receivers: int, version: int,
-                       receiver_versions: list[int] | None = None) -> SyncPlan:
+                       receiver_versions: list[int] | None = None,
+                       receiver_slots: list | None = None) -> SyncPlan:
         """Serve the rendezvous store of this sync; its address goes into the plan."""
         plan = super().build_topology(n_receivers, version, receiver_versions)
         self._store, details = serve_store(self.master_addr, self.timeout_s)

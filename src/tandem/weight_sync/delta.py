@@ -57,6 +57,11 @@ class DeltaCheckpointEngine(CheckpointEngine):
         if transport not in ("shm", "gloo", "nccl"):
             raise ValueError(f"delta transport must be shm, gloo or nccl, got {transport!r} "
                              "(engine_kwargs.transport)")
+        if transport_kwargs.get("double_buffer"):
+            raise ValueError("delta patches the receivers' current weights and cannot write a "
+                             "weight slot: drop engine_kwargs.double_buffer with backend delta")
+        if transport == "shm":
+            transport_kwargs["double_buffer"] = False
         self.inner = get_checkpoint_engine_class(transport)(bucket_megabytes, timeout_s,
                                                             **transport_kwargs)
         self.dtype = getattr(torch, dtype) if dtype else None
@@ -68,7 +73,8 @@ class DeltaCheckpointEngine(CheckpointEngine):
         self.sparse_tensors = 0  # sent as index + value in the last sync
 
     def build_topology(self, n_receivers: int, version: int,
-                       receiver_versions: list[int] | None = None) -> SyncPlan:
+                       receiver_versions: list[int] | None = None,
+                       receiver_slots: list | None = None) -> SyncPlan:
         """Delta if every receiver holds the version of the sender's copy, else full."""
         inner = self.inner.build_topology(n_receivers, version, receiver_versions)
         delta = (self._base_version is not None and receiver_versions is not None

@@ -61,7 +61,8 @@ async def receive_into(backend: Any, plan: SyncPlan, rank: int, who: str,
                        engine_kwargs: dict[str, Any] | None = None,
                        progress: dict[str, Any] | None = None) -> dict[str, float]:
     """Join `plan` as receiver `rank`: rendezvous, stage the whole stream (checked) in the
-    backend, finalize, then swap it in and stamp plan.version. Any failure leaves the backend on
+    backend (double-buffered: check the inactive slot the sender wrote), finalize, then swap it
+    in (flip) and stamp plan.version. Any failure leaves the backend on
     its previous complete version and raises WeightSyncError. Returns seconds per phase;
     progress["tensors_received"] counts the stream as it arrives."""
     progress = {} if progress is None else progress
@@ -85,7 +86,10 @@ async def receive_into(backend: Any, plan: SyncPlan, rank: int, who: str,
             with _timed(timings, "init_process_group"):
                 engine.init_process_group(plan, rank)
             with _timed(timings, "receive"):
-                return backend.stage_weights(counted(engine.receive_weights()))
+                stream = counted(engine.receive_weights())
+                if "slots" in plan.details:  # double-buffered: check the slot the sender wrote
+                    return backend.stage_slot_weights(stream, plan.details["slots"][rank - 1].inactive)
+                return backend.stage_weights(stream)
         except WeightSyncError:
             raise
         except Exception as error:  # a bad tensor, or a transport bug: name where it happened
@@ -98,7 +102,9 @@ async def receive_into(backend: Any, plan: SyncPlan, rank: int, who: str,
 
     staged = await run_in_fresh_thread(receive, f"weight-sync-receive-{rank}")
     with _timed(timings, "load"):
-        await backend.commit_weights(staged, plan.version)
+        still = await backend.commit_weights(staged, plan.version)
+    if isinstance(still, float):  # the backend says how long generation stood still
+        timings["flip"] = still
     return timings
 
 
@@ -115,6 +121,7 @@ def send_from(engine: CheckpointEngine | None, plan: SyncPlan,
                 engine.init_process_group(plan, 0)
             with _timed(timings, "send"):
                 asyncio.run(engine.send_weights(named_tensors))
+            timings["bytes_moved"] = float(getattr(engine, "bytes_sent", 0))
     finally:
         for _ in named_tensors:
             pass

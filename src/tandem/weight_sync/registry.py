@@ -18,7 +18,7 @@ _CHECKPOINT_ENGINES: dict[str, str] = {
 # misspelt one fails at load time; tests/reliability check the table against the constructors
 ENGINE_KWARGS: dict[str, tuple[str, ...]] = {
     "naive": (), "gloo": ("master_addr",), "nccl": ("master_addr",),
-    "shm": ("device", "shm_dir", "master_addr"), "delta": ("transport", "dtype", "max_sparse_ratio")}
+    "shm": ("device", "shm_dir", "master_addr", "double_buffer"), "delta": ("transport", "dtype", "max_sparse_ratio")}
 DELTA_TRANSPORTS = ("shm", "gloo", "nccl")
 
 
@@ -38,8 +38,13 @@ def engine_kwargs_problem(name: str, kwargs: dict) -> str | None:
         transport = kwargs.get("transport", "shm")
         if transport not in DELTA_TRANSPORTS:
             return f"transport={transport!r}: delta rides on one of {', '.join(DELTA_TRANSPORTS)}"
-        accepted |= set(ENGINE_KWARGS[transport])
+        accepted |= set(ENGINE_KWARGS[transport]) - {"double_buffer"}  # delta patches in place
     unknown = sorted(set(kwargs) - accepted)
+    if name == "shm" and kwargs.get("double_buffer") not in (None, True, False):
+        return f"double_buffer={kwargs['double_buffer']!r}: true, false, or unset (where memory allows)"
+    if name == "shm" and kwargs.get("double_buffer") and kwargs.get("device", "cpu") != "cpu":
+        return ("double_buffer maps the engine's weights in /dev/shm slots (CPU engines); with "
+                "device cuda set double_buffer false")
     if unknown:
         return (f"{name} takes no {', '.join(map(repr, unknown))}; its options are "
                 f"{', '.join(sorted(accepted)) or 'none'}")

@@ -8,6 +8,10 @@ advances). The buffers outlive a sync (fresh pages would cost a page fault and z
 every sync): the sender keeps them until `close()` or its exit, receivers keep their mappings
 for the next sync, and a new sender removes files left by senders that died.
 
+With `double_buffer` (engine kwarg; None: wherever every receiver offers weight slots) and
+receivers that map their weights in two shared slots (slots.py), the ring is not used: the
+sender writes each receiver's inactive slot directly (slot_transfer.py), one copy in all.
+
 Control goes through the sender's TCPStore (on `master_addr`, loopback unless given): `ready/k`
 holds bucket k's pickled chunk list (an empty value ends the stream); each receiver sets
 `consumed/k/rank` when its consumer has moved past bucket k, which frees that buffer for bucket
@@ -32,6 +36,7 @@ from tandem.weight_sync.base import CheckpointEngine, NamedTensors, SyncPlan, We
 from tandem.weight_sync.bucketing import Unpacker, bucket_size, fill_bucket, plan_buckets
 from tandem.weight_sync.control import (await_commit, commit, put, rendezvous, serve_store, take,
                                         wait_keys)
+from tandem.weight_sync.slot_transfer import map_slots, receive_slot, send_into_slots
 
 N_BUFFERS = 2
 
@@ -43,8 +48,15 @@ class ShmCheckpointEngine(CheckpointEngine):
 
     def __init__(self, bucket_megabytes: int = 512, timeout_s: float = 300.0,
                  device: str = "cpu", shm_dir: str = "/dev/shm", master_addr: str = "127.0.0.1",
-                 **engine_kwargs) -> None:
+                 double_buffer: bool | None = None, **engine_kwargs) -> None:
         super().__init__(bucket_megabytes, timeout_s, **engine_kwargs)
+        if double_buffer not in (None, True, False):
+            raise ValueError(f"shm double_buffer must be true, false or unset, got "
+                             f"{double_buffer!r} (engine_kwargs.double_buffer)")
+        if double_buffer and device != "cpu":
+            raise ValueError("shm double_buffer maps weight slots in /dev/shm: CPU engines only; "
+                             "set engine_kwargs.double_buffer false with device cuda")
+        self.double_buffer = double_buffer
         self.master_addr = master_addr  # where the sender's control store listens
         if device not in ("cpu", "cuda"):
             raise ValueError(f"shm device must be 'cpu' or 'cuda', got {device!r} (engine_kwargs.device)")
@@ -55,11 +67,16 @@ class ShmCheckpointEngine(CheckpointEngine):
         self.bytes_sent = 0  # bucket bytes written into shared memory in the last sync
 
     def build_topology(self, n_receivers: int, version: int,
-                       receiver_versions: list[int] | None = None) -> SyncPlan:
-        """Create the shared buffers and the control store; both go into the plan."""
+                       receiver_versions: list[int] | None = None,
+                       receiver_slots: list | None = None) -> SyncPlan:
+        """Create the control store and the shared buffers (or, double-buffered, take every
+        receiver's slots); both go into the plan."""
         plan = super().build_topology(n_receivers, version, receiver_versions)
+        slots = self._slots_to_write(n_receivers, receiver_slots)
         self._store, details = serve_store(self.master_addr, self.timeout_s)
-        if not self._buffers:
+        if slots is not None:
+            details["slots"] = slots
+        elif not self._buffers:
             self._create_buffers()
         if self.device == "cuda":
             details["cuda_handles"] = [reduce_tensor(buffer) for buffer in self._buffers]
@@ -67,9 +84,29 @@ class ShmCheckpointEngine(CheckpointEngine):
             details["paths"] = list(self._paths)
         return SyncPlan(plan.engine, version, n_receivers, plan.bucket_bytes, plan.timeout_s, details)
 
+    def _slots_to_write(self, n_receivers: int, receiver_slots: list | None) -> list | None:
+        """The receivers' slot descriptors if this sync writes slots, else None (the ring)."""
+        offered = list(receiver_slots or [None] * n_receivers)
+        if self.double_buffer is False or len(offered) != n_receivers:
+            return None
+        missing = [rank for rank, slots in enumerate(offered, 1) if slots is None]
+        if not missing:
+            return offered
+        if self.double_buffer:
+            raise WeightSyncError("build_topology", f"receiver {missing[0]}",
+                                  "engine_kwargs.double_buffer is true but this receiver maps no "
+                                  "weight slots (its engine cannot, or two copies do not fit); "
+                                  "set rollout.checkpoint_engine.engine_kwargs.double_buffer "
+                                  "false")
+        return None
+
     def init_process_group(self, plan: SyncPlan, rank: int) -> None:
         """Receivers map the buffers; everyone meets; then the sender unlinks the files."""
         super().init_process_group(plan, rank)
+        if "slots" in plan.details:
+            map_slots(plan, rank)
+            self._store = rendezvous(self._store, plan, rank)
+            return
         if rank:
             try:
                 self._buffers = _attach(plan.details, plan.bucket_bytes)
@@ -95,9 +132,15 @@ class ShmCheckpointEngine(CheckpointEngine):
         weakref.finalize(self, _unlink, list(self._paths))  # at close(), collection or exit
 
     async def send_weights(self, named_tensors: NamedTensors) -> None:
-        """Fill buffer k % 2 once every receiver is done with bucket k-2; announce it."""
-        if self.rank != 0 or not self._buffers:
+        """Fill buffer k % 2 once every receiver is done with bucket k-2; announce it (or,
+        double-buffered, write every receiver's inactive slot)."""
+        if self.rank != 0 or self.plan is None:
             raise RuntimeError("send_weights needs init_process_group(plan, rank=0) first")
+        if "slots" in self.plan.details:
+            self.bytes_sent = 0
+            self.bytes_sent = await asyncio.to_thread(send_into_slots, self._store, self.plan,
+                                                      named_tensors)
+            return
         await asyncio.to_thread(self._send, named_tensors)
 
     def _send(self, named_tensors: NamedTensors) -> None:
@@ -118,7 +161,11 @@ class ShmCheckpointEngine(CheckpointEngine):
         commit(self._store, self.plan.n_receivers, self.plan.timeout_s)
 
     def receive_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield views of the shared buffer, bucket by bucket (ranks >= 1)."""
+        """Yield views of the shared buffer, bucket by bucket (ranks >= 1); double-buffered,
+        checked views of this receiver's inactive slot."""
+        if self.rank and self.plan is not None and "slots" in self.plan.details:
+            yield from receive_slot(self._store, self.plan, self.rank)
+            return
         if not self.rank or not self._buffers:
             raise RuntimeError("receive_weights needs init_process_group(plan, rank>=1) first")
         unpacker = Unpacker()

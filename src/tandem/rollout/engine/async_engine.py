@@ -31,6 +31,8 @@ from tandem.rollout.engine.sampler import sample
 from tandem.rollout.engine.scheduler import ScheduledSequence, Scheduler
 from tandem.rollout.engine.sequence import Sequence, SequenceStatus
 from tandem.rollout.base import check_coverage, checked_version
+from tandem.rollout.engine.slot_weights import (SlotStage, flip, map_into, slot_specs,
+                                                stage_from_slot)
 from tandem.rollout.engine.weight_staging import stage_weights, weight_key
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 
@@ -65,6 +67,8 @@ class AsyncEngine:
         self.unfilled_weights: set[str] = set()  # names still to refill after a CPU drop
         self.weight_shapes: dict[str, torch.Size] = {}
         self.lora = LoraState()  # the adapter merged into the served weights, if any
+        self._slot_views: list[dict[str, torch.Tensor]] | None = None  # both slots' weights
+        self.weight_slot_active: int | None = None  # the slot dense weights are views of
         self.counters = {"steps": 0, "prompt_tokens_computed": 0, "generated_tokens": 0,
                          "failed_steps": 0}
         self.first_token_time: float | None = None  # time.time() of the first sampled token
@@ -349,6 +353,7 @@ class AsyncEngine:
         self.runner.release_packed()  # packed weights exist on CPU only
         if self.device.type == "cpu":  # the refill is a full stream, which is the new base
             self.lora = LoraState()
+        self._slot_views = self.weight_slot_active = None  # parameters are no views any more
         self.weights_state = "dropped" if self.device.type == "cpu" else "offloaded"
 
     def _restore_weights(self) -> None:
@@ -409,32 +414,74 @@ class AsyncEngine:
             return stage_adapter(self.runner, self._accepted_shapes(), stream, self.lora)
         return stage_weights(self.runner, self._accepted_shapes(), stream, self.version)
 
-    async def commit_weights(self, staged: Mapping[str, torch.Tensor] | StagedAdapter, version: int,
-                             partial: bool = False) -> None:
-        """Swap staged tensors (stage_weights) in under the step lock and stamp `version`
-        (an integer, never below the current one); the update must hold every weight unless
-        `partial` (an adapter always is)."""
+    async def commit_weights(self, staged: Mapping[str, torch.Tensor] | StagedAdapter | SlotStage,
+                             version: int, partial: bool = False) -> float:
+        """Swap staged tensors (stage_weights), merge a staged adapter, or flip to a staged slot
+        (stage_slot_weights), under the step lock, and stamp `version` (an integer, never below
+        the current one); the update must hold every weight unless `partial` (an adapter always
+        is). Returns the seconds generation stood still (swap or flip plus KV invalidation)."""
         self._ensure_loop()
         adapter = staged if isinstance(staged, StagedAdapter) else None
         staged = adapter.weights if adapter is not None else staged
         async with self._lock:
+            started = time.perf_counter()
             if self.weights_state != "loaded":
                 raise RuntimeError(self._weights_missing_message())
             version = checked_version(version, self.version)
-            check_coverage(staged, self._accepted_shapes(), partial or adapter is not None, version)
+            slot = isinstance(staged, SlotStage)
+            if slot and (self._slot_views is None or staged.index == self.weight_slot_active):
+                raise RuntimeError(f"slot {staged.index} is not this engine's inactive slot")
+            check_coverage(staged.names if slot else staged, self._accepted_shapes(),
+                           (partial or adapter is not None) and not slot, version)
             # nothing computed with the old weights may be reused: running requests recompute
             self.scheduler.preempt_all()
             self.blocks.clear_prefix_cache()
-            for key, tensor in staged.items():
-                self.runner.swap_weight(key, tensor)
-            self.unfilled_weights.difference_update(staged)
-            if adapter is not None:
-                self.lora.base.update(adapter.new_base)
-                self.lora.adapter = adapter.adapter
-            else:  # weights replaced by model weights are their own new base
-                self.lora.drop(staged)
+            if slot:
+                flip(self.runner, staged, self._slot_views[staged.index])
+                self.weight_slot_active = staged.index
+                self.lora.drop(staged.names)  # a full version is its own new base
+            else:
+                for key, tensor in staged.items():
+                    self.runner.swap_weight(key, tensor)
+                self.unfilled_weights.difference_update(staged)
+                self._slot_views = self.weight_slot_active = None  # fresh tensors, not slot views
+                if adapter is not None:
+                    self.lora.base.update(adapter.new_base)
+                    self.lora.adapter = adapter.adapter
+                else:  # weights replaced by model weights are their own new base
+                    self.lora.drop(staged)
             self.version = version
             self._work.set()
+            return time.perf_counter() - started
+
+    # ---- weight slots (the double-buffered handoff, slot_weights.py) ------------------------
+    def weight_slot_specs(self) -> tuple[list, dict[str, str]] | None:
+        """(name, shape, dtype) of every weight and the aliases senders may use, for the two
+        slots the server lays out; None when the engine cannot serve from slots now (weights
+        dropped, or an adapter merged: slots hold full versions)."""
+        if self.weights_state != "loaded" or self.unfilled_weights or self.lora.adapter:
+            return None
+        return slot_specs(self.runner, self._accepted_shapes())
+
+    async def map_weight_slots(self, views: list[dict[str, torch.Tensor]], active: int) -> None:
+        """Copy the served weights into slot `active` and serve dense weights from it (once;
+        a pause of one copy); `views` are both slots' weights by name."""
+        self._ensure_loop()
+        async with self._lock:
+            if self.weights_state != "loaded":
+                raise RuntimeError(self._weights_missing_message())
+            map_into(self.runner, views[active])
+            self._slot_views, self.weight_slot_active = views, active
+
+    def stage_slot_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], index: int
+                           ) -> SlotStage:
+        """Check the version a sender wrote into inactive slot `index` (the stream yields views
+        of it) and pack what the forward needs packed; may run in another thread."""
+        if self._slot_views is None or index == self.weight_slot_active:
+            raise RuntimeError(f"slot {index} is not this engine's inactive slot (active: "
+                               f"{self.weight_slot_active})")
+        return stage_from_slot(self.runner, self._accepted_shapes(), named_tensors,
+                               self._slot_views[index], index, self.version)
 
     def current_weight(self, name: str) -> torch.Tensor:
         """A host copy of the HF-named weight now served (packed linears unpacked), or of an

@@ -1,0 +1,173 @@
+"""The double-buffered same-host handoff: a sender process writes the native engine's inactive
+weight slot while it generates; the engine flips between two steps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandem.config.schema import RolloutConfig
+from tandem.models import build_tiny_model
+from tandem.rollout.native import NativeRollout
+from tandem.serving.server import RolloutServer
+from tandem.types import GenerateRequest
+from tandem.weight_sync.base import WeightSyncError
+from tandem.weight_sync.registry import engine_kwargs_problem
+from weight_sync_procs import Worker, build_sender, run_sender
+
+ROLLOUT = RolloutConfig(kv_cache_memory_bytes=8 << 20, block_size=16)
+GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
+KWARGS = {"bucket_megabytes": 1, "timeout_s": 10.0}
+ANSWER_S = 120
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return build_tiny_model()
+
+
+@pytest.fixture
+def sender():
+    worker = Worker()
+    yield worker
+    worker.close()
+
+
+def actor_state(model_path, seed: int) -> dict[str, torch.Tensor]:
+    """The tiny model's weights after a random step (what a trainer would send)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()
+            if not (name == "lm_head.weight" and model.config.tie_word_embeddings)}
+
+
+def generated(server: RolloutServer) -> int:
+    return server.stats()["backend"]["generated_tokens"]
+
+
+async def greedy(target, prefix: str) -> list[list[int]]:
+    outputs = [await target.generate(GenerateRequest(f"{prefix}{i}", prompt, GREEDY))
+               for i, prompt in enumerate(PROMPTS)]
+    return [output.token_ids for output in outputs]
+
+
+async def fresh_engine_tokens(model_path, state, directory) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.load_state_dict(state, strict=False)
+    model.save_pretrained(directory)
+    fresh = NativeRollout.create(directory, ROLLOUT)
+    try:
+        return await greedy(fresh, "fresh")
+    finally:
+        await fresh.shutdown()
+
+
+async def start_server(model_path) -> RolloutServer:
+    server = RolloutServer("slots")
+    await server.start(NativeRollout, model_path, ROLLOUT)
+    return server
+
+
+async def plan_for(sender: Worker, server: RolloutServer, version: int, key: str = "db"):
+    slots = await server.weight_slots({})
+    sender.submit(build_sender, key, "shm", KWARGS, 1, version, [server.backend.weight_version],
+                  [slots])
+    plan = await asyncio.to_thread(sender.result, ANSWER_S)
+    assert plan.details["slots"] == [slots]
+    return plan
+
+
+async def test_generation_goes_on_during_the_write_and_straddling_requests_see_both(
+        model_path, sender, tmp_path):
+    server = await start_server(model_path)
+    try:
+        plan = await plan_for(sender, server, 1)
+        state = actor_state(model_path, 1)
+        long = {"temperature": 0.0, "max_tokens": 1900, "ignore_eos": True}  # outlasts the write
+        running = [asyncio.create_task(server.generate(GenerateRequest(f"long{i}", prompt, long)))
+                   for i, prompt in enumerate(PROMPTS)]
+        while generated(server) < 4:
+            await asyncio.sleep(0.005)
+        inactive = server._slots.slots[plan.details["slots"][0].inactive]
+        sender.submit(run_sender, "db", plan, state, None, "cpu", 0.03)  # a slow writer
+        receive = asyncio.create_task(server.receive_weights(plan, 1, {}))
+        during = []  # tokens generated once the new version's bytes were landing, before the flip
+        while not receive.done():
+            if server.backend.weight_version == 0 and bool(inactive.any()):
+                during.append(generated(server))
+            await asyncio.sleep(0.005)
+        timings = await receive
+        sent = await asyncio.to_thread(sender.result, ANSWER_S)
+        assert not sent["error"], sent
+        assert len(during) >= 2 and during[-1] > during[0], during  # no pause for the write
+        assert timings["version"] == 1 and server.backend.weight_slot_active == 1
+        assert timings["flip"] < timings["receive"]
+        flipped_at = generated(server)
+        while generated(server) < flipped_at + 4:
+            await asyncio.sleep(0.005)
+        await server.abort_all_requests()  # partial outputs carry their per-token versions
+        await server.resume_generation()
+        for output in await asyncio.gather(*running):
+            assert output.stop_reason == "aborted", "finished before the flip: lengthen the write"
+            assert [version for version, _ in output.version_runs] == [0, 1], output.version_runs
+        expected = await fresh_engine_tokens(model_path, state, tmp_path)
+        assert await greedy(server, "after") == expected
+    finally:
+        await server.shutdown()
+
+
+async def test_a_writer_killed_mid_version_leaves_the_old_one_and_the_next_sync_succeeds(
+        model_path, tmp_path):
+    server = await start_server(model_path)
+    dying, second = Worker(), Worker()
+    try:
+        before = await greedy(server, "before")
+        plan = await plan_for(dying, server, 1, "dying")
+        dying.submit(run_sender, "dying", plan, actor_state(model_path, 1), 5)
+        with pytest.raises(WeightSyncError) as failure:
+            await server.receive_weights(plan, 1, {})
+        assert failure.value.phase == "receive" and failure.value.peer == "sender"
+        assert server.backend.weight_version == 0 and server.backend.weight_slot_active == 0
+        assert await greedy(server, "still") == before  # the old, whole version serves
+
+        plan = await plan_for(second, server, 1, "second")
+        assert plan.details["slots"][0].inactive == 1  # the torn slot is written again
+        state = actor_state(model_path, 2)
+        second.submit(run_sender, "second", plan, state)
+        timings = await server.receive_weights(plan, 1, {})
+        assert not (await asyncio.to_thread(second.result, ANSWER_S))["error"]
+        assert timings["version"] == 1 and server.backend.weight_slot_active == 1
+        assert await greedy(server, "after") == await fresh_engine_tokens(model_path, state,
+                                                                           tmp_path)
+    finally:
+        await server.shutdown()
+        dying.close()
+        second.close()
+
+
+async def test_double_buffer_true_is_refused_when_two_copies_do_not_fit(model_path, monkeypatch):
+    import tandem.serving.server as server_module
+
+    server = await start_server(model_path)
+    try:
+        monkeypatch.setattr(server_module, "slots_fit", lambda nbytes, shm_dir: "too small")
+        with pytest.raises(ValueError, match="engine_kwargs.double_buffer is true.*set it false"):
+            await server.weight_slots({"double_buffer": True})
+        assert await server.weight_slots({}) is None  # unset: the plain path where it does not fit
+        assert await server.weight_slots({"double_buffer": False}) is None
+    finally:
+        await server.shutdown()
+
+
+def test_double_buffer_options_are_checked_at_load_time():
+    assert engine_kwargs_problem("shm", {"double_buffer": True}) is None
+    assert "true, false" in engine_kwargs_problem("shm", {"double_buffer": "yes"})
+    assert "device cuda" in engine_kwargs_problem("shm", {"double_buffer": True, "device": "cuda"})
+    assert "double_buffer" in engine_kwargs_problem("delta", {"double_buffer": True})
