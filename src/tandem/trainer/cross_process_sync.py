@@ -120,8 +120,9 @@ class CrossProcessSync:
         begin = time.perf_counter()
         versions = [await self._within(call(server, "weight_version", timeout_s=self.timeout_s),
                                        "build_topology", name) for name, server in receivers]
+        extra = (slots,) if slots is not None else ()  # only double-buffered syncs pass slots
         plan = await self._within(call(self.trainers[0], "build_sync_plan", self.engine,
-                                       len(receivers), version, versions, slots,
+                                       len(receivers), version, versions, *extra,
                                        timeout_s=self.timeout_s),
                                   "build_topology", "sender rank 0")
         timings["sync/build_topology_s"] = time.perf_counter() - begin

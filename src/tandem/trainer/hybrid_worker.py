@@ -190,8 +190,8 @@ class HybridWorker(RolloutServer):
             self._sync_engine = make_checkpoint_engine(
                 engine, ckpt.update_weights_bucket_megabytes, ckpt.timeout_s, **kwargs)
             self._sync_engine.prepare()
-        return self._sync_engine.build_topology(n_receivers, version, receiver_versions,
-                                                receiver_slots)
+        extra = (receiver_slots,) if receiver_slots is not None else ()  # shm reads it only
+        return self._sync_engine.build_topology(n_receivers, version, receiver_versions, *extra)
 
     async def send_weights(self, plan: SyncPlan) -> dict[str, float]:
         """Every training rank, concurrently with the receivers: the full tensors of the
