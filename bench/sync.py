@@ -18,7 +18,10 @@ its own core, as the trainer places a training worker and a rollout server on th
 `--device cuda`: every tensor, the receiver's parameters and the shm buffers (CUDA IPC handles
 instead of /dev/shm files) live on the one GPU, and memcpy is a device-to-device copy; gloo and
 delta stay CPU transports here and are refused.
-Last line: RATIO <shm GiB/s / memcpy GiB/s> shm cross-process, <the size closest to 500 MB>
+`delta-link` (bench/sync_link.py, root only): gloo full vs delta over gloo, 1% changed, between
+two network namespaces joined by a veth pair shaped to `--link-rate` (two simulated hosts).
+Last lines: PAUSE_RATIO <flip / one memcpy>, DELTA_RATIO <delta / full gloo across the shaped
+link>, RATIO <shm GiB/s / memcpy GiB/s> shm cross-process, each at the size closest to 500 MB
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import time
 
 import torch
 
+import sync_link
 from tandem.weight_sync.registry import get_checkpoint_engine_class
 from tandem.weight_sync.slots import WeightSlots, make_layout
 
@@ -235,9 +239,11 @@ def main() -> None:
     parser.add_argument("--tensor-megabytes", type=int, default=25)
     parser.add_argument("--bucket-megabytes", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engines", default="naive,shm,shm-db,gloo,delta,delta-gloo",
+    parser.add_argument("--engines", default="naive,shm,shm-db,gloo,delta,delta-gloo,delta-link",
                         help="shm: the bucket ring; shm-db: double-buffered (the receiver serves "
-                        "from two weight slots); delta runs over shm, delta-gloo over gloo")
+                        "from two weight slots); delta runs over shm, delta-gloo over gloo; "
+                        "delta-link: gloo full vs delta between two shaped network namespaces")
+    parser.add_argument("--link-rate", default="1gbit", help="tc rate of the delta-link veth pair")
     parser.add_argument("--peer-threads", type=int, default=1,
                         help="torch threads of each side of a cross-process sync")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU, CUDA IPC)")
@@ -250,6 +256,7 @@ def main() -> None:
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("sync.py: --device cuda but torch sees no CUDA device")
+        engines = [e for e in engines if e != "delta-link"]  # a CPU bench between namespaces
         if set(engines) - {"naive", "shm"}:
             raise SystemExit(f"sync.py: --device cuda takes --engines naive,shm, not "
                              f"{','.join(sorted(set(engines) - {'naive', 'shm'}))}")
@@ -264,6 +271,7 @@ def main() -> None:
     receiver = Receiver(args.peer_threads, args.device)
     shm_ratios: dict[int, dict[str, float]] = {}
     pause_ratios: dict[int, float] = {}
+    delta_ratios: dict[int, float] = {}  # delta / full gloo across the shaped link
     kwargs = {"bucket_megabytes": args.bucket_megabytes, "timeout_s": 600.0,
               **({"device": "cuda"} if args.device == "cuda" else {})}
     for size in (int(s) for s in args.sizes.split(",")):
@@ -305,6 +313,19 @@ def main() -> None:
                     shm_ratios.setdefault(size, {})[engine] = rate / memcpy_rate
                 if result["flip_s"]:
                     pause_ratios[size] = result["flip_s"] / memcpy
+            elif engine == "delta-link":
+                if (reason := sync_link.unavailable()) is not None:
+                    print(f"  delta-link skipped: {reason}")
+                    continue
+                link = sync_link.run_link(size, args.tensor_megabytes, args.bucket_megabytes,
+                                          args.repeats, args.peer_threads, args.link_rate)
+                if not link["exact"]:
+                    raise SystemExit("sync.py: delta-link delivered other bits than were sent")
+                report("link gloo", link["full_s"], f"  ({args.link_rate} shaped veth)")
+                report("link delta", link["delta_s"], f"  (1% changed, bytes "
+                       f"{link['delta_bytes'] / link['full_bytes']:.1%} of full, "
+                       f"{link['delta_s'] / link['full_s']:.3f}x the full time)")
+                delta_ratios[size] = link["delta_s"] / link["full_s"]
             elif engine in ("delta", "delta-gloo"):
                 transport = "gloo" if engine == "delta-gloo" else "shm"
                 for fraction in (0.01, 0.10):
@@ -321,6 +342,10 @@ def main() -> None:
         size = min(pause_ratios, key=lambda s: abs(s - 500))
         print(f"PAUSE_RATIO {pause_ratios[size]:.4f} generation pause (flip) of a double-buffered "
               f"shm sync / one memcpy, {size} MB, {args.device}")
+    if delta_ratios:
+        size = min(delta_ratios, key=lambda s: abs(s - 500))
+        print(f"DELTA_RATIO {delta_ratios[size]:.3f} delta / full gloo, 1% changed, {size} MB, "
+              f"{args.link_rate} shaped link between two network namespaces")
     if shm_ratios:  # the default same-host path: double-buffered where it ran, else the ring
         size = min(shm_ratios, key=lambda s: abs(s - 500))
         path = "shm-db" if "shm-db" in shm_ratios[size] else "shm"

@@ -56,14 +56,13 @@ class CrossProcessSync:
         timings: dict[str, float] = {}
         left_out: dict[str, str] = {}
         start = time.perf_counter()
-        replicas = list(self.servers.replicas.values())
-        slots = await self._offered_slots(replicas, timings)
+        slots, replicas = await self._offered_slots(list(self.servers.replicas.values()),
+                                                    timings, left_out)
         if slots is not None:  # double-buffered: generation goes on; each engine flips
             await self._transfer(replicas, version, timings, slots)
             timings["sync/pause_s"] = timings.get("sync/flip_s", 0.0)
             return await self._report(version, timings, start, left_out)
-        paused = await self._each(list(self.servers.replicas.values()), "abort_all_requests",
-                                  timings, "abort", left_out)
+        paused = await self._each(replicas, "abort_all_requests", timings, "abort", left_out)
         try:
             replicas = await self._each(paused, "release_kv_cache", timings, "release_kv_cache",
                                         left_out)
@@ -84,18 +83,30 @@ class CrossProcessSync:
         timings["sync/copy_s"] = timings.get("sync/send_s", 0.0)  # the sender's pass over the weights
         return SyncReport(version, timings, await self.servers.weight_versions(), left_out)
 
-    async def _offered_slots(self, replicas: list[RolloutReplica], timings: dict[str, float]
-                             ) -> list | None:
+    async def _offered_slots(self, replicas: list[RolloutReplica], timings: dict[str, float],
+                             left_out: dict[str, str]) -> tuple[list | None, list[RolloutReplica]]:
         """Every receiving server's weight slots when this sync can be double-buffered (shm,
-        engine_kwargs.double_buffer not false, every engine serving from slots), else None."""
+        engine_kwargs.double_buffer not false, every engine serving from slots), else None; and
+        the replicas that answered (one that fails the offer goes to left_out, as on the ring)."""
         if self.engine != "shm" or self.engine_kwargs.get("double_buffer") is False:
-            return None
+            return None, replicas
         begin = time.perf_counter()
-        offered = [await self._within(call(server, "weight_slots", self.engine_kwargs,
-                                           timeout_s=self.timeout_s), "prepare", name)
-                   for name, server in _receivers(replicas)]
+        answers = await asyncio.gather(*(asyncio.gather(*(
+            call(server, "weight_slots", self.engine_kwargs, timeout_s=self.timeout_s)
+            for server in replica.servers)) for replica in replicas), return_exceptions=True)
         timings["sync/prepare_slots_s"] = time.perf_counter() - begin
-        return offered if all(slots is not None for slots in offered) else None
+        offered, answered = [], []
+        for replica, answer in zip(replicas, answers):
+            if isinstance(answer, ValueError):  # double_buffer true and the slots do not fit
+                raise WeightSyncError("prepare", replica.server_id, str(answer)) from answer
+            if isinstance(answer, BaseException):
+                left_out[replica.server_id] = f"prepare: {type(answer).__name__}: {answer}"
+                continue
+            offered.extend(answer)
+            answered.append(replica)
+        if not answered:
+            raise WeightSyncError("prepare", None, f"no rollout server is left to receive: {left_out}")
+        return (offered if all(slots is not None for slots in offered) else None), answered
 
     async def _each(self, replicas: list[RolloutReplica], method: str, timings: dict[str, float],
                     phase: str, left_out: dict[str, str]) -> list[RolloutReplica]:
