@@ -114,14 +114,17 @@ def _checksum(state: dict[str, torch.Tensor]) -> list[int]:
 
 
 class Receiver:
-    """A spawned receiver process driven over a pipe."""
+    """A spawned receiver process driven over a pipe, or (conn given) one already running at
+    the other end of that connection (bench/sync_link.py)."""
 
-    def __init__(self, threads: int, device: str = "cpu") -> None:
-        context = mp.get_context("spawn")
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=receiver_main, args=(child, threads, device),
-                                       daemon=True)
-        self.process.start()
+    def __init__(self, threads: int, device: str = "cpu", conn=None) -> None:
+        self.conn, self.process = conn, None
+        if conn is None:
+            context = mp.get_context("spawn")
+            self.conn, child = context.Pipe()
+            self.process = context.Process(target=receiver_main, args=(child, threads, device),
+                                           daemon=True)
+            self.process.start()
 
     def call(self, kind: str, payload) -> None:
         self.conn.send((kind, payload))
@@ -140,7 +143,8 @@ class Receiver:
 
     def close(self) -> None:
         self.conn.send(None)
-        self.process.join(30)
+        if self.process is not None:
+            self.process.join(30)
 
 
 def time_memcpy(state: dict[str, torch.Tensor], destination: dict[str, torch.Tensor],

@@ -106,32 +106,12 @@ def run_link(size: int, tensor_megabytes: int, bucket_megabytes: int, repeats: i
         teardown()
 
 
-class LinkReceiver:
-    """bench/sync.py's Receiver, driven over the Unix socket instead of a pipe."""
-
-    def __init__(self, conn) -> None:
-        self.conn = conn
-
-    def call(self, kind: str, payload) -> None:
-        self.conn.send((kind, payload))
-
-    def wait(self):
-        answer = self.conn.recv()
-        if answer != "ok" and not (isinstance(answer, tuple) and answer[0] == "ok"):
-            raise RuntimeError("receiver failed")
-        return answer
-
-    def checksum(self) -> list[int]:
-        self.call("checksum", None)
-        return self.conn.recv()
-
-
 def _sender(socket_path: str, arguments: str) -> None:
     import sync  # bench/sync.py, on PYTHONPATH
 
     size, tensor_megabytes, bucket_megabytes, repeats, threads = json.loads(arguments)
     listener = Listener(socket_path, "AF_UNIX")
-    receiver = LinkReceiver(listener.accept())
+    receiver = sync.Receiver(threads, conn=listener.accept())
     state = sync.make_state(size, tensor_megabytes)
     receiver.call("allocate", {name: t.numel() for name, t in state.items()})
     receiver.wait()
@@ -141,7 +121,7 @@ def _sender(socket_path: str, arguments: str) -> None:
     delta = sync.time_remote("delta", dict(kwargs, transport="gloo"), state, receiver, repeats,
                              0.01, threads)
     delta_exact = receiver.checksum() == sync._checksum(state)
-    receiver.conn.send(None)
+    receiver.close()
     nbytes = sum(t.numel() * 4 for t in state.values())
     print(json.dumps({"bytes": nbytes, "full_s": full["send_s"], "full_bytes": full["bytes_sent"],
                       "delta_s": delta["send_s"], "delta_bytes": delta["bytes_sent"],

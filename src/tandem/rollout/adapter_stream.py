@@ -9,9 +9,10 @@ alpha / rank folded into B, so the served weight is `W + B @ A`. The native engi
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
@@ -24,6 +25,17 @@ PEFT_PREFIX = "base_model.model."
 def is_adapter_name(name: str) -> bool:
     """Whether `name` is a tensor of an adapter stream."""
     return name.endswith(SUFFIXES)
+
+
+def peek_stream(named_tensors: Iterable[tuple[str, torch.Tensor]]
+                ) -> tuple[bool, Iterator[tuple[str, torch.Tensor]] | None]:
+    """(whether the stream is an adapter stream, the whole stream; None when it is empty): its
+    first name decides, and nothing is consumed."""
+    stream = iter(named_tensors)
+    first = next(stream, None)
+    if first is None:
+        return False, None
+    return is_adapter_name(first[0]), itertools.chain([first], stream)
 
 
 def read_adapter(named_tensors: Iterable[tuple[str, torch.Tensor]],

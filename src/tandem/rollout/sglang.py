@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from tandem.config.schema import LORA_TARGETS, RolloutConfig
-from tandem.rollout.adapter_stream import is_adapter_name, read_adapter, write_peft_adapter
+from tandem.rollout.adapter_stream import peek_stream, read_adapter, write_peft_adapter
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags, checked_version
 from tandem.rollout.external import checked_buckets, safetensors_shapes, stop_reason
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
@@ -183,14 +183,12 @@ class SGLangRollout(BaseRollout):
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
 
-        stream = iter(named_tensors)
-        first = next(stream, None)
-        if first is not None and is_adapter_name(first[0]):
-            await self._load_adapter([first, *stream], version)
+        adapter, stream = peek_stream(named_tensors)
+        if adapter:
+            await self._load_adapter(list(stream), version)
             return
         # checked in full before the engine is touched: a bad tensor leaves the old version
-        buckets = list(checked_buckets([] if first is None else [first, *stream], self.shapes,
-                                       self.bucket_bytes))
+        buckets = list(checked_buckets(stream or [], self.shapes, self.bucket_bytes))
         if not buckets:
             raise ValueError(f"update_weights: the stream held no tensor; stamping version "
                              f"{version} on the old weights would claim an update that never "

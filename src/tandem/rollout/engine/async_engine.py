@@ -13,7 +13,6 @@ middle of one.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
@@ -25,7 +24,8 @@ import torch
 from tandem.config.choices import LOGPROBS_MODES
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.engine.block_manager import BlockManager
-from tandem.rollout.engine.lora_merge import LoraState, StagedAdapter, is_adapter_name, stage_adapter
+from tandem.rollout.adapter_stream import is_adapter_name, peek_stream
+from tandem.rollout.engine.lora_merge import LoraState, StagedAdapter, stage_adapter
 from tandem.rollout.engine.model_runner import ModelRunner, torch_dtype
 from tandem.rollout.engine.sampler import sample
 from tandem.rollout.engine.scheduler import ScheduledSequence, Scheduler
@@ -403,12 +403,10 @@ class AsyncEngine:
         """Checked host copies of the stream (weight_staging.stage_weights), or, for an adapter
         stream, the merged weights (lora_merge.stage_adapter); the engine itself is not
         touched. Reads only the weights, so it may run in another thread."""
-        stream = iter(named_tensors)
-        first = next(stream, None)
-        if first is None:
+        adapter, stream = peek_stream(named_tensors)
+        if stream is None:
             return {}
-        stream = itertools.chain([first], stream)
-        if is_adapter_name(first[0]):
+        if adapter:
             if self.unfilled_weights:  # dropped by sleep: there is no base to merge into
                 raise RuntimeError(self._weights_missing_message())
             return stage_adapter(self.runner, self._accepted_shapes(), stream, self.lora)
