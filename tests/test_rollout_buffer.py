@@ -88,7 +88,8 @@ def test_stale_groups_are_dropped_or_handed_back():
     # token lags of the taken groups only (one policy token each, at versions 2 and 3)
     assert {k: v for k, v in metrics.items() if "token" in k} == {
         "staleness/token_lag_mean": 0.5, "staleness/token_lag_max": 1.0,
-        "staleness/tokens_lag_0": 0.5, "staleness/tokens_lag_1": 0.5}
+        "staleness/tokens_lag_0": 0.5, "staleness/tokens_lag_1": 0.5,
+        "staleness/policy_tokens": 2.0}
     _, stale, _, counts = asyncio.run(run("regenerate"))
     assert stale == ["old"] and counts["regenerated"] == 1 and counts["dropped"] == 0
     with pytest.raises(ValueError, match="on_stale"):

@@ -53,6 +53,19 @@ RANGES: dict[str, str] = {
     "rollout.multi_turn.tool_timeout_seconds": "(0, inf)",
     "reward.timeout_seconds": "(0, inf)",
     "reward.weights": "(-inf, inf)",  # finite; a negative weight penalises
+    "reward.rule_weight": "(-inf, inf)",  # finite; 0 leaves the rule reward out
+    "reward.model.weight": "(-inf, inf)",
+    "reward.model.n_devices": "[0, inf)",  # 0: share the training workers' bundle
+    "reward.model.torch_threads": "[1, inf)",
+    "reward.model.max_batch_size": "[1, inf)",
+    "reward.model.max_length": "[1, inf)",
+    "reward.judge.weight": "(-inf, inf)",
+    "reward.judge.n_devices": "[0, inf)",
+    "reward.judge.torch_threads": "[1, inf)",
+    "reward.judge.score_scale": "(-inf, inf)",
+    "reward.judge.max_new_tokens": "[1, inf)",
+    "reward.judge.prompt_length": "[1, inf)",
+    "reward.judge.kv_cache_memory_bytes": "[1, inf)",
     "actor.ppo_mini_batch_size": "[1, inf)",
     "actor.ppo_epochs": "[1, inf)",
     "actor.ppo_max_token_len_per_micro_batch": "[1, inf)",
