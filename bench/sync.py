@@ -10,6 +10,8 @@ from send start to the sender's commit (every byte in the receiver's parameters)
 cross-process sync run `--peer-threads` torch threads each (default 1: each is one process on
 its own core, as the trainer places a training worker and a rollout server on this 2-core box;
 2 + 2 threads on 2 cores oversubscribe them); memcpy and naive run at the process's default.
+Each shm row also times a memcpy on the sender's threads right before each of its syncs (so
+both see the same load on a shared machine) and compares with the best of those: that is RATIO.
 
     .venv/bin/python bench/sync.py                       # 100 MB, 500 MB, 2 GB
     .venv/bin/python bench/sync.py --sizes 100 --repeats 2
@@ -21,7 +23,8 @@ delta stay CPU transports here and are refused.
 `delta-link` (bench/sync_link.py, root only): gloo full vs delta over gloo, 1% changed, between
 two network namespaces joined by a veth pair shaped to `--link-rate` (two simulated hosts).
 Last lines: PAUSE_RATIO <flip / one memcpy>, DELTA_RATIO <delta / full gloo across the shaped
-link>, RATIO <shm GiB/s / memcpy GiB/s> shm cross-process, each at the size closest to 500 MB
+link>, RATIO <shm GiB/s / GiB/s of a memcpy on the sender's threads> shm cross-process, each at
+the size closest to 500 MB
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -187,23 +191,26 @@ def time_naive(state, destination, repeats: int, bucket_megabytes: int) -> float
 
 
 def time_remote(engine_name: str, kwargs: dict, state, receiver: Receiver, repeats: int,
-                change_fraction: float | None = None, threads: int = 1) -> dict:
+                change_fraction: float | None = None, threads: int = 1,
+                memcpy: Callable[[], float] | None = None) -> dict:
     """Best send time to the receiver process (plus setup and bytes of that sync), the sender on
     `threads` torch threads. For delta, a full sync comes first, then each timed one changes
-    `change_fraction` of the elements."""
+    `change_fraction` of the elements. `memcpy` (timed on the same threads right before each
+    sync, so both see the same load) gives `memcpy_s`, the best of those."""
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _time_remote(engine_name, kwargs, state, receiver, repeats, change_fraction)
+        return _time_remote(engine_name, kwargs, state, receiver, repeats, change_fraction, memcpy)
     finally:
         torch.set_num_threads(default_threads)
 
 
 def _time_remote(engine_name: str, kwargs: dict, state, receiver: Receiver, repeats: int,
-                 change_fraction: float | None) -> dict:
+                 change_fraction: float | None, memcpy: Callable[[], float] | None) -> dict:
     engine = get_checkpoint_engine_class(engine_name)(**kwargs)
     generator = torch.Generator().manual_seed(0)
     best = {"send_s": float("inf")}
+    best_memcpy = float("inf")
     version = 0
     slots = None
     if kwargs.get("double_buffer"):
@@ -215,6 +222,8 @@ def _time_remote(engine_name: str, kwargs: dict, state, receiver: Receiver, repe
                 where = torch.randint(tensor.numel(), (int(tensor.numel() * change_fraction),),
                                       generator=generator)
                 tensor[where] += 1.0
+        if memcpy is not None:
+            best_memcpy = min(best_memcpy, memcpy())
         started = time.perf_counter()
         plan = engine.build_topology(1, version + 1, [version], [slots] if slots else None)
         receiver.call("sync", (engine_name, kwargs, plan, version))
@@ -234,7 +243,7 @@ def _time_remote(engine_name: str, kwargs: dict, state, receiver: Receiver, repe
             continue  # the full sync that gives the receiver the base version
         if elapsed < best["send_s"]:
             best = {"send_s": elapsed, "setup_s": setup, "bytes_sent": sent, "flip_s": flip_s}
-    return best
+    return dict(best, memcpy_s=best_memcpy)
 
 
 def main() -> None:
@@ -304,17 +313,20 @@ def main() -> None:
                 engine_kwargs = dict(kwargs, double_buffer=True) if engine == "shm-db" else \
                     dict(kwargs, double_buffer=False) if engine == "shm" else kwargs
                 result = time_remote(transport, engine_kwargs, state, receiver, args.repeats,
-                                     threads=args.peer_threads)
+                                     threads=args.peer_threads, memcpy=lambda: time_memcpy(
+                                         state, destination, 1))
                 exact = receiver.checksum() == _checksum(state)
                 flip = (f", pause (flip) {result['flip_s'] * 1e3:.3f} ms = "
                         f"{result['flip_s'] / memcpy:.4f}x one memcpy" if result["flip_s"] else "")
-                rate = report(engine, result["send_s"], f"  (setup {result['setup_s'] * 1e3:.0f} "
-                              f"ms, bits {'equal' if exact else 'DIFFER'}{flip})")
+                same_threads = result["memcpy_s"] / result["send_s"]  # = rate / that memcpy's rate
+                report(engine, result["send_s"], f"  (setup {result['setup_s'] * 1e3:.0f} "
+                              f"ms, bits {'equal' if exact else 'DIFFER'}{flip}; {same_threads:.2f}x"
+                              f" a memcpy on its {args.peer_threads} thread(s), interleaved)")
                 full_times[engine] = result["send_s"]
                 if not exact:
                     raise SystemExit(f"sync.py: {engine} delivered other bits than were sent")
                 if engine in ("shm", "shm-db"):
-                    shm_ratios.setdefault(size, {})[engine] = rate / memcpy_rate
+                    shm_ratios.setdefault(size, {})[engine] = same_threads
                 if result["flip_s"]:
                     pause_ratios[size] = result["flip_s"] / memcpy
             elif engine == "delta-link":
@@ -353,7 +365,8 @@ def main() -> None:
     if shm_ratios:  # the default same-host path: double-buffered where it ran, else the ring
         size = min(shm_ratios, key=lambda s: abs(s - 500))
         path = "shm-db" if "shm-db" in shm_ratios[size] else "shm"
-        print(f"RATIO {shm_ratios[size][path]:.2f} {path} cross-process, {size} MB, {args.device}")
+        print(f"RATIO {shm_ratios[size][path]:.2f} {path} cross-process / memcpy on the sender's "
+              f"{args.peer_threads} thread(s), interleaved, {size} MB, {args.device}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (rollout/engine/csrc/cpu_kernels.cpp) against torch / HF references,
+"""The fused CPU kernels (csrc/cpu_kernels.cpp) against torch / HF references,
 and the engine's fused path against its torch path."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_
 import tandem.rollout.engine.model_runner as model_runner
 from tandem.config.schema import RolloutConfig
 from tandem.models import TinyModelSpec, build_tiny_model
-from tandem.rollout.engine import cpu_kernels
+from tandem import cpu_kernels
 from tandem.rollout.native import NativeRollout
 
 from float_bounds import EXP_RELATIVE, U, assert_within, gamma, max_ratio, token_logprob_bounds

@@ -4,11 +4,14 @@ weight slot while it generates; the engine flips between two steps."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tandem import cpu_kernels
 from tandem.config.schema import RolloutConfig
 from tandem.models import build_tiny_model
 from tandem.rollout.native import NativeRollout
@@ -16,6 +19,7 @@ from tandem.serving.server import RolloutServer
 from tandem.types import GenerateRequest
 from tandem.weight_sync.base import WeightSyncError
 from tandem.weight_sync.registry import engine_kwargs_problem
+from tandem.weight_sync.slots import byte_sum, write_and_sum
 from weight_sync_procs import Worker, build_sender, run_sender
 
 ROLLOUT = RolloutConfig(kv_cache_memory_bytes=8 << 20, block_size=16)
@@ -171,3 +175,46 @@ def test_double_buffer_options_are_checked_at_load_time():
     assert "true, false" in engine_kwargs_problem("shm", {"double_buffer": "yes"})
     assert "device cuda" in engine_kwargs_problem("shm", {"double_buffer": True, "device": "cuda"})
     assert "double_buffer" in engine_kwargs_problem("delta", {"double_buffer": True})
+
+
+def word_sum(data: bytes) -> int:
+    """byte_sum's definition in plain Python: little-endian int64 words, last zero-padded."""
+    padded = data + bytes(-len(data) % 8)
+    total = sum(int.from_bytes(padded[i:i + 8], "little") for i in range(0, len(padded), 8))
+    return (total + 2**63) % 2**64 - 2**63
+
+
+# byte lengths around the kernel's 128-byte streaming block, its 8-byte words and its 256 KiB
+# streaming threshold and 1 MiB pieces; destination offsets aligned (32) and not (8; 1 for the
+# kernel, whose callers' pointers are anything; the torch path views words, as slot entries allow)
+SIZES = (0, 1, 7, 8, 9, 127, 128, 129, 1000, (1 << 18) + 13, (3 << 20) + 5)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch"])
+def test_write_and_sum_copies_every_byte_and_returns_the_word_sum(fused, monkeypatch):
+    if fused and (os.environ.get(cpu_kernels.ENV_SWITCH) == "0" or shutil.which("c++") is None):
+        pytest.skip("the fused kernels are off or cannot be built here")
+    if not fused:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    generator = torch.Generator().manual_seed(3)
+    for nbytes in SIZES:
+        source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+        expected = word_sum(bytes(source.tolist())) if nbytes < 4096 else None
+        for offset in (0, 1, 8, 32) if fused else (0, 8, 32):
+            buffer = torch.full((nbytes + offset + 8,), 0xAB, dtype=torch.uint8)
+            destination = buffer[offset:offset + nbytes]
+            got = write_and_sum(destination, source)
+            assert torch.equal(destination, source), (nbytes, offset)
+            assert (buffer[:offset] == 0xAB).all() and (buffer[offset + nbytes:] == 0xAB).all()
+            assert got == byte_sum(destination) == byte_sum(source), (nbytes, offset)
+            if expected is not None:
+                assert got == expected, (nbytes, offset)
+
+
+def test_write_and_sum_casts_into_the_slot_dtype():
+    """A cast (fp32 actor into a bf16 slot) takes the torch path; the sum is of the cast bytes."""
+    source = torch.randn(1001, generator=torch.Generator().manual_seed(4))
+    destination = torch.empty(1001, dtype=torch.bfloat16)
+    got = write_and_sum(destination, source)
+    assert torch.equal(destination, source.to(torch.bfloat16))
+    assert got == word_sum(destination.view(torch.uint8).numpy().tobytes())

@@ -21,11 +21,12 @@ from typing import Iterable
 
 import torch
 
+from tandem import cpu_kernels
 from tandem.weight_sync.base import WeightSyncError
 from tandem.weight_sync.bucketing import ALIGN, dtype_name, dtype_of
 
-CHECKSUM_PIECE_BYTES = 1 << 20
-MADV_POPULATE_WRITE = 23  # Linux's value; Python's mmap module names it from 3.12 on  # the sender sums each piece right after writing it (cache-hot)
+CHECKSUM_PIECE_BYTES = 1 << 20  # the torch path sums each piece right after writing it (cache-hot)
+MADV_POPULATE_WRITE = 23  # Linux's value; Python's mmap module names it from 3.12 on
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,9 @@ def view(slot: torch.Tensor, entry: SlotEntry) -> torch.Tensor:
 
 def byte_sum(data: torch.Tensor) -> int:
     """A 64-bit wrapping sum of the bytes as little-endian int64 words (the tail zero-padded)."""
+    ops = _kernels(data)
+    if ops is not None:
+        return ops.sum_words(data)
     flat = data.reshape(-1).view(torch.uint8)
     whole = flat.numel() // 8 * 8
     total = int(flat[:whole].view(torch.int64).sum()) if whole else 0
@@ -127,10 +131,15 @@ def byte_sum(data: torch.Tensor) -> int:
 
 
 def write_and_sum(destination: torch.Tensor, source: torch.Tensor) -> int:
-    """Copy (and cast) `source` into the slot view `destination` piece by piece, summing each
-    piece of the destination while it is still in cache; returns byte_sum(destination)."""
+    """Copy (and cast) `source` into the slot view `destination`; returns byte_sum(destination).
+    Same dtype on CPU: one fused pass (cpu_kernels' copy_and_sum, streaming stores); else torch
+    copies piece by piece, summing each piece of the destination while it is still in cache."""
+    source = source.detach()
+    ops = _kernels(destination, source)
+    if ops is not None and source.dtype == destination.dtype and source.is_contiguous():
+        return ops.copy_and_sum(destination, source)
     flat_dst = destination.reshape(-1)
-    flat_src = source.detach().reshape(-1)
+    flat_src = source.reshape(-1)
     words = flat_dst.view(torch.uint8)
     size = destination.element_size()
     step = max(1, CHECKSUM_PIECE_BYTES // size)  # a piece is whole 8-byte words but the last
@@ -141,6 +150,13 @@ def write_and_sum(destination: torch.Tensor, source: torch.Tensor) -> int:
         piece = words[start * size:end * size]
         total += int(piece.view(torch.int64).sum()) if piece.numel() % 8 == 0 else byte_sum(piece)
     return (total + 2**63) % 2**64 - 2**63
+
+
+def _kernels(*tensors: torch.Tensor) -> object | None:
+    """The fused CPU ops when every tensor is a contiguous CPU tensor and they load, else None."""
+    if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return cpu_kernels.load()
+    return None
 
 
 class WeightSlots:

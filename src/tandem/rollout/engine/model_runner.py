@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tandem.rollout.engine import cpu_kernels
+from tandem import cpu_kernels
 from tandem.rollout.engine.attention import (AttentionMetadata, CascadeGroup, build_cascade_group,
                                              build_decode_group, build_group, paged_attention,
                                              write_kv)

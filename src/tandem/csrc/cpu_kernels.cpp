@@ -5,8 +5,14 @@
 //   rotary_write_kv    rotary embedding (HF rotate_half convention) on q in place and on k,
 //                      k and v written into their KV-cache slots
 //   silu_and_mul       silu(gate) * up
-// Built on first use by tandem/rollout/engine/cpu_kernels.py; they parallelise with torch's
+// and the weight handoff's byte checksums (weight_sync/slots.py):
+//   copy_and_sum       dst's bytes := src's bytes in one pass, returning their word sum
+//   sum_words          the same sum without the copy
+// Built on first use by tandem/cpu_kernels.py; they parallelise with torch's
 // own OpenMP threads (at::parallel_for), so torch.set_num_threads governs them too.
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -366,6 +372,115 @@ at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
   return out;
 }
 
+// The weight handoff's checksum: the bytes read as little-endian 64-bit words (the last one
+// zero-padded), summed with wraparound. Integer addition is associative, so pieces may be summed
+// on any thread in any order. A piece is whole words and a multiple of 64 bytes but the last.
+constexpr int64_t kPieceBytes = 1 << 20;
+constexpr int64_t kStreamBytes = 1 << 18;  // below this a copy stays in cache (plain stores)
+
+uint64_t tail_word(const uint8_t* s, int64_t n) {
+  uint64_t word = 0;
+  std::memcpy(&word, s, n);  // x86-64 and aarch64 Linux are little-endian
+  return word;
+}
+
+// Copies n bytes s -> d and sums them as words. With AVX2 and a 32-byte aligned destination
+// (slot entries are 64-byte aligned) the stores bypass the cache: the destination is not read
+// for ownership first, which saves a third of the memory traffic of a large copy.
+uint64_t copy_sum_piece(uint8_t* d, const uint8_t* s, int64_t n, bool stream) {
+  uint64_t total = 0;
+  int64_t i = 0;
+#if defined(__AVX2__)
+  if (stream) {
+    __m256i acc = _mm256_setzero_si256();
+    for (; i + 128 <= n; i += 128) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32));
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 64));
+      const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 96));
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), a);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 64), c);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 96), e);
+      acc = _mm256_add_epi64(acc, _mm256_add_epi64(_mm256_add_epi64(a, b), _mm256_add_epi64(c, e)));
+    }
+    _mm_sfence();  // the streamed stores are visible before anyone is told of them
+    alignas(32) uint64_t lanes[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+    total = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+  }
+#else
+  (void)stream;
+#endif
+  const int64_t words_end = n / 8 * 8;
+#pragma omp simd reduction(+ : total)
+  for (int64_t j = i; j < words_end; j += 8) {
+    uint64_t word;
+    std::memcpy(&word, s + j, 8);
+    std::memcpy(d + j, &word, 8);
+    total += word;
+  }
+  if (words_end < n) {
+    std::memcpy(d + words_end, s + words_end, n - words_end);
+    total += tail_word(s + words_end, n - words_end);
+  }
+  return total;
+}
+
+uint64_t sum_piece(const uint8_t* s, int64_t n) {
+  uint64_t total = 0;
+  const int64_t words_end = n / 8 * 8;
+#pragma omp simd reduction(+ : total)
+  for (int64_t j = 0; j < words_end; j += 8) {
+    uint64_t word;
+    std::memcpy(&word, s + j, 8);
+    total += word;
+  }
+  return words_end < n ? total + tail_word(s + words_end, n - words_end) : total;
+}
+
+// Runs piece(offset, bytes) over [0, n) in kPieceBytes pieces on torch's threads; sums the results.
+template <typename Piece>
+int64_t sum_over_pieces(int64_t n, const Piece& piece) {
+  const int64_t pieces = (n + kPieceBytes - 1) / kPieceBytes;
+  std::vector<uint64_t> partial(std::max<int64_t>(pieces, 1), 0);
+  at::parallel_for(0, pieces, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t offset = p * kPieceBytes;
+      partial[p] = piece(offset, std::min(kPieceBytes, n - offset));
+    }
+  });
+  uint64_t total = 0;
+  for (const uint64_t value : partial) total += value;
+  return static_cast<int64_t>(total);  // two's complement: the same bits as the wrapped sum
+}
+
+void check_bytes(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
+}
+
+int64_t copy_and_sum(const at::Tensor& dst, const at::Tensor& src) {
+  check_bytes(dst, "dst");
+  check_bytes(src, "src");
+  TORCH_CHECK(dst.dtype() == src.dtype() && dst.numel() == src.numel(),
+              "copy_and_sum copies bytes: dst and src need the same dtype and size");
+  const int64_t n = src.numel() * src.element_size();
+  uint8_t* d = static_cast<uint8_t*>(dst.data_ptr());
+  const uint8_t* s = static_cast<const uint8_t*>(src.data_ptr());
+  const bool stream = n >= kStreamBytes && reinterpret_cast<uintptr_t>(d) % 32 == 0;
+  return sum_over_pieces(n, [&](int64_t offset, int64_t bytes) {
+    return copy_sum_piece(d + offset, s + offset, bytes, stream);
+  });
+}
+
+int64_t sum_words(const at::Tensor& src) {
+  check_bytes(src, "src");
+  const uint8_t* s = static_cast<const uint8_t*>(src.data_ptr());
+  return sum_over_pieces(src.numel() * src.element_size(), [&](int64_t offset, int64_t bytes) {
+    return sum_piece(s + offset, bytes);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem_cpu, m) {
@@ -376,6 +491,8 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("rotary_write_kv(Tensor(a!) query, Tensor key, Tensor value, Tensor cos, Tensor sin, "
         "Tensor positions, Tensor slots, Tensor(b!) key_cache, Tensor(c!) value_cache) -> ()");
   m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("copy_and_sum(Tensor(a!) dst, Tensor src) -> int");
+  m.def("sum_words(Tensor src) -> int");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
@@ -384,4 +501,6 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rotary_write_kv", &rotary_write_kv);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("copy_and_sum", &copy_and_sum);
+  m.impl("sum_words", &sum_words);
 }

@@ -1,8 +1,10 @@
-"""The native engine's fused CPU kernels (csrc/cpu_kernels.cpp), compiled on first use.
+"""tandem's fused CPU kernels (csrc/cpu_kernels.cpp), compiled on first use.
 
-They replace the chains of small torch ops of a CPU fp32 step: decode attention reading the
-paged K/V in place, RMSNorm (with the residual add fused), rotary embedding fused with the
-KV-cache write, and silu(gate) * up. `load()` builds them once per machine with torch's
+They replace the chains of small torch ops of the native engine's CPU fp32 step: decode
+attention reading the paged K/V in place, RMSNorm (with the residual add fused), rotary
+embedding fused with the KV-cache write, and silu(gate) * up; and the two passes of the weight
+handoff's write into a slot (copy, then checksum) with one (`copy_and_sum`, `sum_words`:
+weight_sync/slots.py). `load()` builds them once per machine with torch's
 extension builder (g++ and ninja, 5-25 s; cached in `$TORCH_EXTENSIONS_DIR` or
 `~/.cache/torch_extensions`, in a folder named after a hash of the source, flags, torch
 version and location, and the CPU's instruction-set flags, since `-march=native` code may not
@@ -14,7 +16,7 @@ without the builder (~1 s less start-up). Concurrent processes share one build
 removed, and a build that takes longer than `BUILD_TIMEOUT_S` is given up on, so a start never
 hangs on it.
 
-If they cannot be built (no compiler), the engine logs why, once, and runs the same step with
+If they cannot be built (no compiler), tandem logs why, once, and runs the same computation with
 torch ops (the path CUDA and bf16 always take); `TANDEM_CPU_KERNELS=0` chooses that path.
 """
 
@@ -54,8 +56,8 @@ def load() -> object | None:
         if "ops" not in _state:
             _state["ops"], _state["reason"] = _build()
             if _state["ops"] is None:
-                logger.warning("native engine: fused CPU kernels not used (%s); running the "
-                               "step with torch ops, slower", _state["reason"])
+                logger.warning("fused CPU kernels not used (%s); the native engine's step and "
+                               "the weight-slot copy run with torch ops, slower", _state["reason"])
         return _state["ops"]
 
 
