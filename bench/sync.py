@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 import sync_link
+from tandem import cpu_kernels
 from tandem.weight_sync.registry import get_checkpoint_engine_class
 from tandem.weight_sync.slots import WeightSlots, make_layout
 
@@ -281,6 +282,10 @@ def main() -> None:
     if "shm" in engines:
         print("shm between processes through " + ("CUDA IPC handles of two device buffers"
               if args.device == "cuda" else "/dev/shm files (CUDA IPC needs --device cuda)"))
+    if "shm-db" in engines and args.device == "cpu":  # the slot write's one pass (slots.py)
+        fused = cpu_kernels.load() is not None
+        print("shm-db writes with " + ("the fused copy+checksum kernel" if fused else
+              f"torch copy then checksum ({cpu_kernels.unavailable_reason()})"))
     receiver = Receiver(args.peer_threads, args.device)
     shm_ratios: dict[int, dict[str, float]] = {}
     pause_ratios: dict[int, float] = {}

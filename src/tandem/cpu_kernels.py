@@ -61,6 +61,17 @@ def load() -> object | None:
         return _state["ops"]
 
 
+def load_built() -> object | None:
+    """`load()` when it cannot compile: this process's ops, or a finished build of this machine
+    loaded (~0.1 s); else None. For callers within a deadline (a weight sync)."""
+    with _lock:
+        decided = "ops" in _state or os.environ.get(ENV_SWITCH, "1") == "0"
+    build_dir = build_directory()
+    if not decided and not ((build_dir / READY).exists() and (build_dir / LIBRARY).exists()):
+        return None
+    return load()
+
+
 def unavailable_reason() -> str | None:
     """Why `load()` returned None, or None if it did not (or was not called)."""
     return _state.get("reason")

@@ -153,9 +153,11 @@ def write_and_sum(destination: torch.Tensor, source: torch.Tensor) -> int:
 
 
 def _kernels(*tensors: torch.Tensor) -> object | None:
-    """The fused CPU ops when every tensor is a contiguous CPU tensor and they load, else None."""
+    """The fused CPU ops when every tensor is a contiguous CPU tensor and this machine has built
+    them (the native engine builds them when it starts on CPU fp32), else None: a sync never
+    waits for a compile."""
     if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        return cpu_kernels.load()
+        return cpu_kernels.load_built()
     return None
 
 
