@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 import sync_link
+import sync_native
 from tandem import cpu_kernels
 from tandem.weight_sync.registry import get_checkpoint_engine_class
 from tandem.weight_sync.slots import WeightSlots, make_layout
@@ -253,10 +254,12 @@ def main() -> None:
     parser.add_argument("--tensor-megabytes", type=int, default=25)
     parser.add_argument("--bucket-megabytes", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engines", default="naive,shm,shm-db,gloo,delta,delta-gloo,delta-link",
-                        help="shm: the bucket ring; shm-db: double-buffered (the receiver serves "
-                        "from two weight slots); delta runs over shm, delta-gloo over gloo; "
-                        "delta-link: gloo full vs delta between two shaped network namespaces")
+    parser.add_argument("--engines", default="naive,shm,shm-db,gloo,delta,delta-gloo,delta-link,"
+                        "shm-db-native", help="shm: the bucket ring; shm-db: double-buffered (the "
+                        "receiver serves from two weight slots); delta runs over shm, delta-gloo "
+                        "over gloo; delta-link: gloo full vs delta between two shaped network "
+                        "namespaces; shm-db-native: double-buffered into a generating native "
+                        "engine (~500 MB model, once, whatever --sizes)")
     parser.add_argument("--link-rate", default="1gbit", help="tc rate of the delta-link veth pair")
     parser.add_argument("--peer-threads", type=int, default=1,
                         help="torch threads of each side of a cross-process sync")
@@ -358,6 +361,16 @@ def main() -> None:
                            f"  (bytes {result['bytes_sent'] / nbytes:.1%} of full{versus})")
         del state, destination
     receiver.close()
+    if "shm-db-native" in engines and args.device == "cpu":
+        native = sync_native.run_native(args.bucket_megabytes)
+        memcpy_ms = native["memcpy_s"] * 1e3
+        print(f"shm-db into a generating native engine, {native['bytes'] / 1e6:.0f} MB, one "
+              f"thread each side: memcpy {memcpy_ms:.0f} ms; write + check {native['copy_s']:.2f}"
+              f" s with {native['tokens_during']} tokens generated meanwhile; flip (step lock) "
+              f"{native['flip_s'] * 1e3:.2f} ms = {native['flip_s'] / native['memcpy_s']:.4f}x "
+              f"memcpy; no token for {native['gap_s'] * 1e3:.0f} ms around the flip (a decode "
+              f"step is {native['step_s'] * 1e3:.0f} ms): the preempted requests re-prefill")
+        pause_ratios[round(native["bytes"] / 1e6)] = native["flip_s"] / native["memcpy_s"]
     print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if pause_ratios:
         size = min(pause_ratios, key=lambda s: abs(s - 500))

@@ -4,6 +4,7 @@ weight slot while it generates; the engine flips between two steps."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 
@@ -73,9 +74,9 @@ async def fresh_engine_tokens(model_path, state, directory) -> list[list[int]]:
         await fresh.shutdown()
 
 
-async def start_server(model_path) -> RolloutServer:
+async def start_server(model_path, rollout: RolloutConfig = ROLLOUT) -> RolloutServer:
     server = RolloutServer("slots")
-    await server.start(NativeRollout, model_path, ROLLOUT)
+    await server.start(NativeRollout, model_path, rollout)
     return server
 
 
@@ -154,6 +155,56 @@ async def test_a_writer_killed_mid_version_leaves_the_old_one_and_the_next_sync_
         await server.shutdown()
         dying.close()
         second.close()
+
+
+@pytest.mark.parametrize("in_flight_kv", ["recompute", "keep"])
+async def test_running_requests_recompute_or_keep_their_kv_cache_at_the_flip(
+        model_path, sender, tmp_path, in_flight_kv):
+    """recompute: the flip preempts the running requests (their prompt and tokens are computed
+    again, with the new weights); keep: they go on from their cache. Both record both versions,
+    and a new request after the flip matches a fresh engine (the prefix cache is not reused)."""
+    server = await start_server(model_path, dataclasses.replace(ROLLOUT, in_flight_kv=in_flight_kv))
+    try:
+        plan = await plan_for(sender, server, 1)
+        state = actor_state(model_path, 1)
+        long = {"temperature": 0.0, "max_tokens": 1900, "ignore_eos": True}
+        running = [asyncio.create_task(server.generate(GenerateRequest(f"long{i}", prompt, long)))
+                   for i, prompt in enumerate(PROMPTS)]
+        while generated(server) < 8:
+            await asyncio.sleep(0.005)
+        before = server.stats()["backend"]  # both prompts computed, decoding
+        sender.submit(run_sender, "db", plan, state)
+        await server.receive_weights(plan, 1, {})
+        assert not (await asyncio.to_thread(sender.result, ANSWER_S))["error"]
+        flipped_at = generated(server)
+        while generated(server) < flipped_at + 4:
+            await asyncio.sleep(0.005)
+        after = server.stats()["backend"]
+        await server.abort_all_requests()
+        await server.resume_generation()
+        for output in await asyncio.gather(*running):
+            assert [version for version, _ in output.version_runs] == [0, 1], output.version_runs
+        recomputed = after["prompt_tokens_computed"] - before["prompt_tokens_computed"]
+        preempted = after["preemptions"] - before["preemptions"]
+        if in_flight_kv == "keep":
+            assert preempted == 0 and recomputed == 0
+        else:  # every running request was preempted by the flip and computed its context again
+            assert preempted == len(PROMPTS) and recomputed >= sum(map(len, PROMPTS))
+        expected = await fresh_engine_tokens(model_path, state, tmp_path)
+        assert await greedy(server, "after") == expected
+    finally:
+        await server.shutdown()
+
+
+def test_in_flight_kv_is_checked_at_load_time():
+    from tandem.config.choices import ConfigError
+    from tandem.config.load import load_config
+
+    assert load_config(overrides=["rollout.in_flight_kv=keep"]).rollout.in_flight_kv == "keep"
+    with pytest.raises(ConfigError, match="rollout.in_flight_kv.*recompute, keep"):
+        load_config(overrides=["rollout.in_flight_kv=reuse"])
+    with pytest.raises(ConfigError, match="rollout.in_flight_kv.*native engine's.*recompute"):
+        load_config(overrides=["rollout.in_flight_kv=keep", "rollout.name=vllm"])
 
 
 async def test_double_buffer_true_is_refused_when_two_copies_do_not_fit(model_path, monkeypatch):

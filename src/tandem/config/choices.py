@@ -8,6 +8,7 @@ from __future__ import annotations
 
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 LOGPROBS_MODES = ("raw", "processed")
+IN_FLIGHT_KV = ("recompute", "keep")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")
 ADV_ESTIMATORS = ("grpo", "gae")

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from tandem.config.choices import (ADV_ESTIMATORS, CORRECTION_LEVELS, DTYPES,
-                                   IMPORTANCE_SAMPLING_MODES, KL_CONTROLLERS, KL_TYPES,
+                                   IMPORTANCE_SAMPLING_MODES, IN_FLIGHT_KV, KL_CONTROLLERS, KL_TYPES,
                                    LOGPROBS_MODES, LOSS_AGG_MODES, LR_SCHEDULES,
                                    NONFINITE_LOSS_POLICIES, PLACEMENT_STRATEGIES,
                                    REWARD_PLACEMENTS, STALE_POLICIES, TRAINER_MODES,
@@ -261,6 +261,10 @@ def validate(config: TandemConfig) -> None:
     _check_sampling("rollout.val_kwargs", rollout.val_kwargs.temperature, rollout.val_kwargs.top_p,
                     rollout.val_kwargs.top_k)
     _choice("rollout.logprobs_mode", rollout.logprobs_mode, LOGPROBS_MODES)
+    _choice("rollout.in_flight_kv", rollout.in_flight_kv, IN_FLIGHT_KV)
+    if rollout.in_flight_kv == "keep" and rollout.name != "native":
+        _fail("rollout.in_flight_kv", f"'keep' is the native engine's; {rollout.name} recomputes "
+              "running requests after a weight update. Set it to recompute.")
     problem = model_problem(config) or kv_budget_problem(config)
     if problem:
         raise ConfigError(problem)

@@ -98,6 +98,9 @@ class RolloutConfig:
     n: int = 4
     calculate_log_probs: bool = True
     logprobs_mode: str = "raw"  # raw (model distribution) | processed (after temperature/top-k/top-p)
+    # requests running when new weights arrive mid-generation (a double-buffered flip):
+    # recompute (their KV cache again, with the new weights) | keep (their KV cache; native only)
+    in_flight_kv: str = "recompute"
     tensor_model_parallel_size: int = 1
     data_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1

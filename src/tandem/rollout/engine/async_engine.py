@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from tandem.config.choices import LOGPROBS_MODES
+from tandem.config.choices import IN_FLIGHT_KV, LOGPROBS_MODES
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.engine.block_manager import BlockManager
 from tandem.rollout.adapter_stream import is_adapter_name, peek_stream
@@ -421,6 +421,7 @@ class AsyncEngine:
         self._ensure_loop()
         adapter = staged if isinstance(staged, StagedAdapter) else None
         staged = adapter.weights if adapter is not None else staged
+        replaced: list[torch.Tensor] = []  # freed after the lock: a step need not wait for it
         async with self._lock:
             started = time.perf_counter()
             if self.weights_state != "loaded":
@@ -431,11 +432,13 @@ class AsyncEngine:
                 raise RuntimeError(f"slot {staged.index} is not this engine's inactive slot")
             check_coverage(staged.names if slot else staged, self._accepted_shapes(),
                            (partial or adapter is not None) and not slot, version)
-            # nothing computed with the old weights may be reused: running requests recompute
-            self.scheduler.preempt_all()
+            # nothing computed with the old weights is matched again; running requests recompute
+            # their KV cache, unless a flip keeps it (rollout.in_flight_kv=keep)
+            if not (slot and self.config.in_flight_kv == "keep"):
+                self.scheduler.preempt_all()
             self.blocks.clear_prefix_cache()
             if slot:
-                flip(self.runner, staged, self._slot_views[staged.index])
+                replaced = flip(self.runner, staged, self._slot_views[staged.index])
                 self.weight_slot_active = staged.index
                 self.lora.drop(staged.names)  # a full version is its own new base
             else:
@@ -450,7 +453,9 @@ class AsyncEngine:
                     self.lora.drop(staged)
             self.version = version
             self._work.set()
-            return time.perf_counter() - started
+            stood_still = time.perf_counter() - started
+        del replaced
+        return stood_still
 
     # ---- weight slots (the double-buffered handoff, slot_weights.py) ------------------------
     def weight_slot_specs(self) -> tuple[list, dict[str, str]] | None:
@@ -525,6 +530,8 @@ def _check_config(config: RolloutConfig) -> None:
     if config.logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"rollout.logprobs_mode={config.logprobs_mode!r}: use one of "
                          f"{LOGPROBS_MODES}")
+    if config.in_flight_kv not in IN_FLIGHT_KV:
+        raise ValueError(f"rollout.in_flight_kv={config.in_flight_kv!r}: use one of {IN_FLIGHT_KV}")
 
 
 def _eos_token_ids(model) -> frozenset[int]:

@@ -82,16 +82,22 @@ def stage_from_slot(runner: Any, shapes: Mapping[str, torch.Size],
     return stage
 
 
-def flip(runner: Any, stage: SlotStage, views: Mapping[str, torch.Tensor]) -> None:
-    """Serve slot `stage.index`: re-point dense parameters, swap packed tensors (no copy)."""
+def flip(runner: Any, stage: SlotStage, views: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Serve slot `stage.index`: re-point dense parameters, swap packed tensors (no copy).
+    Returns the packed tensors it replaced: the caller drops them after the step lock, since
+    freeing hundreds of MB (munmap) takes tens of milliseconds."""
+    replaced = []
     for name in stage.names:
         if name in runner.packed_linears:
+            replaced.append(runner.packed_linears[name].packed)
             runner.packed_linears[name].packed = stage.packed[name]
         else:
             runner.model.get_parameter(name).data = views[name]
     if stage.lm_head is not None:
+        replaced.append(runner.lm_head.packed)
         runner.lm_head.packed = stage.lm_head
         runner.lm_head_source = _version_key(runner.embed_tokens.weight)
+    return replaced
 
 
 def _version_key(tensor: torch.Tensor) -> tuple[int, int]:
