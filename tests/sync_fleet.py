@@ -1,6 +1,7 @@
-"""Shared set-up of the cross-process sync tests (test_sync_e2e, test_sync_lora, test_sync_faults):
-an FSDP2 actor on 2 gloo ranks (Ray actors), the sync's configs, and helpers that run inside the
-training workers. The `fleet` fixture that starts them with 2 standalone servers is in conftest.py."""
+"""Shared set-up of the cross-process sync tests (test_sync_e2e, test_sync_lora,
+test_sync_faults): an FSDP2 actor on 2 gloo ranks (Ray actors), the sync's configs, and helpers
+that run inside the training workers. The `fleet` fixture (with 2 standalone servers) is in
+conftest.py."""
 
 from __future__ import annotations
 
