@@ -46,3 +46,23 @@ def _shutdown_ray(ray) -> None:
             node.kill_all_processes(check_alive=False, allow_graceful=False)
         atexit.unregister(ray.shutdown)
         done.join(RAY_SHUTDOWN_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_cluster, model_path, fleet_config):
+    """The cross-process sync tests' fleet (sync_fleet.py): two FSDP2 training ranks built from
+    the module's `fleet_config` and two standalone native servers of its `model_path`."""
+    import asyncio
+
+    from sync_fleet import ROLLOUT, start_actor
+    from tandem.serving.manager import ServerManager
+    from tandem.serving.replica import ServerOptions
+
+    workers = start_actor(fleet_config)
+    options = ServerOptions(model_path=str(model_path), device_bundle={"CPU": 0.01},
+                            start_timeout_s=300)
+    servers = asyncio.run(ServerManager.create(ROLLOUT, options, "standalone", total_devices=2))
+    yield workers, servers
+    asyncio.run(servers.shutdown())
+    for worker in workers:
+        ray_cluster.kill(worker)

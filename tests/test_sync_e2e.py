@@ -9,68 +9,26 @@ with their full budget and show the switch in their min/max versions.
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 
 import pytest
 import ray
 import torch
-from transformers import AutoModelForCausalLM
 
-from tandem.config.schema import CheckpointEngineConfig, RolloutConfig, TandemConfig
 from tandem.models import build_tiny_model
-from tandem.rollout.native import NativeRollout
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ServerOptions
-from tandem.trainer.hybrid_worker import HybridWorkerActor
-from tandem.trainer.cross_process_sync import CrossProcessSync
 from tandem.types import GenerateRequest
+
+from sync_fleet import (GREEDY, PROMPTS, ROLLOUT, cross_process, fresh_engine_tokens, on_all,
+                        sparse_tensors, training_config, use_engine)
 
 pytestmark = pytest.mark.slow
 # the helpers below run inside the training workers, which cannot import this test module
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-ROLLOUT = RolloutConfig(kv_cache_memory_bytes=8 << 20, block_size=16)
-GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
-PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_actor(config: TandemConfig) -> list:
-    """Two FSDP2 ranks over gloo, one process each."""
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    workers = [HybridWorkerActor.options(num_cpus=0).remote(config, rank, 2, init_method, None,
-                                                            None, 1) for rank in range(2)]
-    ray.get([worker.ping.remote() for worker in workers], timeout=300)
-    return workers
-
-
-def cross_process(workers: list, servers: ServerManager,
-                  config: CheckpointEngineConfig) -> CrossProcessSync:
-    """The trainer's cross-process sync from `workers` through the transport `config` names."""
-    return CrossProcessSync(workers, servers, config.backend, config.timeout_s, config.engine_kwargs)
-
-
-def training_config(backend: str, timeout_s: float = 60.0, **engine_kwargs) -> TandemConfig:
-    config = TandemConfig()
-    config.trainer.n_devices = config.actor.fsdp_size = 2
-    config.rollout.checkpoint_engine = CheckpointEngineConfig(
-        backend=backend, timeout_s=timeout_s, update_weights_bucket_megabytes=1,
-        engine_kwargs=engine_kwargs)
-    return config
-
 
 # run inside the training workers (Ray's __ray_call__): test set-up, not product code
-def _use_engine(worker, config: CheckpointEngineConfig) -> None:
-    worker.config.rollout.checkpoint_engine = config
-    worker._sync_engine = None
-
-
 def _perturb(worker, seed: int, fraction: float) -> None:
     """Change `fraction` of every local shard's elements (each rank its own shard)."""
     generator = torch.Generator().manual_seed(seed * 10 + worker.rank)
@@ -86,42 +44,15 @@ def _full_state(worker) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in worker.actor.export_weights()}
 
 
-def _sparse_tensors(worker) -> int:
-    return worker._sync_engine.sparse_tensors
-
-
-def on_all(workers: list, function, *args) -> list:
-    return ray.get([worker.__ray_call__.remote(function, *args) for worker in workers],
-                   timeout=300)
-
-
-async def fresh_engine_tokens(model_path, state: dict, directory) -> list[list[int]]:
-    """Greedy tokens of a new native engine built from `state` saved as an HF model."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected
-    model.save_pretrained(directory)
-    fresh = NativeRollout.create(directory, ROLLOUT)
-    outputs = [await fresh.generate(GenerateRequest(f"f{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)]
-    await fresh.shutdown()
-    return [output.token_ids for output in outputs]
-
-
 @pytest.fixture(scope="module")
 def model_path():
     return build_tiny_model()
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_cluster, model_path):
-    workers = start_actor(training_config("gloo"))
-    options = ServerOptions(model_path=str(model_path), device_bundle={"CPU": 0.01},
-                            start_timeout_s=300)
-    servers = asyncio.run(ServerManager.create(ROLLOUT, options, "standalone", total_devices=2))
-    yield workers, servers
-    asyncio.run(servers.shutdown())
-    for worker in workers:
-        ray.kill(worker)
+def fleet_config():
+    """The training workers' config for conftest's `fleet`."""
+    return training_config("gloo")
 
 
 VERSIONS = iter(range(1, 100))
@@ -174,7 +105,7 @@ async def sync_and_check(workers, servers, model_path, tmp_path, config, fractio
 async def test_full_sync_into_standalone_servers(fleet, model_path, tmp_path, backend):
     workers, servers = fleet
     config = training_config(backend).rollout.checkpoint_engine
-    on_all(workers, _use_engine, config)
+    on_all(workers, use_engine, config)
     report = await sync_and_check(workers, servers, model_path, tmp_path, config, in_flight=2)
     print(f"{backend} phase timings:", {k: round(v, 4) for k, v in report.timings.items()})
 
@@ -182,12 +113,12 @@ async def test_full_sync_into_standalone_servers(fleet, model_path, tmp_path, ba
 async def test_delta_sync_sends_only_changes_and_matches(fleet, model_path, tmp_path):
     workers, servers = fleet
     config = training_config("delta").rollout.checkpoint_engine
-    on_all(workers, _use_engine, config)
+    on_all(workers, use_engine, config)
     await sync_and_check(workers, servers, model_path, tmp_path / "full", config)  # full: no base
-    assert on_all(workers[:1], _sparse_tensors) == [0]
+    assert on_all(workers[:1], sparse_tensors) == [0]
     report = await sync_and_check(workers, servers, model_path, tmp_path / "delta", config,
                                   fraction=0.01, in_flight=1)
-    assert on_all(workers[:1], _sparse_tensors)[0] > 0
+    assert on_all(workers[:1], sparse_tensors)[0] > 0
     print("delta phase timings:", {k: round(v, 4) for k, v in report.timings.items()})
 
 
@@ -201,7 +132,7 @@ async def test_sync_into_colocated_servers(fleet, model_path, tmp_path):
     servers = await ServerManager.create(ROLLOUT, options, "colocated", placement_group=group)
     try:
         config = training_config("shm").rollout.checkpoint_engine
-        on_all(workers, _use_engine, config)
+        on_all(workers, use_engine, config)
         await sync_and_check(workers, servers, model_path, tmp_path, config, in_flight=1)
     finally:
         await servers.shutdown()

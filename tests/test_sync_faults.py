@@ -20,7 +20,7 @@ from tandem.models import TinyModelSpec, build_tiny_model
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ServerOptions
 from tandem.weight_sync.base import WeightSyncError
-from test_sync_e2e import GREEDY, PROMPTS, ROLLOUT, cross_process, start_actor, training_config
+from sync_fleet import GREEDY, PROMPTS, ROLLOUT, cross_process, start_actor, training_config
 from tandem.types import GenerateRequest
 
 pytestmark = pytest.mark.slow

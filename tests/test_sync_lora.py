@@ -5,19 +5,16 @@ merged actor, the tokens carry the new version, and only adapter bytes travelled
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 import pytest
 import ray
 import torch
 
-from tandem.serving.manager import ServerManager
-from tandem.serving.replica import ServerOptions
 from tandem.types import GenerateRequest
 
-from test_sync_e2e import (GREEDY, PROMPTS, ROLLOUT, cross_process, fresh_engine_tokens, on_all,
-                           start_actor, training_config)
+from sync_fleet import (GREEDY, PROMPTS, ROLLOUT, cross_process, fresh_engine_tokens, on_all,
+                        sparse_tensors, training_config, use_engine)
 
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -31,11 +28,6 @@ def lora_config(backend: str, **engine_kwargs):
 
 
 # run inside the training workers (Ray's __ray_call__): test set-up, not product code
-def _use_engine(worker, config) -> None:
-    worker.config.rollout.checkpoint_engine = config
-    worker._sync_engine = None
-
-
 def _perturb_adapter(worker, seed: int, fraction: float) -> None:
     """Change `fraction` of every local adapter shard's elements."""
     generator = torch.Generator().manual_seed(seed * 10 + worker.rank)
@@ -57,10 +49,6 @@ def _sync_bytes(worker) -> tuple[int, int]:
     from tandem.training.lora import adapter_bytes
 
     return worker._sync_engine.bytes_sent, adapter_bytes(worker.actor.model)
-
-
-def _sparse_tensors(worker) -> int:
-    return worker._sync_engine.sparse_tensors
 
 
 def _trainable_are_adapters(worker) -> bool:
@@ -85,15 +73,9 @@ def model_path():
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_cluster, model_path):
-    workers = start_actor(lora_config("gloo"))
-    options = ServerOptions(model_path=str(model_path), device_bundle={"CPU": 0.01},
-                            start_timeout_s=300)
-    servers = asyncio.run(ServerManager.create(ROLLOUT, options, "standalone", total_devices=2))
-    yield workers, servers
-    asyncio.run(servers.shutdown())
-    for worker in workers:
-        ray.kill(worker)
+def fleet_config():
+    """The training workers' config for conftest's `fleet`: a LoRA actor."""
+    return lora_config("gloo")
 
 
 @pytest.mark.parametrize("version, backend, kwargs, fraction", [
@@ -106,7 +88,7 @@ async def test_adapter_only_sync_serves_the_merged_actor(fleet, model_path, tmp_
     assert on_all(workers, _trainable_are_adapters) == [True, True]
     config = lora_config(backend, **kwargs).rollout.checkpoint_engine
     if version != 4:  # version 4 keeps version 3's sender: delta remembers what it sent
-        on_all(workers, _use_engine, config)
+        on_all(workers, use_engine, config)
     on_all(workers, _perturb_adapter, version, fraction)
     report = await cross_process(workers, servers, config).sync(version)
     assert report.served == {"replica-0": version, "replica-1": version}, report
@@ -114,7 +96,7 @@ async def test_adapter_only_sync_serves_the_merged_actor(fleet, model_path, tmp_
     print(f"{backend}: {sent} bytes sent, adapter {adapter} bytes")
     assert 0 < sent <= adapter, (sent, adapter)
     if fraction < 1:
-        assert on_all(workers[:1], _sparse_tensors)[0] > 0 and sent < adapter / 2
+        assert on_all(workers[:1], sparse_tensors)[0] > 0 and sent < adapter / 2
     expected = await fresh_engine_tokens(model_path, on_all(workers, _merged_state)[0], tmp_path)
     assert expected != await base_tokens(model_path)  # the adapter changes what is served
     for server_id, replica in servers.replicas.items():

@@ -78,14 +78,14 @@ def test_every_timed_phase_has_its_own_timeline_colour():
     import re
     from pathlib import Path
 
-    from tandem.trainer.plots import TIMELINE_PHASES, phase_colours
+    from tandem.trainer.plots import SYNC_PARTS, TIMELINE_PHASES, phase_colours
 
     source = Path(__file__).parents[1] / "src" / "tandem"
     timed = {name for path in source.rglob("*.py")
              for name in re.findall(r'phase\("([a-z_]+)"\)', path.read_text())}
     assert timed <= set(TIMELINE_PHASES), f"not on the timeline: {timed - set(TIMELINE_PHASES)}"
     colours = phase_colours()
-    assert len(set(colours.values())) == len(TIMELINE_PHASES) == 14
+    assert len(set(colours.values())) == len(TIMELINE_PHASES) + len(SYNC_PARTS) == 16
 
 
 def test_timeline_draws_reward_overlapping_generate(tmp_path, monkeypatch):
@@ -105,3 +105,32 @@ def test_timeline_draws_reward_overlapping_generate(tmp_path, monkeypatch):
     overlap = [bar for bar in bars if bar[4] == "//"]
     # from the step's start (where generate starts), as long as the scoring took
     assert overlap == [(1.3, 1.5, 0.0, "reward (overlapping generate)", "//")]
+
+
+def test_timeline_splits_a_double_buffered_sync_into_copy_and_flip(tmp_path):
+    from pytest import approx
+
+    from tandem.trainer.plots import timeline_segments
+
+    # double-buffered: no abort; the copy ran while generating, the pause is the flip
+    step = {"time/generate": 2.0, "time/update": 0.5, "time/sync": 0.5, "sync/copy_s": 0.3,
+            "sync/flip_s": 0.01, "sync/pause_s": 0.01, "sync/bytes_moved": 4e8}
+    segments = {phase: (start, seconds) for phase, start, seconds in timeline_segments(step)}
+    assert segments["sync_copy"] == approx((2.5, 0.3))
+    assert segments["sync_pause"] == approx((2.8, 0.01))
+    assert segments["sync"] == approx((2.81, 0.19))
+    assert segments["resume"] == approx((3.0, 0.0))
+    # the abort path: generation stood still for the whole pause, the copy inside it
+    aborted = {**step, "sync/abort_s": 0.02, "sync/pause_s": 0.45}
+    parts = {phase: seconds for phase, _, seconds in timeline_segments(aborted)}
+    assert parts["sync_copy"] == 0.0 and parts["sync_pause"] == approx(0.45)
+    assert parts["sync"] == approx(0.05)
+    # an in-process sync records no parts: one sync segment
+    parts = {phase: seconds for phase, _, seconds in timeline_segments({"time/sync": 0.5})}
+    assert parts["sync"] == 0.5 and "sync_copy" not in parts
+
+    logger = MetricsLogger(tmp_path)
+    for number in (1, 2):
+        logger.log(number, step)
+    assert (tmp_path / "timeline.png") in plot_run(tmp_path)
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -23,10 +23,11 @@ from tandem.config.choices import (ADV_ESTIMATORS, CORRECTION_LEVELS, DTYPES,
                                    TRUNCATE_SIDES, ConfigError)
 from tandem.config.footprint import fleet_problem, rollout_devices
 from tandem.config.kv_budget import hf_config, kv_budget_problem
+from tandem.config.lora_check import derive_lora_rank, lora_problem
 from tandem.config.model_check import model_problem
 from tandem.config.ranges import out_of_range
-from tandem.config.schema import (LORA_TARGETS, LoraConfig, RolloutConfig, RolloutCorrectionConfig,
-                                  TandemConfig)
+from tandem.config.reward_check import served_reward_problem
+from tandem.config.schema import RolloutConfig, RolloutCorrectionConfig, TandemConfig
 from tandem.types import TEMPERATURE_FLOOR
 
 
@@ -79,22 +80,6 @@ def derive_separate_async(config: TandemConfig, given: set[str]) -> None:
     batch, mini = config.data.train_batch_size, config.actor.ppo_mini_batch_size
     if "trainer.separate_async.parameter_sync_step" not in given and mini and batch % mini == 0:
         config.trainer.separate_async.parameter_sync_step = batch // mini
-
-
-def derive_lora_rank(config: TandemConfig, given: set[str]) -> None:
-    """rollout.lora_rank follows actor.lora.rank (the engines must fit the actor's adapter)."""
-    rollout, rank = config.rollout, config.actor.lora.rank
-    if "rollout.lora_rank" in given and rollout.lora_rank < 0:
-        return  # out of its range: validate() says so
-    if "rollout.lora_rank" in given and rollout.lora_rank != rank:
-        raise ConfigError(f"rollout.lora_rank: is {rollout.lora_rank} but actor.lora.rank={rank}; "
-                          "it is derived from actor.lora.rank, leave it unset")
-    rollout.lora_rank = max(rank, 0)  # a negative rank is refused below, under its own name
-    kwargs = rollout.checkpoint_engine.engine_kwargs
-    if rank > 0 and kwargs.get("double_buffer") is True:
-        raise ConfigError("rollout.checkpoint_engine.engine_kwargs.double_buffer: weight slots "
-                          "hold full versions and a LoRA sync sends only the adapter; set it "
-                          "false (or leave it unset) with actor.lora")
 
 
 def _dotted_keys(tree: Any, prefix: str = "") -> Iterator[str]:
@@ -316,7 +301,9 @@ def validate(config: TandemConfig) -> None:
               f"raise it to at least {longest}")
     if actor.micro_batch_memory_gb:
         _check_memory_budget(config)
-    _check_lora(actor.lora)
+    problem = lora_problem(actor.lora)
+    if problem:
+        raise ConfigError(problem)
 
     algorithm = config.algorithm
     _choice("algorithm.adv_estimator", algorithm.adv_estimator, ADV_ESTIMATORS)
@@ -347,8 +334,6 @@ def validate(config: TandemConfig) -> None:
     from tandem.rewards.scorer import user_reward_functions
 
     user_reward_functions(config.reward)  # a bad entry or weights list is a ConfigError
-    from tandem.config.reward_check import served_reward_problem
-
     problem = served_reward_problem(config)
     if problem:
         raise ConfigError(problem)
@@ -438,24 +423,6 @@ def _check_memory_budget(config: TandemConfig) -> None:
         micro_batch_token_budget(config, hf, full_logits=config.actor.fsdp_size > 1)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-
-
-def _check_lora(lora: LoraConfig) -> None:
-    """actor.lora: targets the engines serve, each once; save_merged only with adapters on."""
-    if not lora.rank:
-        if lora.save_merged:
-            _fail("actor.lora.save_merged", "is true but actor.lora.rank=0 (LoRA off): there is "
-                  "no adapter to merge; set actor.lora.rank > 0 or save_merged=false")
-        return
-    targets = list(lora.target_modules)
-    if not targets:
-        _fail("actor.lora.target_modules", f"is empty; name some of {', '.join(LORA_TARGETS)}")
-    unknown = [name for name in targets if name not in LORA_TARGETS]
-    if unknown:
-        _fail("actor.lora.target_modules", f"{unknown} are not decoder linears the rollout "
-              f"engines serve with an adapter; use some of {', '.join(LORA_TARGETS)}")
-    if len(set(targets)) != len(targets):
-        _fail("actor.lora.target_modules", f"{targets} names a module twice; list each once")
 
 
 def _kl_type(field_name: str, value: str) -> None:

@@ -1,5 +1,6 @@
 """Load-time checks of reward.model and reward.judge (the served rewards): what the config
-accepts is what the fleet starts, and separate_async gives a served reward a pool of its own."""
+accepts is what the fleet starts, and separate_async gives a served reward a pool of its own.
+The numeric fields' ranges are ranges.py's (validate checks them first)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,6 @@ def served_reward_problem(config: TandemConfig) -> str | None:
             return (f"{name}.path: is empty but {name}.enable=true; give the model's HF directory "
                     f"(or {'tiny:reward' if name == 'reward.model' else 'tiny:qwen2'}), or set "
                     f"{name}.enable=false")
-        if served.n_devices < 0:
-            return f"{name}.n_devices: is {served.n_devices}; use >= 1 (a pool of its own) or 0"
-        if served.torch_threads < 1:
-            return f"{name}.torch_threads: is {served.torch_threads}; use at least 1"
         if served.n_devices == 0 and config.model.device.startswith("cuda"):
             return (f"{name}.n_devices: is 0 (share the training workers' devices), which is "
                     "built for CPU only (the training worker holds its whole GPU); set "
@@ -31,8 +28,6 @@ def served_reward_problem(config: TandemConfig) -> str | None:
                     "trainer_mode=separate_async the actor trains while generation goes on, so "
                     "scoring there would stall training and be stalled by it; give the served "
                     f"reward a resource pool of its own: set {name}.n_devices >= 1")
-    if reward.model.enable and reward.model.max_batch_size < 1:
-        return f"reward.model.max_batch_size: is {reward.model.max_batch_size}; use at least 1"
     judge = reward.judge
     if judge.enable:
         if "{response}" not in judge.prompt_template:
@@ -45,8 +40,6 @@ def served_reward_problem(config: TandemConfig) -> str | None:
         if groups < 1:
             return ("reward.judge.verdict_pattern: has no group; wrap the verdict's number in "
                     "parentheses, e.g. SCORE:\\s*(\\d+)")
-        if judge.max_new_tokens < 1:
-            return f"reward.judge.max_new_tokens: is {judge.max_new_tokens}; use at least 1"
     has_user = bool(reward.custom_function.path or reward.reward_funcs)
     if not (has_user or reward.rule_weight or reward.model.enable or judge.enable):
         return ("reward.rule_weight: is 0 and no other reward is given, so every sample would "

@@ -32,6 +32,31 @@ class ServerStalled(RuntimeError):
     """The server of a request answered no call within the client's stall_timeout_s."""
 
 
+async def unless_stalled(server: Any, server_id: str, work: Any,
+                         stall_timeout_s: float | None) -> Any:
+    """Await `work` (a call on `server`); every stall_timeout_s / 2 the server must answer
+    weight_version() within stall_timeout_s, else the work is cancelled and ServerStalled
+    raised. None: no probe. The generation and reward-model clients' one stall probe."""
+    if stall_timeout_s is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=stall_timeout_s / 2)
+            if done:
+                return task.result()
+            try:
+                await resolve(submit(server, "weight_version"), stall_timeout_s,
+                              f"weight_version() on server {server_id!r}")
+            except TimeoutError:
+                raise ServerStalled(f"server {server_id!r} answered nothing within "
+                                    f"{stall_timeout_s:g} s") from None
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 class ServerClient:
     """generate(GenerateRequest) -> TokenOutput through the balancer.
 
@@ -86,36 +111,14 @@ class ServerClient:
             backend_request = request.replace(
                 request_id=f"{request.request_id}-{uuid.uuid4().hex}",
                 prompt_ids=list(request.prompt_ids), sampling=dict(request.sampling))
-            return await self._unless_stalled(server, server_id, resolve(
+            return await unless_stalled(server, server_id, resolve(
                 submit(server, "generate", backend_request), self.timeout_s,
-                f"generate({request.request_id!r}) on server {server_id!r}"))
+                f"generate({request.request_id!r}) on server {server_id!r}"), self.stall_timeout_s)
         finally:
             # Submitted before any await: the release happens even if we are cancelled here.
             release = asyncio.ensure_future(resolve(submit(self.balancer, "release", server_id),
                                                     cancel_remote=False))
             await asyncio.shield(release)
-
-    async def _unless_stalled(self, server: Any, server_id: str, work: Any) -> Any:
-        """Await `work`; every stall_timeout_s / 2 the server must answer weight_version()
-        within stall_timeout_s, else the work is cancelled and ServerStalled raised."""
-        if self.stall_timeout_s is None:
-            return await work
-        task = asyncio.ensure_future(work)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self.stall_timeout_s / 2)
-                if done:
-                    return task.result()
-                try:
-                    await resolve(submit(server, "weight_version"), self.stall_timeout_s,
-                                  f"weight_version() on server {server_id!r}")
-                except TimeoutError:
-                    raise ServerStalled(f"server {server_id!r} answered nothing within "
-                                        f"{self.stall_timeout_s:g} s") from None
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
 
     async def _acquire(self, request_id: str) -> str:
         acquire = asyncio.ensure_future(resolve(submit(self.balancer, "acquire", request_id),

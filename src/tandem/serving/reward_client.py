@@ -1,6 +1,6 @@
 """The reward-model client: score(request_id, sequences) through the same load balancer the
 rollout servers use (serving/balancer.py). A server whose actor died, or stalled (answers no
-weight_version() probe within stall_timeout_s, as ServerClient checks), leaves the balancer and
+weight_version() probe within stall_timeout_s: client.unless_stalled), leaves the balancer and
 the call runs again on another; with none left, NoServerError (the caller fails its samples)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import asyncio
 import logging
 from typing import Any, Sequence
 
-from tandem.serving.client import DEAD_SERVER_ERRORS, STALL_TIMEOUT_S, ServerClient, ServerStalled
+from tandem.serving.client import DEAD_SERVER_ERRORS, STALL_TIMEOUT_S, ServerStalled, unless_stalled
 from tandem.serving.remote import call, resolve, submit
 
 logger = logging.getLogger(__name__)
@@ -25,8 +25,6 @@ class RewardModelClient:
         self.timeout_s = timeout_s
         self.stall_timeout_s = stall_timeout_s  # None: never probe the server
 
-    _unless_stalled = ServerClient._unless_stalled  # the one stall probe, shared with generation
-
     async def score(self, request_id: str, sequences: Sequence[Sequence[int]]) -> list[float | None]:
         """One score per sequence (None: that sequence could not be scored)."""
         while True:  # ends: each failure removes a server, which acquire() never returns again
@@ -39,9 +37,9 @@ class RewardModelClient:
                 raise
             try:
                 server = self.servers[server_id]
-                return await self._unless_stalled(server, server_id, resolve(
+                return await unless_stalled(server, server_id, resolve(
                     submit(server, "score", list(sequences)), self.timeout_s,
-                    f"score() on reward server {server_id!r}"))
+                    f"score() on reward server {server_id!r}"), self.stall_timeout_s)
             except (*DEAD_SERVER_ERRORS, ServerStalled) as error:
                 stalled = isinstance(error, ServerStalled)
                 if await call(self.balancer, "report_dead", server_id, 1, stalled):

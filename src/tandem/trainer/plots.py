@@ -9,14 +9,42 @@ from tandem.trainer.metrics import read_metrics
 
 TIMELINE_PHASES = ("generate", "wait_rollout", "spill_join", "spill_leave", "abort", "sleep", "reward",
                    "old_log_prob", "ref_log_prob", "values", "advantages", "update", "sync", "resume")
+# the parts of a cross-process sync drawn inside its bar (the rest of the sync stays "sync")
+SYNC_PARTS = {"sync_copy": "sync copy (generation continues)",
+              "sync_pause": "sync flip / pause (generation stopped)"}
 
 
 def phase_colours() -> dict[str, tuple[float, ...]]:
-    """One distinct RGBA colour per timeline phase (tab20: tab10 repeats after 10 phases)."""
+    """One distinct RGBA colour per timeline phase and sync part (tab20: tab10 repeats after 10)."""
     from matplotlib import colormaps
 
     palette = colormaps["tab20"]
-    return {phase: tuple(palette(index)) for index, phase in enumerate(TIMELINE_PHASES)}
+    colours = {phase: tuple(palette(index)) for index, phase in enumerate(TIMELINE_PHASES)}
+    return colours | {"sync_copy": tuple(palette(18)), "sync_pause": tuple(palette(14))}
+
+
+def timeline_segments(record: dict) -> list[tuple[str, float, float]]:
+    """(phase, start, seconds) of one step's stacked bar, phases in TIMELINE_PHASES order; the
+    sync's copy and pause (cross-process sync metrics) are segments of their own at its start."""
+    segments, left = [], 0.0
+    for phase in TIMELINE_PHASES:
+        seconds = record.get(f"time/{phase}") or 0.0
+        for name, part in _sync_parts(record, seconds) if phase == "sync" else [(phase, seconds)]:
+            segments.append((name, left, part))
+            left += part
+    return segments
+
+
+def _sync_parts(record: dict, seconds: float) -> list[tuple[str, float]]:
+    """The sync's `seconds` as copy, pause and the rest. Double-buffered (nothing aborted) the
+    copy runs while generation goes on and the pause is the flip; on the abort path the pause
+    (abort .. resume) holds the copy. Clamped to `seconds` (the parts come from other clocks)."""
+    pause = record.get("sync/pause_s")
+    if pause is None:  # in-process sync: no parts recorded
+        return [("sync", seconds)]
+    copy = 0.0 if "sync/abort_s" in record else min(record.get("sync/copy_s") or 0.0, seconds)
+    pause = min(pause, seconds - copy)
+    return [("sync_copy", copy), ("sync_pause", pause), ("sync", seconds - copy - pause)]
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -27,8 +55,9 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 def plot_run(output_dir: str | Path) -> list[Path]:
     """Write reward.png, logprob_gap.png, timeline.png (and staleness.png for the async modes)
     next to metrics.jsonl; return their paths ([] with a warning without matplotlib). The
-    timeline stacks each step's phases and draws served-reward scoring that overlapped
-    generation (time/reward_overlapped) as a hatched bar from the step's start."""
+    timeline stacks each step's phases (timeline_segments), labels a sync's bytes moved, and
+    draws served-reward scoring that overlapped generation (time/reward_overlapped) as a hatched
+    bar from the step's start."""
     try:
         import matplotlib
     except ImportError:
@@ -73,14 +102,19 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     figure, axis = plt.subplots(figsize=(8, 4))
     colors = phase_colours()
     train = [r for r in records if "time/update" in r]
-    drawn_overlap = False
-    for row, record in enumerate(train):
-        left = 0.0
-        for phase in TIMELINE_PHASES:
-            seconds = record.get(f"time/{phase}") or 0.0
-            axis.barh(record["step"], seconds, left=left, color=colors[phase],
-                      label=phase if row == 0 else None)
-            left += seconds
+    labels = {phase: phase for phase in TIMELINE_PHASES} | SYNC_PARTS
+    drawn_overlap, labelled = False, set()
+    for record in train:
+        segments = timeline_segments(record)
+        for phase, left, seconds in segments:
+            if seconds > 0:
+                axis.barh(record["step"], seconds, left=left, color=colors[phase],
+                          label=None if phase in labelled else labels[phase])
+                labelled.add(phase)
+        if record.get("sync/bytes_moved"):
+            end = segments[-1][1] + segments[-1][2] if segments else 0.0
+            axis.text(end, record["step"], f" {record['sync/bytes_moved'] / 1e6:.0f} MB synced",
+                      va="center", fontsize=7)
         overlapped = record.get("time/reward_overlapped") or 0.0
         if overlapped:  # scored by the reward worker while generation went on (rewards/worker.py)
             axis.barh(record["step"] + 0.3, overlapped, left=0.0, height=0.25, hatch="//",
@@ -91,7 +125,8 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     axis.set_ylabel("step")
     axis.yaxis.get_major_locator().set_params(integer=True)
     axis.invert_yaxis()
-    axis.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    if axis.get_legend_handles_labels()[0]:  # a run without timed phases gets an empty panel
+        axis.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     axis.set_title("phase timeline per step")
     written.append(_save(figure, output_dir / "timeline.png"))
     if any("staleness/lag_mean" in r for r in records):

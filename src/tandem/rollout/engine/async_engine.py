@@ -31,8 +31,7 @@ from tandem.rollout.engine.sampler import sample
 from tandem.rollout.engine.scheduler import ScheduledSequence, Scheduler
 from tandem.rollout.engine.sequence import Sequence, SequenceStatus
 from tandem.rollout.base import check_coverage, checked_version
-from tandem.rollout.engine.slot_weights import (SlotStage, flip, map_into, slot_specs,
-                                                stage_from_slot)
+from tandem.rollout.engine.slot_weights import SlotServing, SlotStage
 from tandem.rollout.engine.weight_staging import stage_weights, weight_key
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 
@@ -43,7 +42,7 @@ logger = logging.getLogger(__name__)
 YIELD_EVERY_S = 0.02
 
 
-class AsyncEngine:
+class AsyncEngine(SlotServing):
     def __init__(self, model_path: str | Path, config: RolloutConfig, dtype: str = "float32",
                  device: str = "cpu") -> None:
         _check_config(config)
@@ -56,7 +55,7 @@ class AsyncEngine:
         self.blocks = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.eos_token_ids = _eos_token_ids(self.runner.model)
+        self.eos_token_ids = self.runner.eos_token_ids
         self.max_model_len = self.runner.max_model_len
         self.version = 0
         self.requests: dict[str, Sequence] = {}
@@ -67,8 +66,6 @@ class AsyncEngine:
         self.unfilled_weights: set[str] = set()  # names still to refill after a CPU drop
         self.weight_shapes: dict[str, torch.Size] = {}
         self.lora = LoraState()  # the adapter merged into the served weights, if any
-        self._slot_views: list[dict[str, torch.Tensor]] | None = None  # both slots' weights
-        self.weight_slot_active: int | None = None  # the slot dense weights are views of
         self.counters = {"steps": 0, "prompt_tokens_computed": 0, "generated_tokens": 0,
                          "failed_steps": 0}
         self.first_token_time: float | None = None  # time.time() of the first sampled token
@@ -353,7 +350,7 @@ class AsyncEngine:
         self.runner.release_packed()  # packed weights exist on CPU only
         if self.device.type == "cpu":  # the refill is a full stream, which is the new base
             self.lora = LoraState()
-        self._slot_views = self.weight_slot_active = None  # parameters are no views any more
+        self._forget_slots()
         self.weights_state = "dropped" if self.device.type == "cpu" else "offloaded"
 
     def _restore_weights(self) -> None:
@@ -428,8 +425,8 @@ class AsyncEngine:
                 raise RuntimeError(self._weights_missing_message())
             version = checked_version(version, self.version)
             slot = isinstance(staged, SlotStage)
-            if slot and (self._slot_views is None or staged.index == self.weight_slot_active):
-                raise RuntimeError(f"slot {staged.index} is not this engine's inactive slot")
+            if slot:
+                self._check_inactive_slot(staged.index)
             check_coverage(staged.names if slot else staged, self._accepted_shapes(),
                            (partial or adapter is not None) and not slot, version)
             # nothing computed with the old weights is matched again; running requests recompute
@@ -438,14 +435,12 @@ class AsyncEngine:
                 self.scheduler.preempt_all()
             self.blocks.clear_prefix_cache()
             if slot:
-                replaced = flip(self.runner, staged, self._slot_views[staged.index])
-                self.weight_slot_active = staged.index
-                self.lora.drop(staged.names)  # a full version is its own new base
+                replaced = self._flip_to_slot(staged)
             else:
                 for key, tensor in staged.items():
                     self.runner.swap_weight(key, tensor)
                 self.unfilled_weights.difference_update(staged)
-                self._slot_views = self.weight_slot_active = None  # fresh tensors, not slot views
+                self._forget_slots()
                 if adapter is not None:
                     self.lora.base.update(adapter.new_base)
                     self.lora.adapter = adapter.adapter
@@ -456,35 +451,6 @@ class AsyncEngine:
             stood_still = time.perf_counter() - started
         del replaced
         return stood_still
-
-    # ---- weight slots (the double-buffered handoff, slot_weights.py) ------------------------
-    def weight_slot_specs(self) -> tuple[list, dict[str, str]] | None:
-        """(name, shape, dtype) of every weight and the aliases senders may use, for the two
-        slots the server lays out; None when the engine cannot serve from slots now (weights
-        dropped, or an adapter merged: slots hold full versions)."""
-        if self.weights_state != "loaded" or self.unfilled_weights or self.lora.adapter:
-            return None
-        return slot_specs(self.runner, self._accepted_shapes())
-
-    async def map_weight_slots(self, views: list[dict[str, torch.Tensor]], active: int) -> None:
-        """Copy the served weights into slot `active` and serve dense weights from it (once;
-        a pause of one copy); `views` are both slots' weights by name."""
-        self._ensure_loop()
-        async with self._lock:
-            if self.weights_state != "loaded":
-                raise RuntimeError(self._weights_missing_message())
-            map_into(self.runner, views[active])
-            self._slot_views, self.weight_slot_active = views, active
-
-    def stage_slot_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], index: int
-                           ) -> SlotStage:
-        """Check the version a sender wrote into inactive slot `index` (the stream yields views
-        of it) and pack what the forward needs packed; may run in another thread."""
-        if self._slot_views is None or index == self.weight_slot_active:
-            raise RuntimeError(f"slot {index} is not this engine's inactive slot (active: "
-                               f"{self.weight_slot_active})")
-        return stage_from_slot(self.runner, self._accepted_shapes(), named_tensors,
-                               self._slot_views[index], index, self.version)
 
     def current_weight(self, name: str) -> torch.Tensor:
         """A host copy of the HF-named weight now served (packed linears unpacked), or of an
@@ -532,14 +498,3 @@ def _check_config(config: RolloutConfig) -> None:
                          f"{LOGPROBS_MODES}")
     if config.in_flight_kv not in IN_FLIGHT_KV:
         raise ValueError(f"rollout.in_flight_kv={config.in_flight_kv!r}: use one of {IN_FLIGHT_KV}")
-
-
-def _eos_token_ids(model) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (model.config, getattr(model, "generation_config", None)):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(int(v) for v in value)
-    return frozenset(ids)

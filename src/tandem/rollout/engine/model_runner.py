@@ -180,6 +180,7 @@ class ModelRunner:
         self.num_kv_heads = config.num_key_value_heads
         self.max_model_len = config.max_position_embeddings
         self.vocab_size = config.vocab_size
+        self.eos_token_ids = _eos_token_ids(model)
         positions = torch.arange(self.max_model_len, device=device)[None]
         probe = torch.zeros(1, dtype=dtype, device=device)
         cos, sin = decoder.rotary_emb(probe, positions)  # HF's rotary embedding, every position
@@ -417,3 +418,15 @@ class ModelRunner:
 
 def _version_key(tensor: torch.Tensor) -> tuple[int, int]:
     return tensor.data_ptr(), tensor._version
+
+
+def _eos_token_ids(model) -> frozenset[int]:
+    """The token ids that end a sequence: the model config's and generation config's eos."""
+    ids: set[int] = set()
+    for source in (model.config, getattr(model, "generation_config", None)):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return frozenset(ids)

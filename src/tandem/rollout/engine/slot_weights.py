@@ -4,7 +4,8 @@ The server gives the engine two sets of views, one per slot (weight_sync/slots.p
 files); `map_into` copies the served weights into the active slot once and makes every dense
 parameter a view of it. A sync writes the other slot while steps go on; `stage_from_slot`
 checks it (names, finiteness) and packs what the forward needs packed, off the event loop;
-`flip` then re-points the parameters between two steps.
+`flip` then re-points the parameters between two steps. `SlotServing` is that handoff's part of
+AsyncEngine's API (the engine mixes it in).
 
 Packed linears (CPU fp32, oneDNN) cannot run on a slot: their weight lives only in oneDNN's
 blocked layout, which no sender writes. For them the slot holds the dense weight the sender
@@ -31,6 +32,57 @@ class SlotStage:
     names: set[str]
     packed: dict[str, torch.Tensor] = field(default_factory=dict)
     lm_head: torch.Tensor | None = None  # the tied lm_head packed from the slot's embedding
+
+
+class SlotServing:
+    """AsyncEngine's weight slots: serve dense weights from one, stage a version a sender wrote
+    into the other, flip between steps (uses the engine's runner, step lock and weight state)."""
+
+    _slot_views: list[dict[str, torch.Tensor]] | None = None  # both slots' weights by name
+    weight_slot_active: int | None = None  # the slot dense weights are views of
+
+    def weight_slot_specs(self) -> tuple[list, dict[str, str]] | None:
+        """(name, shape, dtype) of every weight and the aliases senders may use, for the two
+        slots the server lays out; None when the engine cannot serve from slots now (weights
+        dropped, or an adapter merged: slots hold full versions)."""
+        if self.weights_state != "loaded" or self.unfilled_weights or self.lora.adapter:
+            return None
+        return slot_specs(self.runner, self._accepted_shapes())
+
+    async def map_weight_slots(self, views: list[dict[str, torch.Tensor]], active: int) -> None:
+        """Copy the served weights into slot `active` and serve dense weights from it (once;
+        a pause of one copy); `views` are both slots' weights by name."""
+        self._ensure_loop()
+        async with self._lock:
+            if self.weights_state != "loaded":
+                raise RuntimeError(self._weights_missing_message())
+            map_into(self.runner, views[active])
+            self._slot_views, self.weight_slot_active = views, active
+
+    def stage_slot_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], index: int
+                           ) -> SlotStage:
+        """Check the version a sender wrote into inactive slot `index` (the stream yields views
+        of it) and pack what the forward needs packed; may run in another thread."""
+        self._check_inactive_slot(index)
+        return stage_from_slot(self.runner, self._accepted_shapes(), named_tensors,
+                               self._slot_views[index], index, self.version)
+
+    def _check_inactive_slot(self, index: int) -> None:
+        if self._slot_views is None or index == self.weight_slot_active:
+            raise RuntimeError(f"slot {index} is not this engine's inactive slot (active: "
+                               f"{self.weight_slot_active})")
+
+    def _flip_to_slot(self, stage: SlotStage) -> list[torch.Tensor]:
+        """Serve the staged slot (under the step lock); a full version is its own new base.
+        Returns the packed tensors it replaced (see flip)."""
+        replaced = flip(self.runner, stage, self._slot_views[stage.index])
+        self.weight_slot_active = stage.index
+        self.lora.drop(stage.names)
+        return replaced
+
+    def _forget_slots(self) -> None:
+        """The parameters are no slot views any more (fresh tensors, or dropped)."""
+        self._slot_views = self.weight_slot_active = None
 
 
 def slot_specs(runner: Any, shapes: Mapping[str, torch.Size]

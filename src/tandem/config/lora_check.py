@@ -1,0 +1,43 @@
+"""Load-time LoRA settings: rollout.lora_rank derived from actor.lora.rank, and actor.lora's
+targets checked against the decoder linears the rollout engines serve with an adapter."""
+
+from __future__ import annotations
+
+from tandem.config.choices import ConfigError
+from tandem.config.schema import LORA_TARGETS, LoraConfig, TandemConfig
+
+
+def derive_lora_rank(config: TandemConfig, given: set[str]) -> None:
+    """rollout.lora_rank follows actor.lora.rank (the engines must fit the actor's adapter)."""
+    rollout, rank = config.rollout, config.actor.lora.rank
+    if "rollout.lora_rank" in given and rollout.lora_rank < 0:
+        return  # out of its range: validate() says so
+    if "rollout.lora_rank" in given and rollout.lora_rank != rank:
+        raise ConfigError(f"rollout.lora_rank: is {rollout.lora_rank} but actor.lora.rank={rank}; "
+                          "it is derived from actor.lora.rank, leave it unset")
+    rollout.lora_rank = max(rank, 0)  # a negative rank is refused by validate(), under its own name
+    kwargs = rollout.checkpoint_engine.engine_kwargs
+    if rank > 0 and kwargs.get("double_buffer") is True:
+        raise ConfigError("rollout.checkpoint_engine.engine_kwargs.double_buffer: weight slots "
+                          "hold full versions and a LoRA sync sends only the adapter; set it "
+                          "false (or leave it unset) with actor.lora")
+
+
+def lora_problem(lora: LoraConfig) -> str | None:
+    """actor.lora: targets the engines serve, each once; save_merged only with adapters on.
+    The first problem as "field: why; fix", else None."""
+    if not lora.rank:
+        if lora.save_merged:
+            return ("actor.lora.save_merged: is true but actor.lora.rank=0 (LoRA off): there is "
+                    "no adapter to merge; set actor.lora.rank > 0 or save_merged=false")
+        return None
+    targets = list(lora.target_modules)
+    if not targets:
+        return f"actor.lora.target_modules: is empty; name some of {', '.join(LORA_TARGETS)}"
+    unknown = [name for name in targets if name not in LORA_TARGETS]
+    if unknown:
+        return (f"actor.lora.target_modules: {unknown} are not decoder linears the rollout "
+                f"engines serve with an adapter; use some of {', '.join(LORA_TARGETS)}")
+    if len(set(targets)) != len(targets):
+        return f"actor.lora.target_modules: {targets} names a module twice; list each once"
+    return None
