@@ -20,6 +20,9 @@ both see the same load on a shared machine) and compares with the best of those:
 `--device cuda`: every tensor, the receiver's parameters and the shm buffers (CUDA IPC handles
 instead of /dev/shm files) live on the one GPU, and memcpy is a device-to-device copy; gloo and
 delta stay CPU transports here and are refused.
+`shm-db-native` (bench/sync_native.py): the double-buffered handoff into a generating native
+engine serving a ~500 MB model (`--tiny`: the tiny model), once with rollout.in_flight_kv=recompute
+and once with keep; PAUSE_RATIO is then that engine's pause (keep), else the bench receiver's flip.
 `delta-link` (bench/sync_link.py, root only): gloo full vs delta over gloo, 1% changed, between
 two network namespaces joined by a veth pair shaped to `--link-rate` (two simulated hosts).
 Last lines: PAUSE_RATIO <flip / one memcpy>, DELTA_RATIO <delta / full gloo across the shaped
@@ -42,6 +45,7 @@ import torch
 import sync_link
 import sync_native
 from tandem import cpu_kernels
+from tandem.models.tiny import TinyModelSpec
 from tandem.weight_sync.registry import get_checkpoint_engine_class
 from tandem.weight_sync.slots import WeightSlots, make_layout
 
@@ -265,7 +269,8 @@ def main() -> None:
                         help="torch threads of each side of a cross-process sync")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU, CUDA IPC)")
     parser.add_argument("--tiny", action="store_true",
-                        help="--sizes 4 --tensor-megabytes 1 --bucket-megabytes 1 --repeats 1")
+                        help="--sizes 4 --tensor-megabytes 1 --bucket-megabytes 1 --repeats 1, the "
+                        "tiny model for shm-db-native")
     args = parser.parse_args()
     if args.tiny:
         args.sizes, args.tensor_megabytes, args.bucket_megabytes, args.repeats = "4", 1, 1, 1
@@ -361,18 +366,26 @@ def main() -> None:
                            f"  (bytes {result['bytes_sent'] / nbytes:.1%} of full{versus})")
         del state, destination
     receiver.close()
+    native_pause = None
     if "shm-db-native" in engines and args.device == "cpu":
-        native = sync_native.run_native(args.bucket_megabytes)
-        memcpy_ms = native["memcpy_s"] * 1e3
-        print(f"shm-db into a generating native engine, {native['bytes'] / 1e6:.0f} MB, one "
-              f"thread each side: memcpy {memcpy_ms:.0f} ms; write + check {native['copy_s']:.2f}"
-              f" s with {native['tokens_during']} tokens generated meanwhile; flip (step lock) "
-              f"{native['flip_s'] * 1e3:.2f} ms = {native['flip_s'] / native['memcpy_s']:.4f}x "
-              f"memcpy; no token for {native['gap_s'] * 1e3:.0f} ms around the flip (a decode "
-              f"step is {native['step_s'] * 1e3:.0f} ms): the preempted requests re-prefill")
-        pause_ratios[round(native["bytes"] / 1e6)] = native["flip_s"] / native["memcpy_s"]
+        for policy in ("recompute", "keep"):
+            native = sync_native.run_native(args.bucket_megabytes, policy,
+                                            TinyModelSpec() if args.tiny else sync_native.SPEC)
+            memcpy_s = native["memcpy_s"]
+            print(f"shm-db into a generating native engine, {native['bytes'] / 1e6:.0f} MB, one "
+                  f"thread each side, in_flight_kv={policy}: memcpy {memcpy_s * 1e3:.0f} ms; "
+                  f"write + check {native['copy_s']:.2f} s, {native['tokens_during']} tokens "
+                  f"generated meanwhile; flip (step lock) {native['flip_s'] * 1e3:.2f} ms; no "
+                  f"token for {native['gap_s'] * 1e3:.0f} ms around it (a decode step "
+                  f"{native['step_s'] * 1e3:.0f} ms): pause {native['pause_s'] * 1e3:.0f} ms = "
+                  f"{native['pause_s'] / memcpy_s:.4f}x memcpy")
+            native_pause = (native["pause_s"] / memcpy_s, round(native["bytes"] / 1e6), policy)
     print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    if pause_ratios:
+    if native_pause is not None:  # the engine's own pause, running requests keeping their KV
+        print(f"PAUSE_RATIO {native_pause[0]:.4f} generation pause (the flip, or no token less "
+              f"one decode step) of a double-buffered shm sync into a generating native engine / one memcpy, "
+              f"{native_pause[1]} MB, in_flight_kv={native_pause[2]}, cpu")
+    elif pause_ratios:
         size = min(pause_ratios, key=lambda s: abs(s - 500))
         print(f"PAUSE_RATIO {pause_ratios[size]:.4f} generation pause (flip) of a double-buffered "
               f"shm sync / one memcpy, {size} MB, {args.device}")

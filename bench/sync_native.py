@@ -3,8 +3,9 @@ Qwen2-shaped model (random weights, built locally) served by NativeRollout in th
 torch thread while greedy requests decode, and a sender process (one thread) writing the new
 version into the engine's inactive slot over shm. Measured on the engine: tokens generated while
 the bytes land, the engine's flip (the step lock held: flip + KV invalidation), and the
-generation pause, i.e. the longest time no token came out around the flip minus one ordinary
-decode step (it includes the re-prefill of the requests the flip preempted).
+generation pause: the time no token came out around the flip less one ordinary decode step, or
+the flip if that is longer: with rollout.in_flight_kv=recompute (the default) it includes the re-prefill of the
+requests the flip preempted; with keep they go on from their cache.
 
     .venv/bin/python bench/sync_native.py            # also run by bench/sync.py (`shm-db-native`)
 """
@@ -54,18 +55,18 @@ def _sender_main(conn, model_path: str, bucket_megabytes: int) -> None:
     engine.close()
 
 
-async def _measure(bucket_megabytes: int) -> dict:
+async def _measure(bucket_megabytes: int, in_flight_kv: str, spec: TinyModelSpec) -> dict:
     from tandem.config.schema import RolloutConfig
     from tandem.rollout.native import NativeRollout
     from tandem.serving.server import RolloutServer
     from tandem.types import GenerateRequest
 
     torch.set_num_threads(1)
-    path = build_tiny_model(SPEC)
+    path = build_tiny_model(spec)
     nbytes = sum(p.numel() * 4 for p in _weights(path))
     server = RolloutServer("bench-native")
-    await server.start(NativeRollout, path, RolloutConfig(kv_cache_memory_bytes=64 << 20,
-                                                          block_size=16))
+    await server.start(NativeRollout, path, RolloutConfig(
+        kv_cache_memory_bytes=64 << 20, block_size=16, in_flight_kv=in_flight_kv))
     context = mp.get_context("spawn")
     conn, child = context.Pipe()
     sender = context.Process(target=_sender_main, args=(child, str(path), bucket_megabytes),
@@ -73,18 +74,20 @@ async def _measure(bucket_megabytes: int) -> dict:
     sender.start()
     try:
         slots = await server.weight_slots({})
-        sampling = {"temperature": 0.0, "max_tokens": 100_000, "ignore_eos": True}
-        running = [asyncio.create_task(server.generate(GenerateRequest(
-            f"r{i}", [5 + i] * PROMPT_TOKENS, sampling))) for i in range(REQUESTS)]
-        ticks = await _ticks_until(server, lambda count, _: count >= 40 * REQUESTS)
         memcpy_s = _memcpy_s(nbytes)  # on the engine's thread, right before the sync
         conn.send((slots, server.backend.weight_version))
-        plan = await asyncio.to_thread(conn.recv)
+        plan = await asyncio.to_thread(conn.recv)  # the sender built its next version
+        sampling = {"temperature": 0.0, "max_tokens": spec.max_position_embeddings - PROMPT_TOKENS,
+                    "ignore_eos": True}
+        running = [asyncio.create_task(server.generate(GenerateRequest(
+            f"r{i}", [5 + i] * PROMPT_TOKENS, sampling))) for i in range(REQUESTS)]
+        ticks = await _ticks_until(server, running, lambda count, _: count >= 40 * REQUESTS)
         receive = asyncio.create_task(server.receive_weights(plan, 1, {}))
         started = time.perf_counter()
-        during = await _ticks_until(server, lambda _, version: version >= 1)
+        during = await _ticks_until(server, running, lambda _, version: version >= 1)
         copy_s = time.perf_counter() - started
-        after = await _ticks_until(server, lambda count, _: count >= during[-1][1] + 8 * REQUESTS)
+        after = await _ticks_until(server, running,
+                                   lambda count, _: count >= during[-1][1] + 8 * REQUESTS)
         timings = await receive
         send_s = await asyncio.to_thread(conn.recv)
         await server.abort_all_requests()
@@ -98,15 +101,18 @@ async def _measure(bucket_megabytes: int) -> dict:
     first_after = next(t for t, n in after if n > count)
     return {"bytes": nbytes, "memcpy_s": memcpy_s, "copy_s": copy_s, "send_s": send_s, "flip_s": timings["flip"],
             "step_s": step_s, "gap_s": first_after - last_before,
-            "pause_s": max(0.0, first_after - last_before - step_s),
+            "pause_s": max(timings["flip"], first_after - last_before - step_s),
             "tokens_during": during[-1][1] - during[0][1]}
 
 
-async def _ticks_until(server, done) -> list[tuple[float, int]]:
+async def _ticks_until(server, running, done) -> list[tuple[float, int]]:
     """(time, generated tokens) each time the count changes (polled every 0.5 ms), until
-    done(count, weight version)."""
+    done(count, weight version); raises if the requests finish first."""
     ticks: list[tuple[float, int]] = []
     while True:
+        if all(task.done() for task in running):
+            raise RuntimeError("sync_native: the requests finished before the measurement did "
+                               f"({[task.result().stop_reason for task in running]})")
         count = server.stats()["backend"]["generated_tokens"]
         if not ticks or count != ticks[-1][1]:
             ticks.append((time.perf_counter(), count))
@@ -133,12 +139,15 @@ def _weights(path) -> list[torch.Tensor]:
             for tensor in load_file(file).values()]
 
 
-def run_native(bucket_megabytes: int = 64) -> dict:
-    """One double-buffered sync into a generating native engine (see the module docstring)."""
-    return asyncio.run(_measure(bucket_megabytes))
+def run_native(bucket_megabytes: int = 64, in_flight_kv: str = "recompute",
+               spec: TinyModelSpec = SPEC) -> dict:
+    """One double-buffered sync into a generating native engine (see the module docstring),
+    the running requests recomputing or keeping their KV cache at the flip."""
+    return asyncio.run(_measure(bucket_megabytes, in_flight_kv, spec))
 
 
 if __name__ == "__main__":
-    result = run_native()
-    print({key: round(value, 4) if isinstance(value, float) else value
-           for key, value in result.items()})
+    for policy in ("recompute", "keep"):
+        result = run_native(in_flight_kv=policy)
+        print(policy, {key: round(value, 4) if isinstance(value, float) else value
+                       for key, value in result.items()})

@@ -172,7 +172,7 @@ def test_handoff_step_runs_on_cpu(without_gpu_machine_packages):
     out = step(without_gpu_machine_packages, "bench/sync.py", "--device", "cpu", "--tiny",
                "--engines", "naive,shm").stdout
     assert "/dev/shm files (CUDA IPC needs --device cuda)" in out
-    assert re.search(r"shm .* bits equal\)", out)
+    assert re.search(r"shm .* bits equal; \S+x a memcpy on its 1 thread\(s\), interleaved\)", out)
     assert out.splitlines()[-1].startswith("RATIO ") and out.splitlines()[-1].endswith(", cpu")
 
 
