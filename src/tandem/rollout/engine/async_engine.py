@@ -33,7 +33,7 @@ from tandem.rollout.engine.sequence import Sequence, SequenceStatus
 from tandem.rollout.base import check_coverage, checked_version
 from tandem.rollout.engine.slot_weights import (SlotStage, flip, map_into, slot_specs,
                                                 stage_from_slot)
-from tandem.rollout.engine.weight_staging import stage_weights, weight_key
+from tandem.rollout.engine.weight_staging import install_staged, stage_weights, weight_key
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -439,8 +439,7 @@ class AsyncEngine:
                 self.weight_slot_active = staged.index
                 self.lora.drop(staged.names)  # a full version is its own new base
             else:
-                for key, tensor in staged.items():
-                    self.runner.swap_weight(key, tensor)
+                install_staged(self.runner, staged)  # swaps; a delta's patches in place
                 self.unfilled_weights.difference_update(staged)
                 self._slot_views = self.weight_slot_active = None  # fresh tensors, not slot views
                 if adapter is not None:
@@ -490,6 +489,14 @@ class AsyncEngine:
             return self.lora.adapter[name].clone()
         key = weight_key(name, self._accepted_shapes(), self.runner.config)
         return self.runner.dense_weight(key).to("cpu", copy=True)
+
+    def current_values(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """Host copies of the served weight `name` at flat positions `index` (a delta sync's
+        check: O(len(index)) for a dense weight; a packed linear is unpacked)."""
+        key = weight_key(name, self._accepted_shapes(), self.runner.config)
+        if key in self.unfilled_weights:  # dropped by sleep: what it holds is no version
+            raise RuntimeError(self._weights_missing_message())
+        return self.runner.dense_weight(key).reshape(-1)[index.to(self.device)].cpu()
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              version: int, partial: bool = False) -> None:
