@@ -35,8 +35,8 @@ from tandem.weight_sync.base import WeightSyncError
 
 class CrossProcessSync:
     """Drives syncs from `trainers` (training workers, rank 0 first: Ray handles or local
-    objects with encode_weights_ahead / build_sync_plan / send_weights) into every replica of `servers` through the
-    checkpoint engine `engine` (never naive), every wait within timeout_s."""
+    objects with encode_weights_ahead / build_sync_plan / send_weights) into every replica of
+    `servers` through the checkpoint engine `engine` (never naive), every wait within timeout_s."""
 
     def __init__(self, trainers: Sequence[Any], servers: ServerManager, engine: str,
                  timeout_s: float, engine_kwargs: dict[str, Any] | None = None) -> None:
