@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.config.schema import RolloutConfig
+from tandem.rollout.native import NativeRollout
 from tandem.types import WeightPatch
 from tandem.weight_sync.base import SyncPlan, WeightSyncError
 from tandem.weight_sync.delta import DeltaCheckpointEngine, byte_sum, changed_indices
@@ -292,3 +294,64 @@ def test_the_records_and_the_patch_hold_exactly_the_changes():
         receiver._checked("w", received, [sums[0] + 1, *sums[1:]])
     with pytest.raises(WeightSyncError, match=r"checksum mismatch for w \(the new values\)"):
         receiver._checked("w", received, [sums[0], sums[1] + 1, sums[2]])
+
+
+# ---- the native engine: patches staged, applied in place at commit, all or nothing ----------
+
+DENSE, PACKED = "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"
+ROLLOUT = RolloutConfig(kv_cache_memory_bytes=8 << 20, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from tandem.models import build_tiny_model
+
+    return build_tiny_model()
+
+
+def plus_one_at(rollout: NativeRollout, name: str, index: list[int]) -> tuple[WeightPatch, torch.Tensor]:
+    """A patch adding 1 at `index` of the served `name`, and the weight it makes."""
+    where = torch.tensor(index)
+    values = rollout.current_values(name, where) + 1.0
+    expected = rollout.current_weight(name)
+    expected.view(-1)[where] = values
+    return WeightPatch(where, values), expected
+
+
+async def test_the_native_engine_applies_a_patch_in_place_at_commit(tiny_model):
+    rollout = NativeRollout.create(tiny_model, ROLLOUT)
+    assert rollout.patches_in_place(DENSE) and rollout.patches_in_place(PACKED)
+    assert not rollout.patches_in_place("model.layers.0.self_attn.q_proj.lora_A.weight")
+    assert PACKED in rollout.engine.runner.packed_linears  # CPU fp32: re-packed at staging
+    dense_patch, dense_expected = plus_one_at(rollout, DENSE, [0, 5, 17])
+    packed_patch, packed_expected = plus_one_at(rollout, PACKED, [3, 40])
+    parameter = rollout.engine.runner.named_parameters()[DENSE]
+    address, original = parameter.data_ptr(), rollout.current_weight(DENSE)
+    staged = rollout.stage_weights([(DENSE, dense_patch), (PACKED, packed_patch)])
+    assert torch.equal(rollout.current_weight(DENSE), original)  # staging writes nothing
+    await rollout.commit_weights(staged, 1, partial=True)
+    assert rollout.weight_version == 1
+    assert parameter.data_ptr() == address  # written in place, not swapped for a copy
+    assert torch.equal(rollout.current_weight(DENSE), dense_expected)
+    assert torch.equal(rollout.current_weight(PACKED), packed_expected)
+    await rollout.shutdown()
+
+
+async def test_a_failed_delta_stream_leaves_the_native_engine_untouched(tiny_model):
+    rollout = NativeRollout.create(tiny_model, ROLLOUT)
+    before = {name: rollout.current_weight(name) for name in (DENSE, PACKED)}
+    good, _ = plus_one_at(rollout, DENSE, [1, 2])
+    bad = WeightPatch(torch.tensor([4]), torch.tensor([float("nan")]))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        await rollout.update_weights([(DENSE, good), (PACKED, bad)], 1, partial=True)
+    assert rollout.weight_version == 0
+    assert all(torch.equal(rollout.current_weight(name), before[name]) for name in before)
+    staged = rollout.stage_weights([(DENSE, good)])
+    full = [(DENSE, torch.zeros_like(before[DENSE]))]
+    await rollout.update_weights(full, 1, partial=True)  # the weight moved after the check
+    with pytest.raises(RuntimeError, match="changed after its delta patch was checked"):
+        await rollout.commit_weights(staged, 2, partial=True)
+    assert rollout.weight_version == 1
+    assert torch.equal(rollout.current_weight(DENSE), torch.zeros_like(before[DENSE]))
+    assert torch.equal(rollout.current_weight(PACKED), before[PACKED])
+    await rollout.shutdown()
