@@ -8,10 +8,11 @@ version, each next to the full sync of its transport. Each is timed
 from send start to the sender's commit (every byte in the receiver's parameters), best of
 `--repeats`; setup (build_topology + init_process_group) is reported apart. Delta finds the
 changes ahead (`encode_ahead`, before a trainer would pause generation), timed apart; its time
-runs from send start until the receiver has applied its patches in place (after the commit). The two sides of a
-cross-process sync run `--peer-threads` torch threads each (default 1: each is one process on
-its own core, as the trainer places a training worker and a rollout server on this 2-core box;
-2 + 2 threads on 2 cores oversubscribe them); memcpy and naive run at the process's default.
+runs from send start until the receiver has applied its patches in place (after the commit).
+The two sides of a cross-process sync run `--peer-threads` torch threads each (default 1: each
+is one process on its own core, as the trainer places a training worker and a rollout server
+on this 2-core box; 2 + 2 threads on 2 cores oversubscribe them); memcpy and naive run at the
+process's default.
 
     .venv/bin/python bench/sync.py                       # 100 MB, 500 MB, 2 GB
     .venv/bin/python bench/sync.py --sizes 100 --repeats 2

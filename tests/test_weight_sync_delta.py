@@ -309,7 +309,8 @@ def tiny_model():
     return build_tiny_model()
 
 
-def plus_one_at(rollout: NativeRollout, name: str, index: list[int]) -> tuple[WeightPatch, torch.Tensor]:
+def plus_one_at(rollout: NativeRollout, name: str, index: list[int]
+                ) -> tuple[WeightPatch, torch.Tensor]:
     """A patch adding 1 at `index` of the served `name`, and the weight it makes."""
     where = torch.tensor(index)
     values = rollout.current_values(name, where) + 1.0

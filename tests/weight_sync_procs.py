@@ -148,7 +148,8 @@ def run_receiver(engine: str, kwargs: dict, plan, rank: int,
         for index, (name, tensor) in enumerate(receiver.receive_weights()):
             if die_after is not None and index == die_after:
                 os._exit(3)
-            received[name] = tensor if isinstance(tensor, WeightPatch) else tensor.to("cpu", copy=True)
+            patch = isinstance(tensor, WeightPatch)
+            received[name] = tensor if patch else tensor.to("cpu", copy=True)
         for name, item in received.items():
             if isinstance(item, WeightPatch):
                 received[name] = current[name].contiguous()  # in place where it already is

@@ -90,7 +90,7 @@ class WeightPatch:
     values: torch.Tensor
 
     def apply_to(self, weight: torch.Tensor) -> None:
-        """Write the values into `weight` in place (it must be contiguous: view(-1) raises if not)."""
+        """Write the values into `weight` in place (contiguous: view(-1) raises otherwise)."""
         weight.view(-1)[self.index.to(weight.device)] = self.values.to(weight.device)
 
 

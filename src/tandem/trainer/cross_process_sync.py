@@ -80,7 +80,8 @@ class CrossProcessSync:
             # generation resumes whatever happened above, on each server's last complete version
             await self._each(paused, "resume_kv_cache", timings, "resume_kv_cache", left_out)
             await self._each(paused, "resume_generation", timings, "resume_generation", left_out)
-        timings["sync/pause_s"] = time.perf_counter() - paused_at  # abort .. resume: nothing generates
+        # abort .. resume: nothing generates (encoding ahead came before)
+        timings["sync/pause_s"] = time.perf_counter() - paused_at
         return await self._report(version, timings, start, left_out)
 
     async def _encode_ahead(self, version: int, timings: dict[str, float]) -> None:

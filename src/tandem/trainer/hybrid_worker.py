@@ -5,9 +5,9 @@ actor (and the reference / critic when the config needs them). Weight sync into 
 is therefore in-process: the `naive` checkpoint engine hands the actor's (name, tensor) stream
 to the rollout engine (load_actor_weights, driven by trainer.in_process_sync). For rollout
 servers in their own processes the worker is the sending side of a sync (encode_weights_ahead,
-build_sync_plan, send_weights) driven by trainer.cross_process_sync. With trainer.n_devices > 1 the workers form
-a torch.distributed group and the actor is sharded with FSDP2; each worker still hosts a full
-rollout engine (one replica per worker).
+build_sync_plan, send_weights) driven by trainer.cross_process_sync. With trainer.n_devices > 1
+the workers form a torch.distributed group and the actor is sharded with FSDP2; each worker
+still hosts a full rollout engine (one replica per worker).
 """
 
 from __future__ import annotations

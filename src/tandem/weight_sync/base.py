@@ -13,11 +13,12 @@ Contract between the transports (this package) and the trainer's cross-process s
   `init_process_group(plan, rank)` concurrently (rank 0 sends, ranks 1..n receive).
 - Rank 0 awaits `send_weights(named_tensors)`; every receiver iterates `receive_weights()`,
   which yields full `(name, tensor)` pairs (delta: a `types.WeightPatch` instead, owned by the
-  consumer, for a name the receiver's `patches_in_place` accepts). A yielded tensor may be a view of a transfer buffer:
-  it is valid only until the iterator is advanced, so the consumer copies it (into staging or
-  the parameters) before asking for the next one. The iterator ends (StopIteration) only once
-  the sender has confirmed that every receiver has the whole stream; if it raises instead, the
-  receiver must not load what it got (staging is discarded, the old version stays).
+  consumer, for a name the receiver's `patches_in_place` accepts). A yielded tensor may be a
+  view of a transfer buffer: it is valid only until the iterator is advanced, so the consumer
+  copies it (into staging or the parameters) before asking for the next one. The iterator
+  ends (StopIteration) only once the sender has confirmed that every receiver has the whole
+  stream; if it raises instead, the receiver must not load what it got (staging is discarded,
+  the old version stays).
 - Every participant calls `finalize()` afterwards, on success and on failure alike; it is
   idempotent and frees the sync process group and per-sync state. Buffers worth keeping between
   syncs (shm's shared buckets) stay until `close()`, which the owner calls when done with the

@@ -68,7 +68,7 @@ def stage_patch(runner: Any, key: str, name: str, patch: WeightPatch, version: i
     """A delta sync's patch of weight `key` (its new values checked like a full tensor's): a
     StagedPatch for a contiguous dense parameter, else (packed linears) the patched weight in
     the form swap_weight installs."""
-    if patch.values.dtype != runner.dtype or not patch.values.is_floating_point():
+    if patch.values.dtype != runner.dtype:
         raise TypeError(f"update_weights: patch of {name!r} has dtype {patch.values.dtype}, the "
                         f"engine serves {runner.dtype}")
     if not all_finite(patch.values):
