@@ -91,7 +91,7 @@ class WeightPatch:
 
     def apply_to(self, weight: torch.Tensor) -> None:
         """Write the values into `weight` in place (contiguous: view(-1) raises otherwise)."""
-        weight.view(-1)[self.index.to(weight.device)] = self.values.to(weight.device)
+        weight.view(-1).index_copy_(0, self.index.to(weight.device), self.values.to(weight.device))
 
 
 @dataclass(frozen=True)

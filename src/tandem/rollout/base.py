@@ -169,7 +169,7 @@ class BaseRollout(ABC):
 
     def current_values(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """The served weight `name` at flat positions `index` [k] (a delta sync's check)."""
-        return self.current_weight(name).reshape(-1)[index]
+        return self.current_weight(name).reshape(-1).index_select(0, index)
 
     def patches_in_place(self, name: str) -> bool:
         """Whether stage_weights takes a `types.WeightPatch` for `name` and commit_weights applies

@@ -97,7 +97,7 @@ class DeltaCheckpointEngine(CheckpointEngine):
         self.max_sparse_ratio = max_sparse_ratio
         self.current_weights, self.current_version = current_weights, current_version
         self.current_values = current_values or (
-            lambda name, index: self.current_weights(name).reshape(-1)[index])
+            lambda name, index: self.current_weights(name).reshape(-1).index_select(0, index))
         self.patches_in_place = patches_in_place or (lambda name: False)
         self._base: dict[str, torch.Tensor] = {}  # sender: what the receivers hold ...
         self._base_version: int | None = None  # ... and its version (None: nothing trusted)
@@ -202,7 +202,8 @@ class DeltaCheckpointEngine(CheckpointEngine):
         current = self.current_weights(name)
         self._check_dtype(name, current, patch.values)
         result = current.detach().clone(memory_format=torch.contiguous_format)
-        self._check(name, int(byte_sum(result.view(-1)[patch.index])), old_sum, "the old values")
+        old = result.view(-1).index_select(0, patch.index)
+        self._check(name, int(byte_sum(old)), old_sum, "the old values")
         patch.apply_to(result)
         self._check(name, int(byte_sum(result)), whole_sum, "the patched tensor")
         return result
@@ -241,10 +242,11 @@ def _sparse_records(name: str, new: torch.Tensor, old: torch.Tensor, changed: to
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """index, value and sum records of `new` against `old` at `changed`; patches `old` to `new`."""
     index = changed.to(torch.int32) if new.numel() < 2**31 else changed
-    values = new.reshape(-1)[changed]
+    values = new.reshape(-1).index_select(0, changed)
     flat_old = old.view(-1)
-    sums = torch.stack([byte_sum(flat_old[changed]), byte_sum(values), byte_sum(new)])
-    flat_old[changed] = values
+    sums = torch.stack([byte_sum(flat_old.index_select(0, changed)), byte_sum(values),
+                        byte_sum(new)])
+    flat_old.index_copy_(0, changed, values)
     yield name + SEPARATOR + "index", index
     yield name + SEPARATOR + "value", values
     yield name + SEPARATOR + "sum", sums

@@ -496,7 +496,8 @@ class AsyncEngine:
         key = weight_key(name, self._accepted_shapes(), self.runner.config)
         if key in self.unfilled_weights:  # dropped by sleep: what it holds is no version
             raise RuntimeError(self._weights_missing_message())
-        return self.runner.dense_weight(key).reshape(-1)[index.to(self.device)].cpu()
+        flat = self.runner.dense_weight(key).reshape(-1)
+        return flat.index_select(0, index.to(self.device)).cpu()
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              version: int, partial: bool = False) -> None:
