@@ -360,3 +360,33 @@ async def test_a_delta_sync_encodes_before_the_pause_and_patches_the_servers_in_
     tokens = [output.token_ids for output in await greedy(servers.client(), "delta")]
     assert tokens == await fresh_engine_tokens(actor, tmp_path)
     await close(servers)
+
+
+async def test_a_failed_delta_sync_leaves_every_server_on_its_weights_and_the_next_is_full(
+        model_path, tmp_path):
+    servers = await make_servers(model_path, [])
+    actor = make_actor(backend="delta", timeout_s=3.0, engine_kwargs={"transport": "shm"})
+    manager = cross_process(actor, servers)
+    await manager.sync(version=1)
+    embed = "model.embed_tokens.weight"
+    good, drifted = (replica.servers[0].backend for replica in servers.replicas.values())
+    with torch.no_grad():  # replica-1 claims version 1 but differs where the update lands
+        drifted.engine.runner.named_parameters()[embed].view(-1)[500] += 1.0
+    synced = {name: good.current_weight(name) for name in (embed, "model.norm.weight")}
+    held = drifted.current_weight(embed)
+    with torch.no_grad():
+        actor.actor.model.get_parameter(embed).view(-1)[[3, 500]] += 0.25
+    with pytest.raises(WeightSyncError, match=f"checksum mismatch for {embed}") as failure:
+        await manager.sync(version=2)
+    assert failure.value.peer == "receiver 2 (replica-1)", failure.value
+    assert await servers.servers_behind(1) == []  # no commit anywhere
+    for name, tensor in synced.items():
+        assert torch.equal(good.current_weight(name), tensor), name  # patches never applied
+    assert torch.equal(drifted.current_weight(embed), held)
+    report = await manager.sync(version=3)  # the sender forgot its copy: full, heals the drift
+    assert report.behind() == []
+    assert report.timings["sync/bytes_moved"] > 0.5 * sum(
+        t.numel() * t.element_size() for t in actor.actor.model.state_dict().values())
+    for backend in (good, drifted):
+        assert torch.equal(backend.current_weight(embed), actor.actor.model.get_parameter(embed))
+    await close(servers)
