@@ -36,6 +36,9 @@ ROLLOUT = RolloutConfig(kv_cache_memory_bytes=8 << 20, block_size=16)
 GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
 TIMEOUT_S = 2.0
+# delta over gloo: two shm receivers in one process race on shm's mapping cache when the
+# sender's buffers change (a KeyError in shm._attach), which server processes never meet
+IN_PROCESS_DELTA = {"transport": "gloo", "master_addr": "127.0.0.1"}
 
 
 class LoopbackEngine(CheckpointEngine):
@@ -338,7 +341,7 @@ async def test_the_in_process_sync_has_a_deadline_naming_the_worker():
 async def test_a_delta_sync_encodes_before_the_pause_and_patches_the_servers_in_place(
         model_path, tmp_path):
     servers = await make_servers(model_path, [])
-    actor = make_actor(backend="delta", timeout_s=10.0, engine_kwargs={"transport": "shm"})
+    actor = make_actor(backend="delta", timeout_s=10.0, engine_kwargs=IN_PROCESS_DELTA)
     manager = cross_process(actor, servers)
     first = await manager.sync(version=1)  # nothing kept yet: every tensor dense
     embed = "model.embed_tokens.weight"
@@ -365,10 +368,7 @@ async def test_a_delta_sync_encodes_before_the_pause_and_patches_the_servers_in_
 async def test_a_failed_delta_sync_leaves_every_server_on_its_weights_and_the_next_is_full(
         model_path, tmp_path):
     servers = await make_servers(model_path, [])
-    # gloo: two shm receivers in one process race on shm's mapping cache when the sender's
-    # buffers change (a KeyError in shm._attach), which separate server processes never meet
-    actor = make_actor(backend="delta", timeout_s=3.0,
-                       engine_kwargs={"transport": "gloo", "master_addr": "127.0.0.1"})
+    actor = make_actor(backend="delta", timeout_s=3.0, engine_kwargs=IN_PROCESS_DELTA)
     manager = cross_process(actor, servers)
     await manager.sync(version=1)
     embed = "model.embed_tokens.weight"
