@@ -17,10 +17,11 @@ What a receiver checks for a sparse tensor: it already reported the base version
 that lets a delta be sent at all); then 64-bit sums (`byte_sum`) of the new values and of its
 own values at the changed positions, against the sender's. The second proves it holds the base
 at every changed position, not elsewhere: a receiver whose weights drifted only at unchanged
-positions keeps its drift. A receiver that patches in place (`patches_in_place(name)`, the
-native engine's dense weights) reads only those positions (`current_values`) and yields a
-`WeightPatch` that its engine applies at commit, so its cost is O(changes). Any other receiver
-gets a patched copy of `current_weights(name)` and also checks the sum of that whole result.
+positions keeps its drift. A receiver that patches in place (`patches_in_place(name)`: the
+native engine, for model weights) reads only those positions (`current_values`) and gets a
+`WeightPatch` that its engine applies at commit, so its cost is O(changes) (native packed
+linears: O(that weight), re-packed at staging). Any other receiver gets a patched copy of
+`current_weights(name)` and also checks the sum of that whole result.
 
 Wire names: "<name>\\x00dense", or "<name>\\x00index", "<name>\\x00value", "<name>\\x00sum" (int64
 [3]: old values at the index, new values, the whole new tensor).
