@@ -6,12 +6,15 @@ receiver: `naive` in-process (the rollout copies each tensor into its parameters
 (over shm; `delta-gloo` over gloo) with 1% and 10% of the elements changed since the receiver's
 version, each next to the full sync of its transport. Each is timed
 from send start to the sender's commit (every byte in the receiver's parameters), best of
-`--repeats`; setup (build_topology + init_process_group) is reported apart. The two sides of a
-cross-process sync run `--peer-threads` torch threads each (default 1: each is one process on
-its own core, as the trainer places a training worker and a rollout server on this 2-core box;
-2 + 2 threads on 2 cores oversubscribe them); memcpy and naive run at the process's default.
-Each shm row also times a memcpy on the sender's threads right before each of its syncs (so
-both see the same load on a shared machine) and compares with the best of those: that is RATIO.
+`--repeats`; setup (build_topology + init_process_group) is reported apart. Delta finds the
+changes ahead (`encode_ahead`, before a trainer would pause generation), timed apart; its time
+runs from send start until the receiver has applied its patches in place (after the commit).
+The two sides of a cross-process sync run `--peer-threads` torch threads each (default 1: each
+is one process on its own core, as the trainer places a training worker and a rollout server
+on this 2-core box; 2 + 2 threads on 2 cores oversubscribe them); memcpy and naive run at the
+process's default. Each shm row also times a memcpy on the sender's threads right before each
+of its syncs (so both see the same load on a shared machine) and compares with the best of
+those: that is RATIO.
 
     .venv/bin/python bench/sync.py                       # 100 MB, 500 MB, 2 GB
     .venv/bin/python bench/sync.py --sizes 100 --repeats 2
@@ -46,6 +49,7 @@ import sync_link
 import sync_native
 from tandem import cpu_kernels
 from tandem.models.tiny import TinyModelSpec
+from tandem.types import WeightPatch
 from tandem.weight_sync.registry import get_checkpoint_engine_class
 from tandem.weight_sync.slots import WeightSlots, make_layout
 
@@ -94,10 +98,11 @@ def receiver_main(conn, threads: int, device: str) -> None:
             conn.send(_checksum(params))
             continue
         engine_name, kwargs, plan, version = payload
-        if engine_name == "delta":
-            kwargs = dict(kwargs, current_weights=params.__getitem__, current_version=version)
+        if engine_name == "delta":  # checks and yields patches, applied once all arrived
+            kwargs = dict(kwargs, current_weights=params.__getitem__, current_version=version,
+                          patches_in_place=lambda name: True)
         engine = get_checkpoint_engine_class(engine_name)(**kwargs)
-        flip_s = None
+        flip_s = load_s = None
         try:
             engine.init_process_group(plan, 1)
             if "slots" in plan.details:
@@ -109,13 +114,29 @@ def receiver_main(conn, threads: int, device: str) -> None:
                     params = slots.views(active)
                 flip_s = time.perf_counter() - started
             else:
-                for name, tensor in engine.receive_weights():
-                    params[name].copy_(tensor)
+                load_s = _receive_into(params, engine.receive_weights(), step_lock)
             if device == "cuda":
                 torch.cuda.synchronize()
         finally:
             engine.finalize()
-        conn.send("ok" if flip_s is None else ("ok", flip_s, slots.descriptor(active)))
+        conn.send(("ok", flip_s, slots.descriptor(active) if flip_s is not None else None, load_s))
+
+
+def _receive_into(params: dict[str, torch.Tensor], stream, step_lock: threading.Lock) -> float:
+    """Copy full tensors into params as they arrive; keep patches until the stream ended (the
+    sender committed), then apply them in place under the step lock. Returns that apply's
+    seconds (after the sender's commit: part of the sync's time, not of the sender's)."""
+    patches = []
+    for name, item in stream:
+        if isinstance(item, WeightPatch):
+            patches.append((name, item))
+        else:
+            params[name].copy_(item)
+    started = time.perf_counter()
+    with step_lock:
+        for name, patch in patches:
+            patch.apply_to(params[name])
+    return time.perf_counter() - started
 
 
 def _checksum(state: dict[str, torch.Tensor]) -> list[int]:
@@ -140,8 +161,9 @@ class Receiver:
         self.conn.send((kind, payload))
 
     def wait(self):
-        """The receiver's answer: "ok", or ("ok", flip seconds, its slots) after a
-        double-buffered sync."""
+        """The receiver's answer: "ok" (allocate, slots), or after a sync ("ok", flip seconds
+        and its slots after a double-buffered one else None, None, seconds it applied patches
+        after the commit or None)."""
         answer = self.conn.recv()
         if answer != "ok" and not (isinstance(answer, tuple) and answer[0] == "ok"):
             raise RuntimeError("receiver failed")
@@ -231,24 +253,27 @@ def _time_remote(engine_name: str, kwargs: dict, state, receiver: Receiver, repe
         if memcpy is not None:
             best_memcpy = min(best_memcpy, memcpy())
         started = time.perf_counter()
+        engine.encode_ahead(state.items(), version + 1)  # delta: before generation would pause
+        encode = time.perf_counter() - started
+        started = time.perf_counter()
         plan = engine.build_topology(1, version + 1, [version], [slots] if slots else None)
         receiver.call("sync", (engine_name, kwargs, plan, version))
         engine.init_process_group(plan, 0)
         setup = time.perf_counter() - started
         started = time.perf_counter()
-        asyncio.run(engine.send_weights(state.items()))
+        asyncio.run(engine.send_weights(iter(()) if plan.encoded_ahead else state.items()))
         elapsed = time.perf_counter() - started
         sent = engine.bytes_sent
         engine.finalize()
-        answer = receiver.wait()
-        flip_s = None
-        if slots is not None:
-            _, flip_s, slots = answer
+        _, flip_s, descriptor, load_s = receiver.wait()
+        elapsed += load_s or 0.0  # patches applied after the commit
+        slots = descriptor if slots is not None else None
         version += 1
         if change_fraction and attempt == 0:
             continue  # the full sync that gives the receiver the base version
         if elapsed < best["send_s"]:
-            best = {"send_s": elapsed, "setup_s": setup, "bytes_sent": sent, "flip_s": flip_s}
+            best = {"send_s": elapsed, "setup_s": setup, "bytes_sent": sent, "flip_s": flip_s,
+                    "encode_s": encode, "load_s": load_s or 0.0}
     return dict(best, memcpy_s=best_memcpy)
 
 
@@ -353,7 +378,9 @@ def main() -> None:
                 report("link gloo", link["full_s"], f"  ({args.link_rate} shaped veth)")
                 report("link delta", link["delta_s"], f"  (1% changed, bytes "
                        f"{link['delta_bytes'] / link['full_bytes']:.1%} of full, "
-                       f"{link['delta_s'] / link['full_s']:.3f}x the full time)")
+                       f"{link['delta_s'] / link['full_s']:.3f}x the full time; encoded "
+                       f"{link['encode_s'] * 1e3:.0f} ms ahead, patches applied in "
+                       f"{link['load_s'] * 1e3:.0f} ms)")
                 delta_ratios[size] = link["delta_s"] / link["full_s"]
             elif engine in ("delta", "delta-gloo"):
                 transport = "gloo" if engine == "delta-gloo" else "shm"
@@ -363,7 +390,8 @@ def main() -> None:
                     full = full_times.get(transport)
                     versus = f", {result['send_s'] / full:.2f}x the full {transport} time" if full else ""
                     report(f"{engine} {fraction:.0%}", result["send_s"],
-                           f"  (bytes {result['bytes_sent'] / nbytes:.1%} of full{versus})")
+                           f"  (bytes {result['bytes_sent'] / nbytes:.1%} of full{versus}; "
+                           f"encoded {result['encode_s'] * 1e3:.0f} ms ahead)")
         del state, destination
     receiver.close()
     native_pause = None
@@ -392,7 +420,8 @@ def main() -> None:
     if delta_ratios:
         size = min(delta_ratios, key=lambda s: abs(s - 500))
         print(f"DELTA_RATIO {delta_ratios[size]:.3f} delta / full gloo, 1% changed, {size} MB, "
-              f"{args.link_rate} shaped link between two network namespaces")
+              f"{args.link_rate} shaped link between two network namespaces (delta encoded "
+              "ahead, not counted)")
     if shm_ratios:  # the default same-host path: double-buffered where it ran, else the ring
         size = min(shm_ratios, key=lambda s: abs(s - 500))
         path = "shm-db" if "shm-db" in shm_ratios[size] else "shm"

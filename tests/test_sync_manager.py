@@ -36,6 +36,9 @@ ROLLOUT = RolloutConfig(kv_cache_memory_bytes=8 << 20, block_size=16)
 GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
 TIMEOUT_S = 2.0
+# delta over gloo: two shm receivers in one process race on shm's mapping cache when the
+# sender's buffers change (a KeyError in shm._attach), which server processes never meet
+IN_PROCESS_DELTA = {"transport": "gloo", "master_addr": "127.0.0.1"}
 
 
 class LoopbackEngine(CheckpointEngine):
@@ -117,7 +120,7 @@ def make_actor(**checkpoint_engine) -> HybridWorker:
     """A one-rank training worker whose actor starts from the tiny model's weights."""
     config = TandemConfig()
     config.rollout.checkpoint_engine = CheckpointEngineConfig(
-        backend="loopback", timeout_s=TIMEOUT_S, **checkpoint_engine)
+        **{"backend": "loopback", "timeout_s": TIMEOUT_S, **checkpoint_engine})
     return HybridWorker(config)
 
 
@@ -333,3 +336,61 @@ async def test_the_in_process_sync_has_a_deadline_naming_the_worker():
     assert report.served == {"hybrid-0": 4} and workers[0].loaded == [3, 4]
     assert set(report.metrics()) == {"sync/load_s", "sync/total_s", "time/sync_inner",
                                      "sync/servers_behind"}
+
+
+async def test_a_delta_sync_encodes_before_the_pause_and_patches_the_servers_in_place(
+        model_path, tmp_path):
+    servers = await make_servers(model_path, [])
+    actor = make_actor(backend="delta", timeout_s=10.0, engine_kwargs=IN_PROCESS_DELTA)
+    manager = cross_process(actor, servers)
+    first = await manager.sync(version=1)  # nothing kept yet: every tensor dense
+    embed = "model.embed_tokens.weight"
+    served = [replica.servers[0].backend for replica in servers.replicas.values()]
+    addresses = [backend.engine.runner.named_parameters()[embed].data_ptr() for backend in served]
+    with torch.no_grad():  # a few elements of a dense weight and of a packed linear move
+        model = actor.actor.model
+        model.get_parameter(embed).view(-1)[[3, 500, 901]] += 0.25
+        model.get_parameter("model.layers.0.self_attn.q_proj.weight").view(-1)[[7, 8]] -= 0.5
+    report = await manager.sync(version=2)
+    assert report.behind() == [] and report.left_out == {}
+    assert report.timings["sync/encode_s"] > 0.0 and report.timings["sync/pause_s"] > 0.0
+    assert report.timings["sync/bytes_moved"] < 0.01 * first.timings["sync/bytes_moved"]
+    for backend, address in zip(served, addresses):
+        assert backend.engine.runner.named_parameters()[embed].data_ptr() == address  # in place
+        for name, tensor in model.state_dict().items():
+            if name != "lm_head.weight" or not model.config.tie_word_embeddings:
+                assert torch.equal(backend.current_weight(name), tensor), name
+    tokens = [output.token_ids for output in await greedy(servers.client(), "delta")]
+    assert tokens == await fresh_engine_tokens(actor, tmp_path)
+    await close(servers)
+
+
+async def test_a_failed_delta_sync_leaves_every_server_on_its_weights_and_the_next_is_full(
+        model_path, tmp_path):
+    servers = await make_servers(model_path, [])
+    actor = make_actor(backend="delta", timeout_s=3.0, engine_kwargs=IN_PROCESS_DELTA)
+    manager = cross_process(actor, servers)
+    await manager.sync(version=1)
+    embed = "model.embed_tokens.weight"
+    good, drifted = (replica.servers[0].backend for replica in servers.replicas.values())
+    with torch.no_grad():  # replica-1 claims version 1 but differs where the update lands
+        drifted.engine.runner.named_parameters()[embed].view(-1)[500] += 1.0
+    synced = {name: good.current_weight(name) for name in (embed, "model.norm.weight")}
+    held = drifted.current_weight(embed)
+    with torch.no_grad():
+        actor.actor.model.get_parameter(embed).view(-1)[[3, 500]] += 0.25
+    with pytest.raises(WeightSyncError, match=f"checksum mismatch for {embed}") as failure:
+        await manager.sync(version=2)
+    assert ("receiver 2 (replica-1): WeightSyncError: weight sync failed in phase receive"
+            in str(failure.value))
+    assert await servers.servers_behind(1) == []  # no commit anywhere
+    for name, tensor in synced.items():
+        assert torch.equal(good.current_weight(name), tensor), name  # patches never applied
+    assert torch.equal(drifted.current_weight(embed), held)
+    report = await manager.sync(version=3)  # the sender forgot its copy: full, heals the drift
+    assert report.behind() == []
+    assert report.timings["sync/bytes_moved"] > 0.5 * sum(
+        t.numel() * t.element_size() for t in actor.actor.model.state_dict().values())
+    for backend in (good, drifted):
+        assert torch.equal(backend.current_weight(embed), actor.actor.model.get_parameter(embed))
+    await close(servers)

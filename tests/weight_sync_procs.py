@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from tandem.types import WeightPatch
 from tandem.weight_sync.base import WeightSyncError
 from tandem.weight_sync.registry import get_checkpoint_engine_class
 
@@ -83,6 +84,20 @@ def build_sender(key: str, engine: str, kwargs: dict, n_receivers: int, version:
     return _SENDERS[key].build_topology(n_receivers, version, receiver_versions, receiver_slots)
 
 
+def encode_ahead(key: str, engine: str, kwargs: dict, state: dict[str, torch.Tensor],
+                 version: int) -> bool:
+    """The kept sender `key` (made if new) encodes `state` as `version` ahead of its sync."""
+    if key not in _SENDERS:
+        _SENDERS[key] = get_checkpoint_engine_class(engine)(**kwargs)
+    _SENDERS[key].encode_ahead(state.items(), version)
+    return True
+
+
+def sender_base_version(key: str) -> int | None:
+    """The version the kept sender `key` trusts its copy to be (None: the next sync is full)."""
+    return _SENDERS[key]._base_version
+
+
 def use_cuda(index: int) -> str:
     """Select this worker's CUDA device."""
     torch.cuda.set_device(index)
@@ -116,11 +131,15 @@ def run_sender(key: str, plan, state: dict[str, torch.Tensor], die_after: int | 
 
 
 def run_receiver(engine: str, kwargs: dict, plan, rank: int,
-                 current: dict[str, torch.Tensor] | None = None, die_after: int | None = None):
+                 current: dict[str, torch.Tensor] | None = None, die_after: int | None = None,
+                 in_place: bool = False):
     """Rank >= 1: receive everything (cloned), or the error's record. `current` becomes the
-    engine's current_weights; die_after exits abruptly after that many tensors."""
+    engine's current_weights; die_after exits abruptly after that many tensors; in_place: delta
+    yields patches, applied into `current` once the stream ended (the sender committed)."""
     if current is not None:
         kwargs = dict(kwargs, current_weights=current.__getitem__)
+        if in_place:
+            kwargs["patches_in_place"] = lambda name: True
     receiver = get_checkpoint_engine_class(engine)(**kwargs)
     started = time.monotonic()
     received = {}
@@ -129,7 +148,12 @@ def run_receiver(engine: str, kwargs: dict, plan, rank: int,
         for index, (name, tensor) in enumerate(receiver.receive_weights()):
             if die_after is not None and index == die_after:
                 os._exit(3)
-            received[name] = tensor.to("cpu", copy=True)
+            patch = isinstance(tensor, WeightPatch)
+            received[name] = tensor if patch else tensor.to("cpu", copy=True)
+        for name, item in received.items():
+            if isinstance(item, WeightPatch):
+                received[name] = current[name].contiguous()  # in place where it already is
+                item.apply_to(received[name])
         return {"error": False, "tensors": received}
     except WeightSyncError as error:
         return error_record(error, started)

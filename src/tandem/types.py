@@ -1,4 +1,5 @@
-"""Core records shared by every layer: what an engine returns and how sampling is asked for."""
+"""Core records shared by every layer: what an engine returns, how sampling is asked for, and
+the patch a delta weight sync hands an engine to apply in place."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    import torch
 
 STOP_REASONS = ("completed", "length", "aborted")
 # Below this a temperature is greedy: logits / 1e-39 overflow to inf and sampling degenerates.
@@ -75,6 +79,19 @@ def cut_version_runs(runs: list[list[int]], num_tokens: int) -> list[list[int]]:
     for version, count in runs:
         append_version_run(kept, version, min(count, num_tokens - sum(c for _, c in kept)))
     return kept
+
+
+@dataclass(frozen=True)
+class WeightPatch:
+    """New values of one weight at some flat positions (weight_sync/delta.py, checked against the
+    receiver's values there); `index` [k] int64, `values` [k] at the weight's dtype."""
+
+    index: torch.Tensor
+    values: torch.Tensor
+
+    def apply_to(self, weight: torch.Tensor) -> None:
+        """Write the values into `weight` in place (contiguous: view(-1) raises otherwise)."""
+        weight.view(-1).index_copy_(0, self.index.to(weight.device), self.values.to(weight.device))
 
 
 @dataclass(frozen=True)

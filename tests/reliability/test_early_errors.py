@@ -140,5 +140,6 @@ def test_the_engine_kwargs_table_matches_the_constructors(name):
         engine = get_checkpoint_engine_class(name)
     parameters = inspect.signature(engine).parameters
     taken = {p for p, spec in parameters.items() if spec.kind is spec.POSITIONAL_OR_KEYWORD}
-    internal = {"bucket_megabytes", "timeout_s", "current_weights", "current_version"}
+    internal = {"bucket_megabytes", "timeout_s", "current_weights", "current_version",
+                "current_values", "patches_in_place"}  # set by a receiver, not by the config
     assert set(ENGINE_KWARGS[name]) == taken - internal

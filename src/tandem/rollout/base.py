@@ -167,6 +167,15 @@ class BaseRollout(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot report its weights; use a "
                                   "checkpoint engine that sends full tensors")
 
+    def current_values(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """The served weight `name` at flat positions `index` [k] (a delta sync's check)."""
+        return self.current_weight(name).reshape(-1).index_select(0, index)
+
+    def patches_in_place(self, name: str) -> bool:
+        """Whether stage_weights takes a `types.WeightPatch` for `name` and commit_weights applies
+        it in place; if not (the default), a delta sync hands over a patched full copy."""
+        return False
+
     @property
     @abstractmethod
     def weight_version(self) -> int:

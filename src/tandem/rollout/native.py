@@ -8,6 +8,7 @@ from typing import Iterable
 import torch
 
 from tandem.config.schema import RolloutConfig
+from tandem.rollout.adapter_stream import is_adapter_name
 from tandem.rollout.base import CAPABILITIES, MEMORY_TAGS, BaseRollout, check_tags
 from tandem.rollout.engine import AsyncEngine
 from tandem.types import GenerateRequest, TokenOutput
@@ -77,6 +78,14 @@ class NativeRollout(BaseRollout):
 
     def current_weight(self, name: str) -> torch.Tensor:
         return self.engine.current_weight(name)
+
+    def current_values(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        return self.engine.current_values(name, index)
+
+    def patches_in_place(self, name: str) -> bool:
+        """Model weights (dense ones in place at commit, packed linears re-packed at staging);
+        an adapter's tensors come as full copies (they are merged, not served)."""
+        return not is_adapter_name(name)
 
     @property
     def weight_version(self) -> int:

@@ -1,8 +1,12 @@
 """The cross-process weight sync: from the training workers into rollout servers that run in
 their own processes (STANDALONE and COLOCATED replicas), in the seed's order (§10.3):
 
-    abort unfinished requests -> release the KV cache (weights stay) -> build topology
-    -> actor send || every server receive + load -> finalize -> resume KV cache -> resume generation
+    [encode ahead] -> abort unfinished requests -> release the KV cache (weights stay)
+    -> build topology -> actor send || every server receive + load -> finalize
+    -> resume KV cache -> resume generation
+
+Encoding ahead (delta: finding what changed since the servers' version) runs while generation
+still goes on, so it is no part of the pause (`sync/encode_s`, beside `sync/pause_s`).
 
 The resumable client keeps the tokens of aborted requests and asks again once generation
 resumes. With shm and engines that serve from two weight slots (double-buffered handoff,
@@ -31,8 +35,8 @@ from tandem.weight_sync.base import WeightSyncError
 
 class CrossProcessSync:
     """Drives syncs from `trainers` (training workers, rank 0 first: Ray handles or local
-    objects with build_sync_plan / send_weights) into every replica of `servers` through the
-    checkpoint engine `engine` (never naive), every wait within timeout_s."""
+    objects with encode_weights_ahead / build_sync_plan / send_weights) into every replica of
+    `servers` through the checkpoint engine `engine` (never naive), every wait within timeout_s."""
 
     def __init__(self, trainers: Sequence[Any], servers: ServerManager, engine: str,
                  timeout_s: float, engine_kwargs: dict[str, Any] | None = None) -> None:
@@ -56,6 +60,8 @@ class CrossProcessSync:
         timings: dict[str, float] = {}
         left_out: dict[str, str] = {}
         start = time.perf_counter()
+        await self._encode_ahead(version, timings)
+        paused_at = time.perf_counter()
         slots, replicas = await self._offered_slots(list(self.servers.replicas.values()),
                                                     timings, left_out)
         if slots is not None:  # double-buffered: generation goes on; each engine flips
@@ -74,8 +80,18 @@ class CrossProcessSync:
             # generation resumes whatever happened above, on each server's last complete version
             await self._each(paused, "resume_kv_cache", timings, "resume_kv_cache", left_out)
             await self._each(paused, "resume_generation", timings, "resume_generation", left_out)
-        timings["sync/pause_s"] = time.perf_counter() - start  # abort .. resume: nothing generates
+        # abort .. resume: nothing generates (encoding ahead came before)
+        timings["sync/pause_s"] = time.perf_counter() - paused_at
         return await self._report(version, timings, start, left_out)
+
+    async def _encode_ahead(self, version: int, timings: dict[str, float]) -> None:
+        """Every training rank's encode_weights_ahead (rank 0's sender prepares `version`; a
+        no-op for engines that do not encode ahead), within the deadline."""
+        begin = time.perf_counter()
+        await asyncio.gather(*(self._within(
+            call(trainer, "encode_weights_ahead", self.engine, version, timeout_s=self.timeout_s),
+            "prepare", f"sender rank {rank}") for rank, trainer in enumerate(self.trainers)))
+        timings["sync/encode_s"] = time.perf_counter() - begin
 
     async def _report(self, version: int, timings: dict[str, float], start: float,
                       left_out: dict[str, str]) -> SyncReport:

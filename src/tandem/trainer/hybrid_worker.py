@@ -4,10 +4,10 @@ The worker *is* a rollout server (the balancer routes generate calls to it) and 
 actor (and the reference / critic when the config needs them). Weight sync into its own engine
 is therefore in-process: the `naive` checkpoint engine hands the actor's (name, tensor) stream
 to the rollout engine (load_actor_weights, driven by trainer.in_process_sync). For rollout
-servers in their own processes the worker is the sending side of a sync (build_sync_plan,
-send_weights) driven by trainer.cross_process_sync. With trainer.n_devices > 1 the workers form
-a torch.distributed group and the actor is sharded with FSDP2; each worker still hosts a full
-rollout engine (one replica per worker).
+servers in their own processes the worker is the sending side of a sync (encode_weights_ahead,
+build_sync_plan, send_weights) driven by trainer.cross_process_sync. With trainer.n_devices > 1
+the workers form a torch.distributed group and the actor is sharded with FSDP2; each worker
+still hosts a full rollout engine (one replica per worker).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from tandem.serving.server import RolloutServer, ServerInfo
 from tandem.training.engine import TrainingEngine
 from tandem.weight_sync.base import CheckpointEngine, SyncPlan
 from tandem.weight_sync.naive import NaiveCheckpointEngine
-from tandem.weight_sync.participants import make_checkpoint_engine, run_in_fresh_thread, send_from
+from tandem.weight_sync.participants import (encode_from, make_checkpoint_engine,
+                                             run_in_fresh_thread, send_from)
+from tandem.weight_sync.registry import get_checkpoint_engine_class
 
 T = TypeVar("T")
 
@@ -173,35 +175,52 @@ class HybridWorker(RolloutServer):
             await self.checkpoint_engine.sync(self.actor.export_weights(), self, version)
         self._engine_matches_actor_at = None
 
+    async def encode_weights_ahead(self, engine: str, version: int) -> dict[str, float]:
+        """Every training rank, before generation pauses: rank 0's sender for `engine` prepares
+        `version`'s sync (delta: the changes against what the receivers hold), the other ranks
+        take part in the gathers; engines without encodes_ahead skip it. Returns seconds."""
+        if not get_checkpoint_engine_class(engine).encodes_ahead:
+            return {}
+        sender = self._sender_engine(engine) if self.rank == 0 else None
+        stream = self.actor.export_weights()
+        return await run_in_fresh_thread(lambda: encode_from(sender, version, stream),
+                                         f"weight-sync-encode-{self.rank}")
+
     async def build_sync_plan(self, engine: str, n_receivers: int, version: int,
                               receiver_versions: list[int] | None = None,
                               receiver_slots: list | None = None) -> SyncPlan:
-        """Rank 0: make this sync's sender (checkpoint engine `engine`, which the fleet chose;
-        its store on this node's IP unless engine_kwargs.master_addr says otherwise) and its
-        plan, which the cross-process sync hands to every receiving server (build_topology;
-        `receiver_slots`: the servers' weight slots of a double-buffered shm sync)."""
+        """Rank 0: this sync's plan from its sender (_sender_engine), which the cross-process
+        sync hands to every receiving server (build_topology; `receiver_slots`: the servers'
+        weight slots of a double-buffered shm sync)."""
         if self.rank != 0:
             raise RuntimeError(f"build_sync_plan on rank {self.rank}: only rank 0 sends")
+        extra = (receiver_slots,) if receiver_slots is not None else ()  # shm reads it only
+        return self._sender_engine(engine).build_topology(n_receivers, version, receiver_versions,
+                                                          *extra)
+
+    def _sender_engine(self, engine: str) -> CheckpointEngine:
+        """Rank 0's sender (checkpoint engine `engine`, which the fleet chose; its store on this
+        node's IP unless engine_kwargs.master_addr says otherwise), kept across syncs: delta
+        remembers what it sent, and what encode_weights_ahead prepared."""
         if self._sync_engine is None or self._sync_engine.name != engine:
-            ckpt = self.config.rollout.checkpoint_engine  # kept across syncs: delta remembers
+            ckpt = self.config.rollout.checkpoint_engine
             kwargs = dict(ckpt.engine_kwargs)
             if engine in ("gloo", "nccl", "shm") or kwargs.get("transport") in ("gloo", "nccl"):
                 kwargs.setdefault("master_addr", ray.util.get_node_ip_address())
             self._sync_engine = make_checkpoint_engine(
                 engine, ckpt.update_weights_bucket_megabytes, ckpt.timeout_s, **kwargs)
             self._sync_engine.prepare()
-        extra = (receiver_slots,) if receiver_slots is not None else ()  # shm reads it only
-        return self._sync_engine.build_topology(n_receivers, version, receiver_versions, *extra)
+        return self._sync_engine
 
     async def send_weights(self, plan: SyncPlan) -> dict[str, float]:
         """Every training rank, concurrently with the receivers: the full tensors of the
         (FSDP2-sharded) actor are gathered one at a time; rank 0 sends them through the engine
-        of build_sync_plan, the other ranks only take part in the gathers. Returns seconds per
-        phase."""
+        of build_sync_plan, the other ranks only take part in the gathers. A plan that sends
+        what encode_weights_ahead prepared reads no weights. Returns seconds per phase."""
         engine = self._sync_engine if self.rank == 0 else None
         if self.rank == 0 and engine is None:
             raise RuntimeError("send_weights on rank 0 before build_sync_plan")
-        stream = self.actor.export_weights()
+        stream = iter(()) if plan.encoded_ahead else self.actor.export_weights()
         return await run_in_fresh_thread(lambda: send_from(engine, plan, stream),
                                          f"weight-sync-send-{self.rank}")
 

@@ -3,17 +3,22 @@ prepare -> build_topology -> init_process_group -> send || receive -> finalize.
 
 Contract between the transports (this package) and the trainer's cross-process sync that drives them:
 
+- Before generation pauses, the trainer may call `encode_ahead(named_tensors, version)` on the
+  sender (engines with `encodes_ahead`, i.e. delta); a plan with `encoded_ahead` then sends
+  that preparation and no training rank reads the weights in send_weights.
 - The sending process (training rank 0) calls `build_topology(n_receivers, version,
   receiver_versions)` and hands the returned picklable `SyncPlan` to every receiver; each
   receiver builds its own engine (same name, same kwargs plus receiver-only ones such as
   `current_weights` / `current_version` for delta) and every participant calls
   `init_process_group(plan, rank)` concurrently (rank 0 sends, ranks 1..n receive).
 - Rank 0 awaits `send_weights(named_tensors)`; every receiver iterates `receive_weights()`,
-  which yields full `(name, tensor)` pairs. A yielded tensor may be a view of a transfer buffer:
-  it is valid only until the iterator is advanced, so the consumer copies it (into staging or
-  the parameters) before asking for the next one. The iterator ends (StopIteration) only once
-  the sender has confirmed that every receiver has the whole stream; if it raises instead, the
-  receiver must not load what it got (staging is discarded, the old version stays).
+  which yields full `(name, tensor)` pairs (delta: a `types.WeightPatch` instead, owned by the
+  consumer, for a name the receiver's `patches_in_place` accepts). A yielded tensor may be a
+  view of a transfer buffer: it is valid only until the iterator is advanced, so the consumer
+  copies it (into staging or the parameters) before asking for the next one. The iterator
+  ends (StopIteration) only once the sender has confirmed that every receiver has the whole
+  stream; if it raises instead, the receiver must not load what it got (staging is discarded,
+  the old version stays).
 - Every participant calls `finalize()` afterwards, on success and on failure alike; it is
   idempotent and frees the sync process group and per-sync state. Buffers worth keeping between
   syncs (shm's shared buckets) stay until `close()`, which the owner calls when done with the
@@ -28,7 +33,8 @@ pickles intact; `close()` (release what outlives a sync: shm buffers, delta's ke
 the commit handshake above (a receiver loads only after its iterator ends normally);
 senders expose `bytes_sent` (payload bytes of the last sync); engine kwargs: gloo/nccl
 `master_addr`, shm `device` ("cpu" | "cuda"), `shm_dir`; delta `transport`, `dtype`,
-`max_sparse_ratio`, receivers `current_weights`, `current_version` (others go to the transport).
+`max_sparse_ratio`, receivers `current_weights`, `current_version`, `current_values`,
+`patches_in_place` (others go to the transport).
 """
 
 from __future__ import annotations
@@ -69,11 +75,17 @@ class SyncPlan:
     timeout_s: float
     details: dict[str, Any] = field(default_factory=dict)  # transport specific
 
+    @property
+    def encoded_ahead(self) -> bool:
+        """Whether the sender sends what encode_ahead prepared: no rank reads the weights again."""
+        return bool(self.details.get("encoded_ahead"))
+
 
 class CheckpointEngine(ABC):
     """Moves one (name, tensor) stream from the training side to rollout receivers."""
 
     name = ""  # registry name, set by each transport
+    encodes_ahead = False  # whether encode_ahead does anything (the trainer skips it if not)
 
     def __init__(self, bucket_megabytes: int = 512, timeout_s: float = 300.0,
                  **engine_kwargs) -> None:
@@ -92,6 +104,10 @@ class CheckpointEngine(ABC):
 
     def prepare(self) -> None:
         """Allocate what outlives one sync (nothing by default)."""
+
+    def encode_ahead(self, named_tensors: NamedTensors, version: int) -> None:
+        """Sender, before generation pauses: prepare `version`'s sync from the stream (delta);
+        by default nothing, and the stream is not read."""
 
     def build_topology(self, n_receivers: int, version: int,
                        receiver_versions: list[int] | None = None,

@@ -3,21 +3,38 @@
 The sender keeps a copy of the weights it last synced (at the rollout dtype, `dtype` kwarg) and
 the version they are. When every receiver reports that version, each tensor goes as the changed
 elements (flat indices + values) if that is under `max_sparse_ratio` of its dense bytes, else
-dense; a sparse tensor carries a 64-bit sum of the result's bytes, which the receiver checks
-after applying the update to its `current_weights(name)`. Any receiver on another version (or
-unknown versions) makes the sync a full one. Elements are compared bit for bit at the rollout
-dtype, so an fp32 update too small to change a bf16 weight sends nothing. The bytes ride on an
-inner transport (`transport`: shm or gloo).
+dense. Any receiver on another version (or unknown versions) makes the sync a full one. Elements
+are compared bit for bit at the rollout dtype, so an fp32 update too small to change a bf16
+weight sends nothing. The bytes ride on an inner transport (`transport`: shm or gloo).
 
-Wire names: "<name>\\x00dense", or "<name>\\x00index", "<name>\\x00value", "<name>\\x00sum".
+`encode_ahead(stream, version)` does the compare before generation pauses; the sync of that
+version then sends the prepared records without reading the weights again. Until a sync
+succeeds the kept copy is pending (trusted by no plan): a failed sync, or a prepared encoding
+that its sync cannot use (another version, a receiver not on the version it was made against),
+makes the next sync full.
+
+What a receiver checks for a sparse tensor: it already reported the base version (the trust
+that lets a delta be sent at all); then 64-bit sums (`byte_sum`) of the new values and of its
+own values at the changed positions, against the sender's. The second proves it holds the base
+at every changed position, not elsewhere: a receiver whose weights drifted only at unchanged
+positions keeps its drift. A receiver that patches in place (`patches_in_place(name)`: the
+native engine, for model weights) reads only those positions (`current_values`) and gets a
+`WeightPatch` that its engine applies at commit, so its cost is O(changes) (native packed
+linears: O(that weight), re-packed at staging). Any other receiver gets a patched copy of
+`current_weights(name)` and also checks the sum of that whole result.
+
+Wire names: "<name>\\x00dense", or "<name>\\x00index", "<name>\\x00value", "<name>\\x00sum" (int64
+[3]: old values at the index, new values, the whole new tensor).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
+from tandem.types import WeightPatch
 from tandem.weight_sync.base import CheckpointEngine, NamedTensors, SyncPlan, WeightSyncError
 from tandem.weight_sync.registry import get_checkpoint_engine_class
 
@@ -44,15 +61,28 @@ def changed_indices(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor | None
     return torch.ne(flat_new, flat_old).nonzero().reshape(-1)
 
 
+@dataclass
+class _Ahead:
+    """What encode_ahead prepared: the wire records of `version`'s sync against `against`."""
+
+    version: int
+    against: int | None  # None: every tensor dense, fit for any receiver
+    records: list[tuple[str, torch.Tensor]]
+
+
 class DeltaCheckpointEngine(CheckpointEngine):
     """Sparse updates against the receivers' current weights over an inner transport."""
 
     name = "delta"
+    encodes_ahead = True
 
     def __init__(self, bucket_megabytes: int = 512, timeout_s: float = 300.0,
                  transport: str = "shm", dtype: str | None = None, max_sparse_ratio: float = 0.5,
                  current_weights: Callable[[str], torch.Tensor] | None = None,
-                 current_version: int | None = None, **transport_kwargs) -> None:
+                 current_version: int | None = None,
+                 current_values: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                 patches_in_place: Callable[[str], bool] | None = None,
+                 **transport_kwargs) -> None:
         super().__init__(bucket_megabytes, timeout_s)
         if transport not in ("shm", "gloo", "nccl"):
             raise ValueError(f"delta transport must be shm, gloo or nccl, got {transport!r} "
@@ -67,19 +97,38 @@ class DeltaCheckpointEngine(CheckpointEngine):
         self.dtype = getattr(torch, dtype) if dtype else None
         self.max_sparse_ratio = max_sparse_ratio
         self.current_weights, self.current_version = current_weights, current_version
+        self.current_values = current_values or (
+            lambda name, index: self.current_weights(name).reshape(-1).index_select(0, index))
+        self.patches_in_place = patches_in_place or (lambda name: False)
         self._base: dict[str, torch.Tensor] = {}  # sender: what the receivers hold ...
         self._base_version: int | None = None  # ... and its version (None: nothing trusted)
+        self._ahead: _Ahead | None = None
         self.bytes_sent = 0
         self.sparse_tensors = 0  # sent as index + value in the last sync
+
+    def encode_ahead(self, named_tensors: NamedTensors, version: int) -> None:
+        """Encode `version` against the kept copy now, before generation pauses; the copy holds
+        `version` from here on but is trusted only once that sync succeeds."""
+        self._ahead, against = None, self._base_version
+        if against is None:
+            self._base = {}  # nothing to compare with: free the old copy before the new one
+        self._base_version = None
+        self.sparse_tensors = 0
+        self._ahead = _Ahead(version, against, list(self._encode(named_tensors)))
 
     def build_topology(self, n_receivers: int, version: int,
                        receiver_versions: list[int] | None = None,
                        receiver_slots: list | None = None) -> SyncPlan:
-        """Delta if every receiver holds the version of the sender's copy, else full."""
+        """Delta if every receiver holds the version of the sender's copy, else full; the
+        encoding prepared ahead is used if it is for `version` and fits the receivers."""
         inner = self.inner.build_topology(n_receivers, version, receiver_versions)
-        delta = (self._base_version is not None and receiver_versions is not None
-                 and all(v == self._base_version for v in receiver_versions))
-        details = {"inner": inner, "base_version": self._base_version if delta else None}
+        ahead = self._ahead
+        if ahead is not None and (ahead.version != version or not (
+                ahead.against is None or _all_at(receiver_versions, ahead.against))):
+            ahead = self._ahead = None  # the kept copy is pending, so this sync is full
+        base = ahead.against if ahead is not None else self._base_version
+        details = {"inner": inner, "encoded_ahead": ahead is not None,
+                   "base_version": base if _all_at(receiver_versions, base) else None}
         return SyncPlan(self.name, version, n_receivers, inner.bucket_bytes, inner.timeout_s, details)
 
     def init_process_group(self, plan: SyncPlan, rank: int) -> None:
@@ -94,16 +143,25 @@ class DeltaCheckpointEngine(CheckpointEngine):
         self.inner.init_process_group(plan.details["inner"], rank)
 
     async def send_weights(self, named_tensors: NamedTensors) -> None:
-        """Encode against the kept copy and send; the copy becomes this version on success."""
-        if self.plan.details["base_version"] is None:
-            self._base = {}
-        self._base_version = None  # the copy is half-updated until the sync succeeds
-        self.sparse_tensors = 0
-        await self.inner.send_weights(self._encode(named_tensors))
+        """Send the encoding prepared ahead (named_tensors unread) or encode the stream as it
+        goes; the kept copy becomes this version on success."""
+        ahead, self._ahead = self._ahead, None
+        if self.plan.encoded_ahead:
+            if ahead is None:
+                raise RuntimeError("a plan for an encoding made ahead, but none is kept")
+            records: NamedTensors = ahead.records
+        else:
+            if self.plan.details["base_version"] is None:
+                self._base = {}
+            self._base_version = None  # the copy is half-updated until the sync succeeds
+            self.sparse_tensors = 0
+            records = self._encode(named_tensors)
+        await self.inner.send_weights(records)
         self.bytes_sent = self.inner.bytes_sent
         self._base_version = self.plan.version
 
     def _encode(self, named_tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
+        """Wire records of the stream against the kept copy, which is updated to it."""
         for name, tensor in named_tensors:
             new = (tensor.detach().to(self.dtype) if self.dtype else tensor.detach()).contiguous()
             old = self._base.get(name)
@@ -111,52 +169,85 @@ class DeltaCheckpointEngine(CheckpointEngine):
             sparse_bytes = None if changed is None else \
                 changed.numel() * (4 + new.element_size())
             if sparse_bytes is not None and sparse_bytes <= self.max_sparse_ratio * new.nbytes:
-                index = changed.to(torch.int32) if new.numel() < 2**31 else changed
-                values = new.reshape(-1)[changed]
-                old.view(-1)[changed] = values
                 self.sparse_tensors += 1
-                yield name + SEPARATOR + "index", index
-                yield name + SEPARATOR + "value", values
-                yield name + SEPARATOR + "sum", byte_sum(old)
+                yield from _sparse_records(name, new, old, changed)
             else:
                 self._base[name] = new.clone() if new.data_ptr() == tensor.data_ptr() else new
-                yield name + SEPARATOR + "dense", new
+                yield name + SEPARATOR + "dense", self._base[name]
 
-    def receive_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield full tensors: dense ones as they come, sparse ones applied to current_weights."""
+    def receive_weights(self) -> Iterator[tuple[str, torch.Tensor | WeightPatch]]:
+        """Yield dense tensors as they come; sparse ones as a checked WeightPatch where the
+        receiver patches in place, else as a checked patched copy of current_weights."""
         index = values = None
         for key, tensor in self.inner.receive_weights():
             name, kind = key.rsplit(SEPARATOR, 1)
             if kind == "dense":
                 yield name, tensor
             elif kind == "index":
-                index = tensor.to(torch.int64)
+                index = tensor.to(torch.int64, copy=True)
             elif kind == "value":
                 values = tensor.clone()
             else:
-                yield name, self._apply(name, index, values, int(tensor))
+                yield name, self._checked(name, WeightPatch(index, values), tensor.tolist())
                 index = values = None
 
-    def _apply(self, name: str, index: torch.Tensor, values: torch.Tensor, expected: int
-               ) -> torch.Tensor:
+    def _checked(self, name: str, patch: WeightPatch, sums: list[int]
+                 ) -> torch.Tensor | WeightPatch:
+        old_sum, values_sum, whole_sum = sums
+        self._check(name, int(byte_sum(patch.values)), values_sum, "the new values")
+        if self.patches_in_place(name):
+            current = self.current_values(name, patch.index)
+            self._check_dtype(name, current, patch.values)
+            self._check(name, int(byte_sum(current)), old_sum, "the old values")
+            return patch
         current = self.current_weights(name)
+        self._check_dtype(name, current, patch.values)
+        result = current.detach().clone(memory_format=torch.contiguous_format)
+        old = result.view(-1).index_select(0, patch.index)
+        self._check(name, int(byte_sum(old)), old_sum, "the old values")
+        patch.apply_to(result)
+        self._check(name, int(byte_sum(result)), whole_sum, "the patched tensor")
+        return result
+
+    def _check_dtype(self, name: str, current: torch.Tensor, values: torch.Tensor) -> None:
         if current.dtype != values.dtype:
             raise WeightSyncError("receive", "sender", f"{name}: delta values are {values.dtype} "
                                   f"but the receiver holds {current.dtype} (engine_kwargs.dtype)")
-        result = current.detach().clone(memory_format=torch.contiguous_format)
-        result.view(-1)[index] = values
-        if int(byte_sum(result)) != expected:
-            raise WeightSyncError("receive", "sender", f"checksum mismatch for {name} after applying "
-                                  f"the delta against version {self.plan.details['base_version']}: "
-                                  "this receiver's weights differ from the sender's copy")
-        return result
+
+    def _check(self, name: str, got: int, expected: int, what: str) -> None:
+        if got != expected:
+            raise WeightSyncError("receive", "sender", f"checksum mismatch for {name} ({what}) "
+                                  f"in the delta against version "
+                                  f"{self.plan.details['base_version']}: this receiver's weights "
+                                  "differ from the sender's copy")
 
     def finalize(self) -> None:
-        """Finalize the inner transport."""
+        """Finalize the inner transport; an encoding prepared ahead and not sent is dropped."""
+        self._ahead = None
         self.inner.finalize()
         super().finalize()
 
     def close(self) -> None:
         """Close the inner transport (shm's buffers) and drop the kept copy."""
         self.inner.close()
-        self._base, self._base_version = {}, None
+        self._base, self._base_version, self._ahead = {}, None, None
+
+
+def _all_at(receiver_versions: list[int] | None, version: int | None) -> bool:
+    """Whether every receiver reported `version` (never when either is unknown)."""
+    return (version is not None and receiver_versions is not None
+            and all(v == version for v in receiver_versions))
+
+
+def _sparse_records(name: str, new: torch.Tensor, old: torch.Tensor, changed: torch.Tensor
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """index, value and sum records of `new` against `old` at `changed`; patches `old` to `new`."""
+    index = changed.to(torch.int32) if new.numel() < 2**31 else changed
+    values = new.reshape(-1).index_select(0, changed)
+    flat_old = old.view(-1)
+    sums = torch.stack([byte_sum(flat_old.index_select(0, changed)), byte_sum(values),
+                        byte_sum(new)])
+    flat_old.index_copy_(0, changed, values)
+    yield name + SEPARATOR + "index", index
+    yield name + SEPARATOR + "value", values
+    yield name + SEPARATOR + "sum", sums

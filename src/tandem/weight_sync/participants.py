@@ -78,6 +78,8 @@ async def receive_into(backend: Any, plan: SyncPlan, rank: int, who: str,
     if "current_weights" in inspect.signature(engine_class).parameters:  # delta
         kwargs.update(current_weights=backend.current_weight,
                       current_version=backend.weight_version)
+        kwargs.update(current_values=getattr(backend, "current_values", None),
+                      patches_in_place=getattr(backend, "patches_in_place", None))
     engine = engine_class(max(1, plan.bucket_bytes >> 20), plan.timeout_s, **kwargs)
     timings: dict[str, float] = {}
 
@@ -105,6 +107,21 @@ async def receive_into(backend: Any, plan: SyncPlan, rank: int, who: str,
         still = await backend.commit_weights(staged, plan.version)
     if isinstance(still, float):  # the backend says how long generation stood still
         timings["flip"] = still
+    return timings
+
+
+def encode_from(engine: CheckpointEngine | None, version: int,
+                named_tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """Training side of encode_ahead (blocking; run it in a fresh thread): rank 0 (`engine`
+    given) encodes, every other rank only iterates the stream, so the gathers stay in step."""
+    timings: dict[str, float] = {}
+    with _timed(timings, "encode"):
+        try:
+            if engine is not None:
+                engine.encode_ahead(named_tensors, version)
+        finally:
+            for _ in named_tensors:
+                pass
     return timings
 
 

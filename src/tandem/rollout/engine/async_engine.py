@@ -32,7 +32,7 @@ from tandem.rollout.engine.scheduler import ScheduledSequence, Scheduler
 from tandem.rollout.engine.sequence import Sequence, SequenceStatus
 from tandem.rollout.base import check_coverage, checked_version
 from tandem.rollout.engine.slot_weights import SlotServing, SlotStage
-from tandem.rollout.engine.weight_staging import stage_weights, weight_key
+from tandem.rollout.engine.weight_staging import install_staged, stage_weights, weight_key
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -437,8 +437,7 @@ class AsyncEngine(SlotServing):
             if slot:
                 replaced = self._flip_to_slot(staged)
             else:
-                for key, tensor in staged.items():
-                    self.runner.swap_weight(key, tensor)
+                install_staged(self.runner, staged)  # swaps; a delta's patches in place
                 self.unfilled_weights.difference_update(staged)
                 self._forget_slots()
                 if adapter is not None:
@@ -461,6 +460,15 @@ class AsyncEngine(SlotServing):
             return self.lora.adapter[name].clone()
         key = weight_key(name, self._accepted_shapes(), self.runner.config)
         return self.runner.dense_weight(key).to("cpu", copy=True)
+
+    def current_values(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """Host copies of the served weight `name` at flat positions `index` (a delta sync's
+        check: O(len(index)) for a dense weight; a packed linear is unpacked)."""
+        key = weight_key(name, self._accepted_shapes(), self.runner.config)
+        if key in self.unfilled_weights:  # dropped by sleep: what it holds is no version
+            raise RuntimeError(self._weights_missing_message())
+        flat = self.runner.dense_weight(key).reshape(-1)
+        return flat.index_select(0, index.to(self.device)).cpu()
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              version: int, partial: bool = False) -> None:

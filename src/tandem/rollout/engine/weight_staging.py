@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
 
 from tandem.rollout.base import all_finite
+from tandem.types import WeightPatch
+
+
+@dataclass(frozen=True)
+class StagedPatch:
+    """A checked patch of a dense parameter, applied in place at commit if the parameter is
+    still the tensor it was checked against (`stamp`: data pointer, version counter)."""
+
+    patch: WeightPatch
+    stamp: tuple[int, int]
 
 
 def weight_key(name: str, shapes: Mapping[str, torch.Size], model_config: Any) -> str:
@@ -21,7 +32,8 @@ def stage_weights(runner: Any, shapes: Mapping[str, torch.Size],
                   ) -> dict[str, torch.Tensor]:
     """Copy the stream into fresh host tensors of the runner's dtype (packed linears' weights
     straight into their packed layout), checking every name, shape, dtype and value (NaN/inf
-    rejected), so a stream that raises or a bad tensor leaves the engine on `version`."""
+    rejected), so a stream that raises or a bad tensor leaves the engine on `version`; a
+    WeightPatch is staged by stage_patch."""
     staged: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, tensor in named_tensors:
@@ -30,6 +42,9 @@ def stage_weights(runner: Any, shapes: Mapping[str, torch.Size],
             if shape is None:
                 raise ValueError(f"update_weights: unknown weight {name!r} (expected HF "
                                  f"names such as {next(iter(shapes))!r})")
+            if isinstance(tensor, WeightPatch):
+                staged[key] = stage_patch(runner, key, name, tensor, version)
+                continue
             if tuple(tensor.shape) != tuple(shape):
                 raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)},"
                                  f" the model expects {tuple(shape)}")
@@ -46,3 +61,44 @@ def stage_weights(runner: Any, shapes: Mapping[str, torch.Size],
                                  f"{runner.dtype}); the engine keeps version {version}")
             staged[key] = runner.stage_form(key, copy)
     return staged
+
+
+def stage_patch(runner: Any, key: str, name: str, patch: WeightPatch, version: int
+                ) -> StagedPatch | torch.Tensor:
+    """A delta sync's patch of weight `key` (its new values checked like a full tensor's): a
+    StagedPatch for a contiguous dense parameter, else (packed linears) the patched weight in
+    the form swap_weight installs."""
+    if patch.values.dtype != runner.dtype:
+        raise TypeError(f"update_weights: patch of {name!r} has dtype {patch.values.dtype}, the "
+                        f"engine serves {runner.dtype}")
+    if not all_finite(patch.values):
+        raise ValueError(f"update_weights: {name!r} holds NaN or inf values (in "
+                         f"{runner.dtype}); the engine keeps version {version}")
+    weight = runner.dense_weight(key)
+    packed = key in runner.packed_linears
+    if packed or not weight.is_contiguous():  # no dense tensor to write into: patch a copy
+        copy = weight.to("cpu", copy=not packed).contiguous()  # to_dense() is a copy already
+        patch.apply_to(copy)
+        return runner.stage_form(key, copy)
+    on_device = WeightPatch(patch.index.to(weight.device), patch.values.to(weight.device))
+    return StagedPatch(on_device, _stamp(weight))
+
+
+def install_staged(runner: Any, staged: Mapping[str, torch.Tensor | StagedPatch]) -> None:
+    """Install what stage_weights returned (runner.swap_weight; a StagedPatch in place), after
+    checking that every patched parameter is still the tensor it was checked against, so a
+    refusal installs nothing."""
+    for key, item in staged.items():
+        if isinstance(item, StagedPatch) and _stamp(runner.dense_weight(key)) != item.stamp:
+            raise RuntimeError(f"update_weights: {key!r} changed after its delta patch was "
+                               "checked; the engine keeps its version")
+    with torch.no_grad():
+        for key, item in staged.items():
+            if isinstance(item, StagedPatch):
+                item.patch.apply_to(runner.dense_weight(key))
+            else:
+                runner.swap_weight(key, item)
+
+
+def _stamp(weight: torch.Tensor) -> tuple[int, int]:
+    return weight.data_ptr(), weight._version
