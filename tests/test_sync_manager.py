@@ -36,9 +36,8 @@ ROLLOUT = RolloutConfig(kv_cache_memory_bytes=8 << 20, block_size=16)
 GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
 TIMEOUT_S = 2.0
-# delta over gloo: two shm receivers in one process race on shm's mapping cache when the
-# sender's buffers change (a KeyError in shm._attach), which server processes never meet
-IN_PROCESS_DELTA = {"transport": "gloo", "master_addr": "127.0.0.1"}
+# delta over shm with two receivers in one process: they share shm's mapping cache (locked)
+IN_PROCESS_DELTA = {"transport": "shm"}
 
 
 class LoopbackEngine(CheckpointEngine):

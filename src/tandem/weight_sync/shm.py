@@ -26,6 +26,7 @@ import glob
 import os
 import pickle
 import tempfile
+import threading
 import weakref
 from typing import Iterator
 
@@ -202,6 +203,7 @@ class ShmCheckpointEngine(CheckpointEngine):
 
 
 _MAPPED: dict[str, torch.Tensor] = {}  # receiver side: path -> mapping, kept for the next sync
+_MAPPED_LOCK = threading.Lock()  # receivers of one process (threads) share the mappings
 
 
 def _map(path: str, size: int) -> torch.Tensor:
@@ -211,12 +213,13 @@ def _map(path: str, size: int) -> torch.Tensor:
 def _attach(details: dict, size: int) -> list[torch.Tensor]:
     if "cuda_handles" in details:
         return [rebuild(*args) for rebuild, args in details["cuda_handles"]]
-    for path in [p for p in _MAPPED if p not in details["paths"]]:  # a former sender's buffers
-        del _MAPPED[path]
-    for path in details["paths"]:
-        if path not in _MAPPED or _MAPPED[path].numel() != size:
-            _MAPPED[path] = _map(path, size)
-    return [_MAPPED[path] for path in details["paths"]]
+    with _MAPPED_LOCK:
+        for path in [p for p in _MAPPED if p not in details["paths"]]:  # a former sender's buffers
+            del _MAPPED[path]
+        for path in details["paths"]:
+            if path not in _MAPPED or _MAPPED[path].numel() != size:
+                _MAPPED[path] = _map(path, size)
+        return [_MAPPED[path] for path in details["paths"]]
 
 
 def _unlink(paths: list[str]) -> None:

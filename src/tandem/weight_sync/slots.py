@@ -15,6 +15,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Iterable
@@ -77,21 +78,23 @@ def make_layout(weights: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
 
 
 _MAPPED: dict[str, torch.Tensor] = {}  # path -> this process's one mapping of it
+_MAPPED_LOCK = threading.Lock()  # the engine and its transports map from several threads
 
 
 def mapped(path: str, nbytes: int) -> torch.Tensor:
     """This process's mapping of the slot file as a shared uint8 tensor (one per path, so the
     transport and the engine of one process see the same addresses)."""
-    current = _MAPPED.get(path)
-    if current is None or current.numel() != nbytes:
-        try:
-            current = _map_populated(path, nbytes)
-        except (RuntimeError, OSError, ValueError) as error:
-            raise WeightSyncError("init_process_group", None, f"cannot map weight slot {path} "
-                                  f"({error}); double-buffered shm needs the engine on the "
-                                  "sender's host") from error
-        _MAPPED[path] = current
-    return current
+    with _MAPPED_LOCK:
+        current = _MAPPED.get(path)
+        if current is None or current.numel() != nbytes:
+            try:
+                current = _map_populated(path, nbytes)
+            except (RuntimeError, OSError, ValueError) as error:
+                raise WeightSyncError("init_process_group", None, f"cannot map weight slot "
+                                      f"{path} ({error}); double-buffered shm needs the engine "
+                                      "on the sender's host") from error
+            _MAPPED[path] = current
+        return current
 
 
 def _map_populated(path: str, nbytes: int) -> torch.Tensor:
@@ -108,8 +111,9 @@ def _map_populated(path: str, nbytes: int) -> torch.Tensor:
 
 def forget(paths: Iterable[str]) -> None:
     """Drop this process's mappings of `paths` (their engine closed them)."""
-    for path in paths:
-        _MAPPED.pop(path, None)
+    with _MAPPED_LOCK:
+        for path in paths:
+            _MAPPED.pop(path, None)
 
 
 def view(slot: torch.Tensor, entry: SlotEntry) -> torch.Tensor:
