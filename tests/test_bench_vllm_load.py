@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tandem.rollout.vllm import SEGMENT_ALIGN, WeightSegment, segment_layout, segment_views
@@ -49,3 +50,17 @@ def test_segment_views_in_a_second_mapping_give_back_the_tensors(tmp_path):
     assert segment.path != path and not Path(path).exists() and Path(segment.path).exists()
     segment.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_segment_that_does_not_fit_is_refused_before_any_byte_is_written(tmp_path, monkeypatch):
+    """A write past a full tmpfs would kill the process (SIGBUS): the free space is checked."""
+    import shutil
+
+    import tandem.rollout.vllm as vllm_module
+
+    full = shutil.disk_usage(tmp_path)._replace(free=100)
+    monkeypatch.setattr(vllm_module.shutil, "disk_usage", lambda path: full)
+    segment = WeightSegment(str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"MiB free.*--shm-size"):
+        segment.write(tensors())
+    assert list(tmp_path.iterdir()) == [] and segment.path == ""

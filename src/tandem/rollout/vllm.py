@@ -96,6 +96,11 @@ class WeightSegment:
         layout, total = segment_layout(named_tensors)
         if total > self.buffer.numel():
             self.close()
+            free = shutil.disk_usage(self.directory).free
+            if free < total:  # writing past a full tmpfs is a SIGBUS, not an error
+                raise RuntimeError(f"update_weights: {self.directory} has {free >> 20} MiB free, "
+                                   f"the vLLM backend loads the weights through a {total >> 20} "
+                                   f"MiB file there; enlarge it (docker: --shm-size) or free it")
             self.path = f"{self.directory}/tandem-vllm-{os.getpid()}-{next(_SEGMENT_IDS)}"
             self._unlink = weakref.finalize(self, _unlink_file, self.path)
             with open(self.path, "wb") as handle:
