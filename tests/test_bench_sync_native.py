@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # ~25 s: two engines, two sender processes
 def test_native_row_measures_the_engines_pause_for_both_in_flight_policies() -> None:
     done = subprocess.run([sys.executable, "bench/sync.py", "--tiny", "--engines",
                            "shm-db,shm-db-native"], capture_output=True, text=True, timeout=600,

@@ -140,7 +140,7 @@ def write_and_sum(destination: torch.Tensor, source: torch.Tensor) -> int:
     copies piece by piece, summing each piece of the destination while it is still in cache."""
     source = source.detach()
     ops = _kernels(destination, source)
-    if ops is not None and source.dtype == destination.dtype and source.is_contiguous():
+    if ops is not None and source.dtype == destination.dtype:
         return ops.copy_and_sum(destination, source)
     flat_dst = destination.reshape(-1)
     flat_src = source.reshape(-1)
