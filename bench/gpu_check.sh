@@ -5,7 +5,7 @@
 # its own time limit (they add up to 6 minutes) and writes every step's command, output tail and
 # exit status, then the targets, to one results file. --dry-run (no GPU needed) checks that every
 # file a step runs and every wheel of bench/gpu_wheels.txt is there, and writes the plan.
-# --steps runs some steps only (keys: device,install,build,engine,train,handoff,tests; a fresh
+# --steps runs some steps only (keys: device,install,build,engine,train,update,handoff,tests; a fresh
 # machine needs install, and build before engine or train).
 #
 #   bash bench/gpu_check.sh --out FILE [--wheels DIR] [--steps KEY,...]
@@ -47,6 +47,7 @@ STEPS=(
     "build|build the 0.5B-shape model (random weights)|30|$PYTHON -c 'import sys; sys.path[:0] = [\"bench\", \"src\"]; import engine; from tandem.models import build_tiny_model; print(build_tiny_model(engine.MODELS[\"0.5b\"]))'"
     "engine|engine: native vs HF generate, bf16 and fp32|135|$PYTHON bench/gpu_engine.py --device cuda"
     "train|training step: packed vs padded, forward + backward + optimizer|55|$PYTHON bench/gpu_train_step.py --device cuda"
+    "update|weight updates into a generating engine: full and LoRA, per-token versions|60|$PYTHON bench/gpu_update.py --device cuda"
     "handoff|weight handoff: shm over CUDA IPC between two processes|30|$PYTHON bench/sync.py --device cuda --sizes 1000 --engines naive,shm"
     "tests|gpu-marked tests (none needs Ray, vLLM or SGLang; those skip)|80|$PYTEST -q -rs -m gpu $GPU_TESTS"
 )
@@ -67,7 +68,7 @@ missing_wheels() {
 
 rm -f "$OUT.targets"
 printf '# gpu_check %s\n\ncommit %s, %s\n' "$(date -u +%FT%TZ)" \
-    "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+    "$(git rev-parse --short HEAD 2>/dev/null || echo "${TANDEM_COMMIT:-unknown}")" \
     "$([ "$DRY_RUN" = 1 ] && echo 'DRY RUN' || echo 'live run')" > "$OUT"
 
 problems=()

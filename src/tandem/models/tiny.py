@@ -76,10 +76,11 @@ def _corpus(seed: int = 0, lines: int = 4000) -> list[str]:
         out.append(f'{{"name": "calculator", "arguments": {{"expression": "{a} {op} {b}"}}}}')
         out.append(f"The answer is {a + b}. Result: {a * b}")
         out.append(" ".join(rng.choice(words) for _ in range(12)))
-    # the built-in tool schemas and the template's tool header recur in every tool-calling prompt
-    from tandem.tools.registry import build_tool_registry, builtin_tool_names
+    # the built-in tool schemas and the template's tool header recur in every tool-calling prompt;
+    # read from the classes: constructing the python tool needs its sandbox (bwrap), a model not
+    from tandem.tools.registry import builtin_tool_names, tool_class, tool_schema
 
-    for schema in build_tool_registry(list(builtin_tool_names())).schemas():
+    for schema in [tool_schema(tool_class(name)) for name in builtin_tool_names()]:
         out += ["# Tools\n<tools>\n" + json.dumps(schema) + "\n</tools>\nCall a tool as <tool_call>"] * 50
     out += ["Use the calculator tool, then give the final number."] * 50
     return out
