@@ -28,8 +28,8 @@ def make_field(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"make_field: {values.shape[0]} values but lengths sum to {int(lengths.sum())}")
     if lengths.numel() > 0 and bool((lengths == lengths[0]).all()):
         return values.reshape(lengths.numel(), int(lengths[0]), *values.shape[1:])
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long)
-    offsets[1:] = lengths.cumsum(0)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=values.device)
+    offsets[1:] = lengths.to(values.device).cumsum(0)  # nested tensors keep both on one device
     return torch.nested.nested_tensor_from_jagged(values, offsets)
 
 
