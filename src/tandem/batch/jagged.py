@@ -67,8 +67,9 @@ def padded_field(field: torch.Tensor, pad_value: float = 0) -> torch.Tensor:
 def ragged_ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Concatenation of range(starts[i], starts[i] + lengths[i]) over i: [sum lengths] int64."""
     lengths = lengths.long()
-    within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-    return torch.repeat_interleave(starts.long(), lengths) + within
+    within = (torch.arange(int(lengths.sum()), device=lengths.device)
+              - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths))
+    return torch.repeat_interleave(starts.long().to(lengths.device), lengths) + within
 
 
 def non_tensor_list(batch: TensorDict, key: str) -> list[Any]:
