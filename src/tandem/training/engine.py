@@ -190,7 +190,8 @@ class TrainingEngine:
         total_loss = 0.0
         weighted: dict[str, float] = defaultdict(float)  # metric x its micro-batch's loss tokens
         for group in self._micro_batches(batch, max_token_len):
-            micro_batch = select_samples(batch, group)
+            # the loss reads fields the trainer keeps on the host beside the forward's outputs
+            micro_batch = select_samples(batch, group).to(self.device)
             # on-policy: the entropy is returned with the old log-probs; without gradient unless asked
             outputs = self._forward(micro_batch, temperature, calculate_entropy or on_policy is not None,
                                     entropy_grad=calculate_entropy)
