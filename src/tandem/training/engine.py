@@ -190,17 +190,18 @@ class TrainingEngine:
         total_loss = 0.0
         weighted: dict[str, float] = defaultdict(float)  # metric x its micro-batch's loss tokens
         for group in self._micro_batches(batch, max_token_len):
-            # the loss reads fields the trainer keeps on the host beside the forward's outputs
-            micro_batch = select_samples(batch, group).to(self.device)
+            micro_batch = select_samples(batch, group)
             # on-policy: the entropy is returned with the old log-probs; without gradient unless asked
             outputs = self._forward(micro_batch, temperature, calculate_entropy or on_policy is not None,
                                     entropy_grad=calculate_entropy)
             outputs.mini_batch = info
+            # the forward lays out host fields; the loss reads them beside the device outputs
+            loss_batch = micro_batch.to(self.device)
             if on_policy is not None:
                 detached = _detached(outputs)
-                micro_batch["old_log_probs"] = detached.field("log_probs")
+                loss_batch["old_log_probs"] = detached.field("log_probs")
                 on_policy.append((group, detached))
-            loss, metrics = loss_fn(micro_batch, outputs)
+            loss, metrics = loss_fn(loss_batch, outputs)
             # FSDP averages gradients over ranks; the loss is already a share of the global total
             (loss * self.dp_size).backward()
             total_loss += float(loss.detach())
