@@ -2,11 +2,14 @@
 # The GPU check (docs/gpu.md) for the machine this project is lent: one NVIDIA GPU, the machine's
 # own python3 (3.12, torch 2.11, transformers), no network, no Ray, vLLM or SGLang. It installs
 # only the wheels carried with the tree (`make gpu-wheels` -> .gpu-wheels/), runs each step under
-# its own time limit (they add up to 6 minutes) and writes every step's command, output tail and
+# its own time limit (they add up to under 9 minutes) and writes every step's command, output tail and
 # exit status, then the targets, to one results file. --dry-run (no GPU needed) checks that every
 # file a step runs and every wheel of bench/gpu_wheels.txt is there, and writes the plan.
 # --steps runs some steps only (keys: device,install,build,engine,train,update,handoff,tests; a fresh
 # machine needs install, and build before engine or train).
+#
+# TANDEM_COMMIT names the tree in the results file (the device tool's copy has the base commit's
+# .git under the session's working tree, so `git rev-parse` there names the wrong commit).
 #
 #   bash bench/gpu_check.sh --out FILE [--wheels DIR] [--steps KEY,...]
 #   bash bench/gpu_check.sh --dry-run [--out FILE] [--wheels DIR]
@@ -67,8 +70,11 @@ missing_wheels() {
 }
 
 rm -f "$OUT.targets"
-printf '# gpu_check %s\n\ncommit %s, %s\n' "$(date -u +%FT%TZ)" \
-    "$(git rev-parse --short HEAD 2>/dev/null || echo "${TANDEM_COMMIT:-unknown}")" \
+COMMIT="${TANDEM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+if [ -z "${TANDEM_COMMIT:-}" ] && [ -n "$(git status --porcelain 2>/dev/null)" ]; then
+    COMMIT="$COMMIT with uncommitted changes (set TANDEM_COMMIT)"
+fi
+printf '# gpu_check %s\n\ncommit %s, %s\n' "$(date -u +%FT%TZ)" "$COMMIT" \
     "$([ "$DRY_RUN" = 1 ] && echo 'DRY RUN' || echo 'live run')" > "$OUT"
 
 problems=()

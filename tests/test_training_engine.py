@@ -225,3 +225,33 @@ def test_update_takes_one_step_per_mini_batch_and_epoch(tiny_path):
     assert engine.global_step == 4 and metrics["actor/grad_norm"] > 0
     with pytest.raises(ValueError, match="pad_to_multiple"):
         engine.update(batch, ppo_loss_fn(), mini_batch_size=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ppo_step_on_cuda_with_the_trainer_loss_and_host_fields(tiny_path):
+    """The trainer's batch stays on the host while the engine runs on CUDA: log-probs within the
+    float32 bound of float64, micro-batches selected across devices, trainer/ppo's loss, a step
+    that moves the policy the right way (three places failed on the first GPU run)."""
+    from tandem.config.schema import TandemConfig
+    from tandem.trainer.ppo import actor_loss_fn
+
+    batch = make_batch([(4, 8), (6, 5), (3, 9), (5, 6)], seed=3)
+    lengths = field_lengths(batch["responses"])
+    signs = torch.where(torch.arange(int(lengths.sum())) % 2 == 0, 1.0, -1.0)
+    batch["advantages"] = make_field(signs, lengths)
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    engine = TrainingEngine(model, "actor", 16, optim=OptimConfig(lr=1e-3, grad_clip=10.0),
+                            device="cuda")
+    old = engine.compute_log_prob(batch).field("log_probs")  # on the device
+    exact_model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    for i in range(batch.batch_size[0]):
+        exact, bound = token_logprob_bounds(exact_model, batch["prompts"][i].tolist(),
+                                            batch["responses"][i].tolist())
+        assert_within(old[i].cpu(), exact, bound, f"sample {i}")
+    batch["old_log_probs"] = old
+    metrics = engine.train_mini_batch(batch, actor_loss_fn(TandemConfig()))
+    change = (engine.compute_log_prob(batch).log_probs - field_values(old)).cpu()
+    mask = field_values(batch["loss_mask"]).bool()
+    assert metrics["actor/step_skipped"] == 0 and metrics["actor/grad_norm"] > 0
+    assert change[(signs > 0) & mask].mean() > 0 > change[(signs < 0) & mask].mean()
