@@ -36,7 +36,7 @@ from tandem.batch.jagged import make_field, trajectories_to_batch  # noqa: E402
 from tandem.batch.trajectory import Trajectory  # noqa: E402
 from tandem.config.schema import OptimConfig, TandemConfig  # noqa: E402
 from tandem.models import build_tiny_model  # noqa: E402
-from tandem.trainer.ppo import actor_loss_fn  # noqa: E402
+from tandem.training.losses import actor_loss_fn  # noqa: E402
 from tandem.training import packed_attention  # noqa: E402
 from tandem.training.engine import TrainingEngine  # noqa: E402
 

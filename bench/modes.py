@@ -30,7 +30,7 @@ from tandem.config.load import load_config
 from tandem.demo.tasks import make_datasets
 from tandem.trainer.metrics import read_metrics
 from tandem.trainer.modes import fit
-from tandem.trainer.placement import without_token_auth_notice
+from tandem.fleet.placement import without_token_auth_notice
 from tandem.trainer.rl_trainer import RLTrainer
 from tandem.types import GenerateRequest
 

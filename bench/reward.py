@@ -31,7 +31,7 @@ from tandem.config.load import load_config
 from tandem.demo.tasks import make_datasets
 from tandem.models.tiny import build_tiny_reward_model
 from tandem.trainer.metrics import read_metrics
-from tandem.trainer.placement import without_token_auth_notice
+from tandem.fleet.placement import without_token_auth_notice
 from tandem.trainer.rl_trainer import RLTrainer
 from tandem.trainer.sync import fit_sync
 

@@ -21,7 +21,7 @@ def ray_cluster():
     if started:
         # worker_niceness 0: Ray's default (15) starves actors whenever the machine is busy.
         # address="local": never join a cluster some other process on the machine started
-        from tandem.trainer.placement import without_token_auth_notice
+        from tandem.fleet.placement import without_token_auth_notice
 
         with without_token_auth_notice():  # Ray's token auth stays on, its notice is not shown
             ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from tandem.config.schema import CheckpointEngineConfig, RolloutConfig, TandemConfig
 from tandem.rollout.native import NativeRollout
 from tandem.serving.manager import ServerManager
-from tandem.trainer.cross_process_sync import CrossProcessSync
-from tandem.trainer.hybrid_worker import HybridWorkerActor
+from tandem.fleet.weight_sync import CrossProcessSync
+from tandem.fleet.hybrid_worker import HybridWorkerActor
 from tandem.types import GenerateRequest
 
 # the helpers below run inside the training workers, which cannot import this module

@@ -189,7 +189,7 @@ def test_served_judge_follows_its_greedy_verdicts_and_survives_a_killed_replica(
     from transformers import AutoTokenizer
 
     from tandem.config.schema import TandemConfig
-    from tandem.trainer.served_rewards import ServedRewards
+    from tandem.fleet.served_rewards import ServedRewards
 
     config = TandemConfig()
     # the demo model (warmed up on word problems) answers with numbers: score its first digit

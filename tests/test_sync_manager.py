@@ -25,9 +25,9 @@ from tandem.serving.balancer import LoadBalancer
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ReplicaLayout, RolloutReplica, ServerOptions
 from tandem.serving.server import RolloutServer
-from tandem.trainer.cross_process_sync import CrossProcessSync
-from tandem.trainer.hybrid_worker import HybridWorker
-from tandem.trainer.sync_seam import choose_transport
+from tandem.fleet.weight_sync import CrossProcessSync
+from tandem.fleet.hybrid_worker import HybridWorker
+from tandem.fleet.weight_sync import choose_transport
 from tandem.weight_sync.base import CheckpointEngine, WeightSyncError
 from tandem.weight_sync.registry import register_checkpoint_engine
 from tandem.types import GenerateRequest
@@ -321,7 +321,7 @@ class StuckWorker:
 
 
 async def test_the_in_process_sync_has_a_deadline_naming_the_worker():
-    from tandem.trainer.in_process_sync import InProcessSync
+    from tandem.fleet.weight_sync import InProcessSync
 
     workers = [StuckWorker(False), StuckWorker(True)]
     sync = InProcessSync(workers, ["hybrid-0", "hybrid-1"], timeout_s=0.3)

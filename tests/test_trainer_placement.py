@@ -8,7 +8,7 @@ import ray
 from ray.util.placement_group import placement_group_table, remove_placement_group
 
 from tandem.config.load import ConfigError, load_config
-from tandem.trainer import placement
+from tandem.fleet import placement
 
 
 def test_joins_a_cluster_without_resource_arguments(monkeypatch):

@@ -15,7 +15,7 @@ from tandem.trainer import separate_async
 from tandem.trainer.metrics import read_metrics
 from tandem.trainer.rl_trainer import RLTrainer
 from tandem.trainer.separate_async import fit_separate_async
-from tandem.trainer.spillover import Spillover
+from tandem.fleet.spillover import Spillover
 from tandem.trainer.step_metrics import merge_mini_batch_metrics
 from tandem.types import GenerateRequest
 
@@ -25,7 +25,7 @@ def test_one_override_derives_rollout_devices_engine_and_sync_step():
                                     "actor.fsdp_size=2", "data.train_batch_size=8",
                                     "actor.ppo_mini_batch_size=2"])
     assert (config.rollout.nnodes, config.rollout.n_gpus_per_node) == (1, 2)
-    assert config.rollout.checkpoint_engine.backend == "auto"  # resolved at start (sync_seam)
+    assert config.rollout.checkpoint_engine.backend == "auto"  # resolved at start (fleet.weight_sync)
     assert config.trainer.separate_async.parameter_sync_step == 4
     # what the user sets is kept, and still validated
     config = load_config(overrides=["trainer.trainer_mode=separate_async", "rollout.nnodes=2",

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tandem.config.load import load_config
-from tandem.trainer import placement, startup
-from tandem.trainer.startup import MILESTONES, StartupClock
+from tandem.fleet import placement, startup
+from tandem.fleet.startup import MILESTONES, StartupClock
 from tandem.types import GenerateRequest
 
 
@@ -21,7 +21,7 @@ def test_process_start_time_is_when_the_process_began():
     """A child's start lies between the parent's spawning it and the child's answer (a wrong
     /proc field would give a time since boot, decades off)."""
     before = time.time()
-    out = subprocess.run([sys.executable, "-c", "import time; from tandem.trainer.startup import "
+    out = subprocess.run([sys.executable, "-c", "import time; from tandem.fleet.startup import "
                           "process_start_time as p; print(repr(p()), repr(time.time()))"],
                          capture_output=True, text=True, check=True, timeout=60)
     after = time.time()
@@ -127,7 +127,7 @@ def test_loaded_whole_sees_parameters_the_files_lack(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from tandem.models import build_tiny_model
-    from tandem.trainer.hybrid_worker import loaded_whole
+    from tandem.fleet.hybrid_worker import loaded_whole
 
     path = build_tiny_model()
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -143,7 +143,7 @@ async def started_worker(config, monkeypatch):
     checkpoint-engine sync was asked for are in worker.synced."""
     from tandem.models.tiny import resolve_model_path
     from tandem.rollout.native import NativeRollout
-    from tandem.trainer.hybrid_worker import HybridWorker
+    from tandem.fleet.hybrid_worker import HybridWorker
 
     worker = HybridWorker(config)
     worker.synced = []

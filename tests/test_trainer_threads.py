@@ -11,8 +11,8 @@ import pytest
 import ray
 
 from tandem.config.load import ConfigError, load_config
-from tandem.trainer.hybrid_worker import HybridWorkerActor
-from tandem.trainer.placement import torch_threads
+from tandem.fleet.hybrid_worker import HybridWorkerActor
+from tandem.fleet.placement import torch_threads
 
 # the lambda below runs inside the worker, which cannot import this test module
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -234,7 +234,7 @@ def test_ppo_step_on_cuda_with_the_trainer_loss_and_host_fields(tiny_path):
     float32 bound of float64, micro-batches selected across devices, trainer/ppo's loss, a step
     that moves the policy the right way (three places failed on the first GPU run)."""
     from tandem.config.schema import TandemConfig
-    from tandem.trainer.ppo import actor_loss_fn
+    from tandem.training.losses import actor_loss_fn
 
     batch = make_batch([(4, 8), (6, 5), (3, 9), (5, 6)], seed=3)
     lengths = field_lengths(batch["responses"])

@@ -32,7 +32,7 @@ def checked_config(config_path: str, overrides: list[str], command: str) -> Any:
 
 def _train(config_path: str, overrides: list[str]) -> None:
     from tandem.job import Trainer
-    from tandem.trainer.startup import mark_early
+    from tandem.fleet.startup import mark_early
 
     trainer = Trainer(config_path, overrides=overrides)
     mark_early("config")  # the CLI's start-up counts from the process start
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the `tandem` command: exit status 2 for a config error, 1 for any other."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("tandem.trainer.startup").setLevel(logging.INFO)  # its one summary line
+    logging.getLogger("tandem.fleet.startup").setLevel(logging.INFO)  # its one summary line
     try:
         _run(args)
     except KeyboardInterrupt:  # Ctrl-C before `tandem serve` serves, or during train/eval

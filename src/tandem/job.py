@@ -73,7 +73,7 @@ class Trainer:
         """fit() for a caller that already runs an event loop (a notebook: `await ...`)."""
         import ray
 
-        from tandem.trainer import placement, startup
+        from tandem.fleet import placement, startup
 
         if not startup.has_early_marks():  # a library call counts its start-up from here
             startup.set_origin(time.time())

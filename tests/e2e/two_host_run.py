@@ -23,7 +23,7 @@ import ray
 from tandem.config.load import load_config
 from tandem.demo.tasks import make_datasets
 from tandem.rollout.native import NativeRollout
-from tandem.trainer import placement
+from tandem.fleet import placement
 from tandem.trainer.modes import fit
 from tandem.trainer.rl_trainer import RLTrainer
 from tandem.types import GenerateRequest

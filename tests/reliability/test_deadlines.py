@@ -15,7 +15,7 @@ from tandem.agent.dataset import DatasetRow
 from tandem.config import ConfigError
 from tandem.config.load import load_config
 from tandem.serving.placement_fit import placement_problem
-from tandem.trainer import placement
+from tandem.fleet import placement
 from tandem.trainer.producer import RolloutProducer
 from tandem.trainer.rollout_buffer import RolloutBuffer
 

@@ -29,10 +29,10 @@ from tandem.rewards.scorer import RewardScorer
 from tandem.rewards.worker import RewardWorker
 from tandem.tools.registry import ToolRegistry
 from tandem.trainer import ppo
-from tandem.trainer.fleet import Fleet
-from tandem.trainer.hybrid_worker import needs_reference
+from tandem.fleet.fleet import Fleet
+from tandem.fleet.hybrid_worker import needs_reference
 from tandem.trainer.metrics import MetricsLogger, PhaseTimer
-from tandem.trainer.startup import StartupClock
+from tandem.fleet.startup import StartupClock
 from tandem.trainer.step_metrics import batch_metrics, rollout_metrics, trajectory_metrics
 from tandem.training import checkpoint
 from tandem.training.fsdp import shard_batch

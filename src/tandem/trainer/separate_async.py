@@ -14,7 +14,7 @@ only for the sync and when back-pressure holds the producer (the buffer is full)
 trainer.separate_async.spillover the training workers' engines join right after a sync (and before
 the first step) when fewer than spill_below_groups finished groups wait, so the groups the new
 version admits spread over them too, and leave once the step's first mini-batch is taken
-(trainer/spillover.py).
+(fleet/spillover.py).
 
 Resume: as colocate_async, a resumed run restarts generation from the checkpointed version with
 an empty buffer.
@@ -30,7 +30,7 @@ from tandem.trainer.metrics import PhaseTimer
 from tandem.trainer.producer import RolloutProducer
 from tandem.trainer.rl_trainer import RLTrainer, ValidationHook
 from tandem.trainer.rollout_buffer import RolloutBuffer, check_staleness, make_buffer
-from tandem.trainer.spillover import Spillover
+from tandem.fleet.spillover import Spillover
 from tandem.trainer.step_metrics import idle_metrics, merge_mini_batch_metrics
 
 

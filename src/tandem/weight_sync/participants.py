@@ -1,6 +1,6 @@
 """What each process does in one cross-process sync: the sender (training ranks) and the
 receivers (an engine: anything with stage_weights / commit_weights). The trainer's
-cross-process sync (tandem.trainer.cross_process_sync) drives them in the seed's order.
+cross-process sync (tandem.fleet.weight_sync) drives them in the seed's order.
 
 Every blocking part of a sync (rendezvous, transfer, the FSDP gathers) runs in a fresh thread
 that exits when the sync ends: the caller's event loop keeps answering (a server still reports

@@ -3,9 +3,9 @@
 The worker *is* a rollout server (the balancer routes generate calls to it) and also holds the
 actor (and the reference / critic when the config needs them). Weight sync into its own engine
 is therefore in-process: the `naive` checkpoint engine hands the actor's (name, tensor) stream
-to the rollout engine (load_actor_weights, driven by trainer.in_process_sync). For rollout
+to the rollout engine (load_actor_weights, driven by fleet.weight_sync.InProcessSync). For rollout
 servers in their own processes the worker is the sending side of a sync (encode_weights_ahead,
-build_sync_plan, send_weights) driven by trainer.cross_process_sync. With trainer.n_devices > 1
+build_sync_plan, send_weights) driven by fleet.weight_sync.CrossProcessSync. With trainer.n_devices > 1
 the workers form a torch.distributed group and the actor is sharded with FSDP2; each worker
 still hosts a full rollout engine (one replica per worker).
 """
@@ -119,7 +119,7 @@ class HybridWorker(RolloutServer):
 
     async def update_actor(self, batch: TensorDict, mini_batch_size: int) -> dict[str, float]:
         """PPO epochs over this shard's mini-batches; returns mean metrics."""
-        from tandem.trainer.ppo import actor_loss_fn
+        from tandem.training.losses import actor_loss_fn
 
         self._engine_matches_actor_at = None
         return await self._compute(
@@ -130,7 +130,7 @@ class HybridWorker(RolloutServer):
     async def update_actor_on_policy(self, batch: TensorDict) -> dict[str, Any]:
         """One step on this shard whose old_log_probs come from the update's own forward:
         {"metrics": ..., "log_probs": [sum R_i], "entropy": [sum R_i]} (see ppo.old_log_probs_from_update)."""
-        from tandem.trainer.ppo import actor_loss_fn
+        from tandem.training.losses import actor_loss_fn
 
         self._engine_matches_actor_at = None
         metrics, old = await self._compute(
@@ -140,7 +140,7 @@ class HybridWorker(RolloutServer):
 
     async def update_critic(self, batch: TensorDict, mini_batch_size: int) -> dict[str, float]:
         """Value-function epochs over this shard."""
-        from tandem.trainer.ppo import critic_loss_fn
+        from tandem.training.losses import critic_loss_fn
 
         return await self._compute(self.critic.update, batch, critic_loss_fn(self.config),
                                    mini_batch_size, self.config.critic.ppo_epochs)

@@ -1,36 +1,130 @@
-"""The cross-process weight sync: from the training workers into rollout servers that run in
-their own processes (STANDALONE and COLOCATED replicas), in the seed's order (§10.3):
+"""The fleet's one weight-sync seam: the actor's weights -> every rollout engine of a layout,
+as `await sync(version) -> SyncReport`, with two implementations chosen once by layout:
 
-    [encode ahead] -> abort unfinished requests -> release the KV cache (weights stay)
-    -> build topology -> actor send || every server receive + load -> finalize
-    -> resume KV cache -> resume generation
+- HYBRID: `InProcessSync`: every training worker loads its actor's weights into the engine in
+  its own process (the `naive` checkpoint engine hands the stream over, no copy in between), all
+  workers at once, each within the deadline. Waking the engine's memory first is the mode's
+  business (its phase order shows it).
+- COLOCATED / STANDALONE: `CrossProcessSync` through a checkpoint engine of tandem.weight_sync,
+  in the seed's order (§10.3):
 
-Encoding ahead (delta: finding what changed since the servers' version) runs while generation
-still goes on, so it is no part of the pause (`sync/encode_s`, beside `sync/pause_s`).
+      [encode ahead] -> abort unfinished requests -> release the KV cache (weights stay)
+      -> build topology -> actor send || every server receive + load -> finalize
+      -> resume KV cache -> resume generation
 
-The resumable client keeps the tokens of aborted requests and asks again once generation
-resumes. With shm and engines that serve from two weight slots (double-buffered handoff,
-weight_sync/slots.py) nothing is aborted or released: the actor writes every engine's inactive
-slot while generation goes on, and each engine flips between two steps; the pause is the flip. Every wait has the deadline rollout.checkpoint_engine.timeout_s; a server that is dead
-or stuck before the transfer is left out of it (reported in `SyncReport.left_out`), a failure
-during it raises WeightSyncError naming the phase and the peer. Either way every server that
-took part resumes generating, each on its last complete version (loads are all or nothing).
-The HYBRID layout does not come here: its workers sync in-process (in_process_sync.py).
+  Encoding ahead (delta: finding what changed since the servers' version) runs while generation
+  still goes on, so it is no part of the pause (`sync/encode_s`, beside `sync/pause_s`). The
+  resumable client keeps the tokens of aborted requests and asks again once generation resumes.
+  With shm and engines that serve from two weight slots (double-buffered handoff,
+  weight_sync/slots.py) nothing is aborted or released: the actor writes every engine's inactive
+  slot while generation goes on, and each engine flips between two steps; the pause is the flip.
+  Every wait has the deadline rollout.checkpoint_engine.timeout_s; a server that is dead or stuck
+  before the transfer is left out of it (`SyncReport.left_out`), a failure during it raises
+  WeightSyncError naming the phase and the peer. Either way every server that took part resumes
+  generating, each on its last complete version (loads are all or nothing).
+
+`choose_transport` resolves rollout.checkpoint_engine.backend=auto once the fleet knows where
+every server runs: shm when all share the sender's host, else nccl on CUDA, gloo on CPU.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Protocol, Sequence
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from tandem.config.choices import ConfigError
 from tandem.serving.manager import ServerManager
-from tandem.serving.remote import call, resolve, submit
+from tandem.serving.remote import NoAnswerError, call, resolve, submit
 from tandem.serving.replica import ReplicaLayout, RolloutReplica
-from tandem.trainer.sync_seam import SyncReport
 from tandem.weight_sync.base import WeightSyncError
+
+
+@dataclass
+class SyncReport:
+    """What one sync did: seconds per phase (metric names), the version each server serves
+    now (None: it did not answer), and the servers left out with the reason."""
+
+    version: int
+    timings: dict[str, float]
+    served: dict[str, int | None]
+    left_out: dict[str, str] = field(default_factory=dict)
+
+    def behind(self) -> list[str]:
+        """Servers not serving this sync's version."""
+        return sorted(sid for sid, version in self.served.items() if version != self.version)
+
+    def metrics(self) -> dict[str, float]:
+        """The step's sync metrics: every phase's seconds, the whole sync as time/sync_inner,
+        and how many servers it left behind."""
+        return {**self.timings, "time/sync_inner": self.timings["sync/total_s"],
+                "sync/servers_behind": float(len(self.behind()))}
+
+
+class WeightSync(Protocol):
+    """Moves the actor's weights into every engine of one layout, all or nothing per engine."""
+
+    async def sync(self, version: int) -> SyncReport:
+        """Load the actor's current weights everywhere as `version`; WeightSyncError on failure."""
+
+
+def choose_transport(backend: str, device: str, sender_node: str | None,
+                     server_nodes: dict[str, str | None], engine_kwargs: dict) -> str:
+    """The checkpoint engine of a cross-process sync: `backend` as configured, "auto" resolved
+    (shm when every server runs on the sender's node, else nccl on CUDA / gloo on CPU). A shm
+    transport (shm, or delta over shm) with a server on another host is a ConfigError."""
+    remote = sorted(sid for sid, node in server_nodes.items() if node != sender_node)
+    if backend == "naive":
+        raise ConfigError("rollout.checkpoint_engine.backend: 'naive' hands tensors over inside "
+                          "one process, but these servers run in their own; set it to auto")
+    if backend == "auto":
+        return ("nccl" if device.startswith("cuda") else "gloo") if remote else "shm"
+    over_shm = backend == "shm" or (backend == "delta"
+                                    and engine_kwargs.get("transport", "shm") == "shm")
+    if over_shm and remote:
+        field_name = ("rollout.checkpoint_engine.engine_kwargs.transport" if backend == "delta"
+                      else "rollout.checkpoint_engine.backend")
+        raise ConfigError(f"{field_name}: shared memory reaches only the sender's host, but "
+                          f"servers {', '.join(remote)} run on other hosts; use gloo (CPU) or "
+                          "nccl (CUDA), or backend=auto")
+    return backend
+
+
+def receiver_nodes(replicas: Sequence) -> dict[str, str | None]:
+    """server_id -> the Ray node of its main server (from the replicas' ServerInfo)."""
+    return {replica.server_id: replica.infos[0].node_id for replica in replicas}
+
+
+class InProcessSync:
+    """Syncs `workers` (HybridWorker handles or local objects, rank order); server ids name
+    the engines in the report."""
+
+    def __init__(self, workers: Sequence[Any], server_ids: Sequence[str], timeout_s: float) -> None:
+        if len(workers) != len(server_ids):
+            raise ValueError(f"{len(workers)} workers for {len(server_ids)} server ids")
+        self.workers, self.server_ids = list(workers), list(server_ids)
+        self.timeout_s = timeout_s
+
+    async def sync(self, version: int) -> SyncReport:
+        """Every worker's load_actor_weights(version) at once; WeightSyncError("load", worker)
+        when one gives no answer within timeout_s (rollout.checkpoint_engine.timeout_s)."""
+        start = time.perf_counter()
+        await asyncio.gather(*(self._load(rank, worker, version)
+                               for rank, worker in enumerate(self.workers)))
+        seconds = time.perf_counter() - start
+        return SyncReport(version, {"sync/load_s": seconds, "sync/total_s": seconds},
+                          {sid: version for sid in self.server_ids})
+
+    async def _load(self, rank: int, worker: Any, version: int) -> None:
+        try:
+            await call(worker, "load_actor_weights", version, timeout_s=self.timeout_s)
+        except NoAnswerError:
+            raise WeightSyncError("load", f"hybrid worker {rank} ({self.server_ids[rank]})",
+                                  f"no answer within {self.timeout_s} s "
+                                  "(rollout.checkpoint_engine.timeout_s)") from None
 
 
 class CrossProcessSync:

@@ -23,13 +23,13 @@ from tandem.config.schema import TandemConfig
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ReplicaLayout, ServerOptions
 from tandem.serving.resumable_client import ResumableClient
-from tandem.trainer import placement
-from tandem.trainer.cross_process_sync import CrossProcessSync
-from tandem.trainer.hybrid_worker import HybridWorkerActor
-from tandem.trainer.in_process_sync import InProcessSync
-from tandem.trainer.served_rewards import ServedRewards
-from tandem.trainer.startup import StartupClock
-from tandem.trainer.sync_seam import WeightSync, choose_transport, receiver_nodes
+from tandem.fleet import placement
+from tandem.fleet.weight_sync import CrossProcessSync
+from tandem.fleet.hybrid_worker import HybridWorkerActor
+from tandem.fleet.weight_sync import InProcessSync
+from tandem.fleet.served_rewards import ServedRewards
+from tandem.fleet.startup import StartupClock
+from tandem.fleet.weight_sync import WeightSync, choose_transport, receiver_nodes
 
 logger = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from tandem.serving.replica import RolloutReplica
-from tandem.trainer.in_process_sync import InProcessSync
+from tandem.fleet.weight_sync import InProcessSync
 
 if TYPE_CHECKING:
-    from tandem.trainer.fleet import Fleet
+    from tandem.fleet.fleet import Fleet
 
 
 class Spillover:
