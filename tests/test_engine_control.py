@@ -152,7 +152,7 @@ async def test_update_weights_during_generation_recomputes_with_new_weights(mode
 
 async def test_update_weights_accepts_tied_lm_head_and_rejects_bad_tensors(model_path):
     rollout = make(model_path)
-    embed = rollout.engine.runner.model.get_input_embeddings().weight
+    embed = rollout.runner.model.get_input_embeddings().weight
     new_embed = torch.randn_like(embed)
     await rollout.update_weights([("lm_head.weight", new_embed)], version=1, partial=True)
     assert torch.equal(embed, new_embed)
@@ -222,7 +222,7 @@ async def test_preemption_by_recompute_keeps_outputs(model_path):
 
 
 def tight_kv_bytes(rollout: NativeRollout) -> int:
-    runner = rollout.engine.runner
+    runner = rollout.runner
     longest = max(len(p) for p in PROMPTS) + GREEDY["max_tokens"]
     return runner.block_bytes(4) * (2 * -(-longest // 4))
 
@@ -251,7 +251,7 @@ async def test_kv_request_larger_than_cache_is_rejected(model_path):
 
 async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(model_path):
     rollout = make(model_path)
-    runner = rollout.engine.runner
+    runner = rollout.runner
     real_forward = runner.forward_layers
 
     def broken(batch, *args):  # fails after its first layer
@@ -309,7 +309,7 @@ async def test_a_long_step_yields_to_the_event_loop_between_layers(model_path, m
 
     monkeypatch.setattr(async_engine, "YIELD_EVERY_S", 0.0)  # every step counts as long
     rollout = make(model_path)
-    runner = rollout.engine.runner
+    runner = rollout.runner
     real_forward = runner.forward_layers
     inside = []
 

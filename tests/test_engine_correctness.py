@@ -148,7 +148,7 @@ async def test_eos_completes(model_path, hf_model):
     eos = hf_model.config.eos_token_id
     with torch.no_grad():
         hidden = hf_model.model(input_ids=torch.tensor([[5, 6, 7]])).last_hidden_state[0, -1]
-    embed = rollout.engine.runner.model.get_input_embeddings().weight
+    embed = rollout.runner.model.get_input_embeddings().weight
     assert float(embed.norm(dim=1).max()) < 10 * float(hidden.norm())
     with torch.no_grad():
         embed[eos] = 10.0 * hidden

@@ -266,10 +266,10 @@ async def test_fused_path_matches_torch_path(ops, architecture, monkeypatch, tmp
     path = (tiny_qwen3(tmp_path / "qwen3") if architecture == "qwen3"
             else build_tiny_model(TinyModelSpec(architecture=architecture)))
     fused_rollout, fused = await _run_workload(path)
-    assert fused_rollout.engine.runner.kernels is not None
+    assert fused_rollout.runner.kernels is not None
     monkeypatch.setattr(model_runner.cpu_kernels, "load", lambda: None)
     torch_rollout, plain = await _run_workload(path)
-    assert torch_rollout.engine.runner.kernels is None
+    assert torch_rollout.runner.kernels is None
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for index, (a, b) in enumerate(zip(fused, plain)):
         assert a.token_ids == b.token_ids
@@ -284,7 +284,7 @@ def test_unsupported_head_size_takes_the_torch_path(ops):
     path = build_tiny_model(TinyModelSpec(hidden_size=96, num_attention_heads=2,
                                           num_key_value_heads=1))
     rollout = NativeRollout.create(path, RolloutConfig(kv_cache_memory_bytes=8 << 20))
-    assert rollout.engine.runner.kernels is None
+    assert rollout.runner.kernels is None
     out = asyncio.run(rollout.generate(GenerateRequest("a", [5, 6, 7], {"temperature": 0, "max_tokens": 4})))
     assert len(out.token_ids) == 4
 

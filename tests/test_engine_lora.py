@@ -118,7 +118,7 @@ async def test_the_kv_cache_sleep_keeps_base_and_adapter_and_model_weights_becom
     assert [o.token_ids for o in await greedy(rollout, "again")] == served
     # a full stream of model weights replaces base and adapter: the merged model is now the base
     await rollout.update_weights(iter_merged_weights(actor.model), version=3)
-    assert rollout.engine.lora.adapter == {} and rollout.engine.lora.base == {}
+    assert rollout.lora.adapter == {} and rollout.lora.base == {}
     assert [o.token_ids for o in await greedy(rollout, "full")] == served
     with pytest.raises(KeyError, match="no adapter tensor"):
         rollout.current_weight("model.layers.0.self_attn.q_proj.lora_A.weight")

@@ -53,7 +53,7 @@ def perturbed_state(model_path) -> dict[str, torch.Tensor]:
 
 
 def assert_packed_equal(rollout: NativeRollout, state: dict[str, torch.Tensor]) -> None:
-    runner = rollout.engine.runner
+    runner = rollout.runner
     for name, linear in runner.packed_linears.items():
         torch.testing.assert_close(linear.packed.to_dense(), state[name], atol=0, rtol=0)
     if runner.tied_lm_head:
@@ -63,7 +63,7 @@ def assert_packed_equal(rollout: NativeRollout, state: dict[str, torch.Tensor]) 
 
 async def test_cpu_fp32_runs_linears_through_onednn(model_path):
     rollout = make(model_path)
-    runner = rollout.engine.runner
+    runner = rollout.runner
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     linear_names = {f"{name}.weight" for name, module in hf.named_modules()
                     if isinstance(module, nn.Linear)}
@@ -88,11 +88,11 @@ async def test_log_probs_match_the_plain_path(model_path, monkeypatch):
         return await asyncio.gather(*(rollout.generate(GenerateRequest(f"g{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)))
 
     onednn = make(model_path)
-    assert onednn.engine.runner.packed_linears
+    assert onednn.runner.packed_linears
     onednn_outs = await generate_all(onednn)
     monkeypatch.setattr(model_runner, "uses_onednn", lambda device, dtype: False)
     plain = make(model_path)
-    assert not plain.engine.runner.packed_linears
+    assert not plain.runner.packed_linears
     plain_outs = await generate_all(plain)
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     for prompt, ours, theirs in zip(PROMPTS, onednn_outs, plain_outs):
@@ -120,7 +120,7 @@ async def test_update_weights_repacks(model_path, tmp_path):
 
 async def test_tied_lm_head_follows_in_place_edits_of_the_embedding():
     rollout = make(build_tiny_model(TinyModelSpec(hidden_size=128, intermediate_size=256)))
-    runner = rollout.engine.runner
+    runner = rollout.runner
     assert runner.tied_lm_head
     await greedy_all(rollout)
     embedding = runner.embed_tokens.weight
@@ -132,7 +132,7 @@ async def test_tied_lm_head_follows_in_place_edits_of_the_embedding():
 
 async def test_sleep_releases_packed_weights_and_refill_restores_them(model_path):
     rollout = make(model_path)
-    runner = rollout.engine.runner
+    runner = rollout.runner
     before = await greedy_all(rollout)
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     state = hf.state_dict()
@@ -154,8 +154,8 @@ async def test_sleep_releases_packed_weights_and_refill_restores_them(model_path
 
 async def test_bfloat16_keeps_the_plain_path(model_path):
     rollout = make(model_path, dtype="bfloat16")
-    assert not rollout.engine.runner.packed_linears
-    assert isinstance(rollout.engine.runner.lm_head, nn.Linear)
+    assert not rollout.runner.packed_linears
+    assert isinstance(rollout.runner.lm_head, nn.Linear)
     assert len((await rollout.generate(GenerateRequest("b", PROMPTS[0], GREEDY))).token_ids) == 12
 
 
@@ -167,7 +167,7 @@ async def test_non_finite_packed_linear_weight_is_rejected(model_path, bad):
     before = await greedy_all(rollout)
     state = perturbed_state(model_path)
     name = "model.layers.0.mlp.down_proj.weight"
-    assert name in rollout.engine.runner.packed_linears
+    assert name in rollout.runner.packed_linears
     state[name] = state[name].index_fill(1, torch.tensor([state[name].shape[1] - 1]), bad)
     with pytest.raises(ValueError, match=f"{name!r} holds NaN or inf"):
         await rollout.update_weights(state.items(), version=1)

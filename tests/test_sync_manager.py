@@ -345,7 +345,7 @@ async def test_a_delta_sync_encodes_before_the_pause_and_patches_the_servers_in_
     first = await manager.sync(version=1)  # nothing kept yet: every tensor dense
     embed = "model.embed_tokens.weight"
     served = [replica.servers[0].backend for replica in servers.replicas.values()]
-    addresses = [backend.engine.runner.named_parameters()[embed].data_ptr() for backend in served]
+    addresses = [backend.runner.named_parameters()[embed].data_ptr() for backend in served]
     with torch.no_grad():  # a few elements of a dense weight and of a packed linear move
         model = actor.actor.model
         model.get_parameter(embed).view(-1)[[3, 500, 901]] += 0.25
@@ -355,7 +355,7 @@ async def test_a_delta_sync_encodes_before_the_pause_and_patches_the_servers_in_
     assert report.timings["sync/encode_s"] > 0.0 and report.timings["sync/pause_s"] > 0.0
     assert report.timings["sync/bytes_moved"] < 0.01 * first.timings["sync/bytes_moved"]
     for backend, address in zip(served, addresses):
-        assert backend.engine.runner.named_parameters()[embed].data_ptr() == address  # in place
+        assert backend.runner.named_parameters()[embed].data_ptr() == address  # in place
         for name, tensor in model.state_dict().items():
             if name != "lm_head.weight" or not model.config.tie_word_embeddings:
                 assert torch.equal(backend.current_weight(name), tensor), name
@@ -373,7 +373,7 @@ async def test_a_failed_delta_sync_leaves_every_server_on_its_weights_and_the_ne
     embed = "model.embed_tokens.weight"
     good, drifted = (replica.servers[0].backend for replica in servers.replicas.values())
     with torch.no_grad():  # replica-1 claims version 1 but differs where the update lands
-        drifted.engine.runner.named_parameters()[embed].view(-1)[500] += 1.0
+        drifted.runner.named_parameters()[embed].view(-1)[500] += 1.0
     synced = {name: good.current_weight(name) for name in (embed, "model.norm.weight")}
     held = drifted.current_weight(embed)
     with torch.no_grad():

@@ -323,10 +323,10 @@ async def test_the_native_engine_applies_a_patch_in_place_at_commit(tiny_model):
     rollout = NativeRollout.create(tiny_model, ROLLOUT)
     assert rollout.patches_in_place(DENSE) and rollout.patches_in_place(PACKED)
     assert not rollout.patches_in_place("model.layers.0.self_attn.q_proj.lora_A.weight")
-    assert PACKED in rollout.engine.runner.packed_linears  # CPU fp32: re-packed at staging
+    assert PACKED in rollout.runner.packed_linears  # CPU fp32: re-packed at staging
     dense_patch, dense_expected = plus_one_at(rollout, DENSE, [0, 5, 17])
     packed_patch, packed_expected = plus_one_at(rollout, PACKED, [3, 40])
-    parameter = rollout.engine.runner.named_parameters()[DENSE]
+    parameter = rollout.runner.named_parameters()[DENSE]
     address, original = parameter.data_ptr(), rollout.current_weight(DENSE)
     staged = rollout.stage_weights([(DENSE, dense_patch), (PACKED, packed_patch)])
     assert torch.equal(rollout.current_weight(DENSE), original)  # staging writes nothing

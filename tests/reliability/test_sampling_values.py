@@ -101,7 +101,7 @@ def rollout():
 ])
 async def test_a_bad_request_beside_a_good_one_fails_alone(rollout, top_k, words):
     if top_k == "vocab+1":
-        top_k = rollout.engine.runner.vocab_size + 1
+        top_k = rollout.runner.vocab_size + 1
     alone = await rollout.generate(GenerateRequest("alone", [5, 6, 7], GREEDY))
     good, bad = await asyncio.gather(
         rollout.generate(GenerateRequest("good", [5, 6, 7], GREEDY)),
@@ -109,11 +109,11 @@ async def test_a_bad_request_beside_a_good_one_fails_alone(rollout, top_k, words
         return_exceptions=True)
     assert isinstance(bad, ValueError) and words in str(bad)
     assert good.token_ids == alone.token_ids and good.stop_reason == "length"
-    assert rollout.engine.counters["failed_steps"] == 0
+    assert rollout.counters["failed_steps"] == 0
 
 
 async def test_the_vocabulary_size_as_top_k_still_samples(rollout):
-    vocab = rollout.engine.runner.vocab_size
+    vocab = rollout.runner.vocab_size
     out = await rollout.generate(GenerateRequest("k", [5, 6, 7], {**GREEDY, "temperature": 1.0, "top_k": vocab,
                                                   "seed": 2**64 - 1}))
     assert len(out.token_ids) == 6

@@ -1,13 +1,13 @@
-"""The engine loop: requests in, TokenOutputs out; memory and weight control in between.
+"""The engine loop: requests in, TokenOutputs out; the backend contract (BaseRollout).
 
 A background asyncio task repeats schedule -> forward + sample -> record tokens, yielding to
 the event loop between steps, and within a long step between decoder layers, so the loop keeps
 serving calls. Steps run on the event loop's own thread, never in a helper thread: a second
 thread doing torch work keeps a second OpenMP thread team alive, and once a process's OpenMP
 threads outnumber its cores libgomp stops spin-waiting between parallel regions, which made
-every step ~1.6x slower here (docs/engine.md, "Performance notes"). Control calls (sleep,
-wake_up, update_weights, clear_kv_cache) take the same lock as a step, so they never run in the
-middle of one.
+every step ~1.6x slower here (docs/engine.md, "Performance notes"). Control calls take the same
+lock as a step, so they never run in the middle of one: sleep/wake live in memory.py, weight
+updates in weight_staging.py, the double-buffered slots in slot_weights.py.
 """
 
 from __future__ import annotations
@@ -17,22 +17,22 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
 from tandem.config.choices import IN_FLIGHT_KV, LOGPROBS_MODES
 from tandem.config.schema import RolloutConfig
+from tandem.rollout.base import BaseRollout
 from tandem.rollout.engine.block_manager import BlockManager
-from tandem.rollout.adapter_stream import is_adapter_name, peek_stream
-from tandem.rollout.engine.lora_merge import LoraState, StagedAdapter, stage_adapter
+from tandem.rollout.engine.lora_merge import LoraState
+from tandem.rollout.engine.memory import MemoryControl, plan_num_blocks
 from tandem.rollout.engine.model_runner import ModelRunner, torch_dtype
 from tandem.rollout.engine.sampler import sample
 from tandem.rollout.engine.scheduler import ScheduledSequence, Scheduler
 from tandem.rollout.engine.sequence import Sequence, SequenceStatus
-from tandem.rollout.base import check_coverage, checked_version
-from tandem.rollout.engine.slot_weights import SlotServing, SlotStage
-from tandem.rollout.engine.weight_staging import install_staged, stage_weights, weight_key
+from tandem.rollout.engine.slot_weights import SlotServing
+from tandem.rollout.engine.weight_staging import WeightUpdates
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 YIELD_EVERY_S = 0.02
 
 
-class AsyncEngine(SlotServing):
+class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
+    """The native engine; `rollout/native.py`'s NativeRollout adds create() and capabilities."""
+
     def __init__(self, model_path: str | Path, config: RolloutConfig, dtype: str = "float32",
                  device: str = "cpu") -> None:
         _check_config(config)
@@ -50,7 +52,7 @@ class AsyncEngine(SlotServing):
         self.device = torch.device(device)
         self.runner = ModelRunner(model_path, torch_dtype(dtype), self.device)
         self.block_size = config.block_size
-        self.num_blocks = self._plan_num_blocks()
+        self.num_blocks = plan_num_blocks(config, self.runner, self.device)
         self.runner.allocate_kv_cache(self.num_blocks, self.block_size)
         self.blocks = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
@@ -73,30 +75,6 @@ class AsyncEngine(SlotServing):
         self._task: asyncio.Task | None = None
         self._in_step = False  # a step is between its schedule() and its _record()
         self._built_in = threading.current_thread()  # see _warn_if_stepping_off_thread
-
-    # ---- sizing ---------------------------------------------------------------------------
-    def _plan_num_blocks(self) -> int:
-        """KV blocks from the budget: kv_cache_memory_bytes, except on CUDA when it is 0 or left
-        at its default, where gpu_memory_utilization x device memory minus what is allocated;
-        0 on CPU means the default budget. Capped at what max_num_seqs full-context sequences
-        could use."""
-        config = self.config
-        block_bytes = self.runner.block_bytes(self.block_size)
-        budget = config.kv_cache_memory_bytes
-        default_budget = RolloutConfig.__dataclass_fields__["kv_cache_memory_bytes"].default
-        if self.device.type == "cuda" and budget in (0, default_budget):
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = (int(total * config.gpu_memory_utilization)
-                      - torch.cuda.memory_allocated(self.device))
-        elif budget == 0:
-            budget = default_budget
-        useful = config.max_num_seqs * -(-self.runner.max_model_len // self.block_size)
-        num_blocks = min(budget // block_bytes, useful)
-        if num_blocks < 1:
-            raise ValueError(f"KV cache budget {budget} bytes holds no block of {block_bytes} "
-                             "bytes (rollout.kv_cache_memory_bytes / gpu_memory_utilization / "
-                             "block_size)")
-        return int(num_blocks)
 
     # ---- the loop -------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -312,172 +290,12 @@ class AsyncEngine(SlotServing):
         if futures:
             await asyncio.wait(futures)
 
-    # ---- memory ---------------------------------------------------------------------------
-    async def sleep(self, tags: list[str]) -> None:
-        self._ensure_loop()
-        async with self._lock:
-            if "kv_cache" in tags and not self.kv_released:
-                self.scheduler.preempt_all()  # unfinished requests recompute after wake_up
-                self.runner.free_kv_cache()
-                self.blocks.reset(0)
-                self.kv_released = True
-            if "weights" in tags and self.weights_state == "loaded":
-                self.scheduler.preempt_all()
-                self.blocks.clear_prefix_cache()
-                self._release_weights()
-
-    async def wake_up(self, tags: list[str]) -> None:
-        self._ensure_loop()
-        async with self._lock:
-            if "weights" in tags and self.weights_state != "loaded":
-                self._restore_weights()
-            if "kv_cache" in tags and self.kv_released:
-                self.runner.allocate_kv_cache(self.num_blocks, self.block_size)
-                self.blocks.reset(self.num_blocks)
-                self.kv_released = False
-            self._work.set()
-
-    def _release_weights(self) -> None:
-        """GPU: move the weights to CPU memory. CPU: drop them, packed ones included
-        (update_weights refills them)."""
-        parameters = self.runner.named_parameters()
-        self.weight_shapes = {name: p.shape for name, p in parameters.items()}
-        for param in parameters.values():
-            if self.device.type == "cpu":
-                param.data = torch.empty(0, dtype=param.dtype)
-            else:
-                param.data = param.data.to("cpu")
-        self.runner.release_packed()  # packed weights exist on CPU only
-        if self.device.type == "cpu":  # the refill is a full stream, which is the new base
-            self.lora = LoraState()
-        self._forget_slots()
-        self.weights_state = "dropped" if self.device.type == "cpu" else "offloaded"
-
-    def _restore_weights(self) -> None:
-        parameters = self.runner.named_parameters()
-        for name, param in parameters.items():
-            if self.weights_state == "offloaded":
-                param.data = param.data.to(self.device)
-            else:
-                param.data = torch.empty(self.weight_shapes[name], dtype=param.dtype,
-                                         device=self.device)
-        if self.weights_state == "dropped":
-            self.unfilled_weights = set(parameters) | set(self.runner.packed_linears)
-        self.weights_state = "loaded"
-
-    def _weights_missing_message(self) -> str:
-        if self.weights_state != "loaded":
-            return (f"the engine's weights are {self.weights_state} by sleep(['weights']); call "
-                    "wake_up(['weights']) first")
-        missing = sorted(self.unfilled_weights)
-        return (f"the engine's weights were dropped by sleep(['weights']) on CPU and "
-                f"{len(missing)} tensors are not refilled yet (e.g. {missing[:3]}); call "
-                "update_weights with the full state dict after wake_up(['weights'])")
-
-    async def clear_kv_cache(self) -> None:
-        self._ensure_loop()
-        async with self._lock:
-            self.blocks.clear_prefix_cache()
-
-    def memory_bytes(self) -> dict[str, int]:
-        weights = sum(p.numel() * p.element_size() for p in self.runner.named_parameters().values()
-                      if p.device.type == self.device.type)
-        return {"weights": weights + self.runner.packed_bytes(),
-                "kv_cache": self.runner.kv_cache_bytes()}
-
-    # ---- weights --------------------------------------------------------------------------
-    def _accepted_shapes(self) -> dict[str, torch.Size]:
-        """HF name -> shape of every weight update_weights accepts (dense and packed)."""
-        if self.weights_state != "loaded":
-            raise RuntimeError(self._weights_missing_message())
-        shapes = {name: p.shape for name, p in self.runner.named_parameters().items()}
-        shapes.update((name, linear.weight_shape)
-                      for name, linear in self.runner.packed_linears.items())
-        return shapes
-
-    def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
-                      ) -> dict[str, torch.Tensor] | StagedAdapter:
-        """Checked host copies of the stream (weight_staging.stage_weights), or, for an adapter
-        stream, the merged weights (lora_merge.stage_adapter); the engine itself is not
-        touched. Reads only the weights, so it may run in another thread."""
-        adapter, stream = peek_stream(named_tensors)
-        if stream is None:
-            return {}
-        if adapter:
-            if self.unfilled_weights:  # dropped by sleep: there is no base to merge into
-                raise RuntimeError(self._weights_missing_message())
-            return stage_adapter(self.runner, self._accepted_shapes(), stream, self.lora)
-        return stage_weights(self.runner, self._accepted_shapes(), stream, self.version)
-
-    async def commit_weights(self, staged: Mapping[str, torch.Tensor] | StagedAdapter | SlotStage,
-                             version: int, partial: bool = False) -> float:
-        """Swap staged tensors (stage_weights), merge a staged adapter, or flip to a staged slot
-        (stage_slot_weights), under the step lock, and stamp `version` (an integer, never below
-        the current one); the update must hold every weight unless `partial` (an adapter always
-        is). Returns the seconds generation stood still (swap or flip plus KV invalidation)."""
-        self._ensure_loop()
-        adapter = staged if isinstance(staged, StagedAdapter) else None
-        staged = adapter.weights if adapter is not None else staged
-        replaced: list[torch.Tensor] = []  # freed after the lock: a step need not wait for it
-        async with self._lock:
-            started = time.perf_counter()
-            if self.weights_state != "loaded":
-                raise RuntimeError(self._weights_missing_message())
-            version = checked_version(version, self.version)
-            slot = isinstance(staged, SlotStage)
-            if slot:
-                self._check_inactive_slot(staged.index)
-            check_coverage(staged.names if slot else staged, self._accepted_shapes(),
-                           (partial or adapter is not None) and not slot, version)
-            # nothing computed with the old weights is matched again; running requests recompute
-            # their KV cache, unless a flip keeps it (rollout.in_flight_kv=keep)
-            if not (slot and self.config.in_flight_kv == "keep"):
-                self.scheduler.preempt_all()
-            self.blocks.clear_prefix_cache()
-            if slot:
-                replaced = self._flip_to_slot(staged)
-            else:
-                install_staged(self.runner, staged)  # swaps; a delta's patches in place
-                self.unfilled_weights.difference_update(staged)
-                self._forget_slots()
-                if adapter is not None:
-                    self.lora.base.update(adapter.new_base)
-                    self.lora.adapter = adapter.adapter
-                else:  # weights replaced by model weights are their own new base
-                    self.lora.drop(staged)
-            self.version = version
-            self._work.set()
-            stood_still = time.perf_counter() - started
-        del replaced
-        return stood_still
-
-    def current_weight(self, name: str) -> torch.Tensor:
-        """A host copy of the HF-named weight now served (packed linears unpacked), or of an
-        adapter tensor (lora_A / lora_B) as last received."""
-        if is_adapter_name(name):
-            if name not in self.lora.adapter:
-                raise KeyError(f"current_weight: no adapter tensor {name!r} is served")
-            return self.lora.adapter[name].clone()
-        key = weight_key(name, self._accepted_shapes(), self.runner.config)
-        return self.runner.dense_weight(key).to("cpu", copy=True)
-
-    def current_values(self, name: str, index: torch.Tensor) -> torch.Tensor:
-        """Host copies of the served weight `name` at flat positions `index` (a delta sync's
-        check: O(len(index)) for a dense weight; a packed linear is unpacked)."""
-        key = weight_key(name, self._accepted_shapes(), self.runner.config)
-        if key in self.unfilled_weights:  # dropped by sleep: what it holds is no version
-            raise RuntimeError(self._weights_missing_message())
-        flat = self.runner.dense_weight(key).reshape(-1)
-        return flat.index_select(0, index.to(self.device)).cpu()
-
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int, partial: bool = False) -> None:
-        """All or nothing: stage and check the whole stream, then swap it in (the version is
-        checked before the stream is read)."""
-        checked_version(version, self.version)
-        await self.commit_weights(self.stage_weights(named_tensors), version, partial)
+    @property
+    def weight_version(self) -> int:
+        return self.version
 
     def stats(self) -> dict[str, int | float | None]:
+        """Engine counters: steps, prompt tokens computed / served from the prefix cache, ..."""
         return {**self.counters, "first_token_time": self.first_token_time,
                 "prompt_tokens_cached": self.scheduler.prompt_tokens_cached,
                 "preemptions": self.scheduler.num_preemptions,

@@ -4,8 +4,8 @@ The server gives the engine two sets of views, one per slot (weight_sync/slots.p
 files); `map_into` copies the served weights into the active slot once and makes every dense
 parameter a view of it. A sync writes the other slot while steps go on; `stage_from_slot`
 checks it (names, finiteness) and packs what the forward needs packed, off the event loop;
-`flip` then re-points the parameters between two steps. `SlotServing` is that handoff's part of
-AsyncEngine's API (the engine mixes it in).
+`flip` then re-points the parameters between two steps (WeightUpdates.commit_weights calls it).
+`SlotServing` is that handoff's part of AsyncEngine's API (the engine mixes it in).
 
 Packed linears (CPU fp32, oneDNN) cannot run on a slot: their weight lives only in oneDNN's
 blocked layout, which no sender writes. For them the slot holds the dense weight the sender
@@ -16,22 +16,12 @@ and the packed copy), every other weight twice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import torch
 
-from tandem.rollout.engine.weight_staging import all_finite, weight_key
-
-
-@dataclass
-class SlotStage:
-    """A checked version in slot `index`, with the packed tensors made from it."""
-
-    index: int
-    names: set[str]
-    packed: dict[str, torch.Tensor] = field(default_factory=dict)
-    lm_head: torch.Tensor | None = None  # the tied lm_head packed from the slot's embedding
+from tandem.rollout.base import all_finite
+from tandem.rollout.engine.weight_staging import SlotStage, weight_key
 
 
 class SlotServing:

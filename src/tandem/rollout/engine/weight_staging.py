@@ -1,13 +1,23 @@
-"""Checking and copying a weight stream before the engine swaps it in (all or nothing)."""
+"""Weight updates of the native engine, all or nothing: a stream is checked and copied (staged)
+without touching the engine, then swapped in between two steps (committed).
+
+`WeightUpdates` is that part of AsyncEngine's API (the engine mixes it in): stage_weights,
+commit_weights (a full or partial stream, a delta's patches, a merged adapter, or a flip to a
+weight slot staged by slot_weights.py), update_weights (both at once) and the reads a delta sync
+checks against.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import torch
 
-from tandem.rollout.base import all_finite
+from tandem.rollout.adapter_stream import is_adapter_name, peek_stream
+from tandem.rollout.base import all_finite, check_coverage, checked_version
+from tandem.rollout.engine.lora_merge import StagedAdapter, stage_adapter
 from tandem.types import WeightPatch
 
 
@@ -18,6 +28,17 @@ class StagedPatch:
 
     patch: WeightPatch
     stamp: tuple[int, int]
+
+
+@dataclass
+class SlotStage:
+    """A checked version in weight slot `index`, with the packed tensors made from it
+    (slot_weights.stage_from_slot)."""
+
+    index: int
+    names: set[str]
+    packed: dict[str, torch.Tensor] = field(default_factory=dict)
+    lm_head: torch.Tensor | None = None  # the tied lm_head packed from the slot's embedding
 
 
 def weight_key(name: str, shapes: Mapping[str, torch.Size], model_config: Any) -> str:
@@ -102,3 +123,105 @@ def install_staged(runner: Any, staged: Mapping[str, torch.Tensor | StagedPatch]
 
 def _stamp(weight: torch.Tensor) -> tuple[int, int]:
     return weight.data_ptr(), weight._version
+
+
+class WeightUpdates:
+    """AsyncEngine's weight updates and reads (uses the engine's runner, step lock, version,
+    weight state and LoRA state)."""
+
+    def _accepted_shapes(self) -> dict[str, torch.Size]:
+        """HF name -> shape of every weight update_weights accepts (dense and packed)."""
+        if self.weights_state != "loaded":
+            raise RuntimeError(self._weights_missing_message())
+        shapes = {name: p.shape for name, p in self.runner.named_parameters().items()}
+        shapes.update((name, linear.weight_shape)
+                      for name, linear in self.runner.packed_linears.items())
+        return shapes
+
+    def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                      ) -> dict[str, torch.Tensor] | StagedAdapter:
+        """Checked host copies of the stream (stage_weights below), or, for an adapter stream,
+        the merged weights (lora_merge.stage_adapter); the engine itself is not touched. Reads
+        only the weights, so it may run in another thread (commit_weights re-checks that they
+        were not put to sleep meanwhile)."""
+        adapter, stream = peek_stream(named_tensors)
+        if stream is None:
+            return {}
+        if adapter:
+            if self.unfilled_weights:  # dropped by sleep: there is no base to merge into
+                raise RuntimeError(self._weights_missing_message())
+            return stage_adapter(self.runner, self._accepted_shapes(), stream, self.lora)
+        return stage_weights(self.runner, self._accepted_shapes(), stream, self.version)
+
+    async def commit_weights(self, staged: Mapping[str, torch.Tensor] | StagedAdapter | SlotStage,
+                             version: int, partial: bool = False) -> float:
+        """Swap staged tensors (stage_weights), merge a staged adapter, or flip to a staged slot
+        (stage_slot_weights), under the step lock, and stamp `version` (an integer, never below
+        the current one); the update must hold every weight unless `partial` (an adapter always
+        is). Returns the seconds generation stood still (swap or flip plus KV invalidation)."""
+        self._ensure_loop()
+        adapter = staged if isinstance(staged, StagedAdapter) else None
+        staged = adapter.weights if adapter is not None else staged
+        replaced: list[torch.Tensor] = []  # freed after the lock: a step need not wait for it
+        async with self._lock:
+            started = time.perf_counter()
+            if self.weights_state != "loaded":
+                raise RuntimeError(self._weights_missing_message())
+            version = checked_version(version, self.version)
+            slot = isinstance(staged, SlotStage)
+            if slot:
+                self._check_inactive_slot(staged.index)
+            check_coverage(staged.names if slot else staged, self._accepted_shapes(),
+                           (partial or adapter is not None) and not slot, version)
+            # nothing computed with the old weights is matched again; running requests recompute
+            # their KV cache, unless a flip keeps it (rollout.in_flight_kv=keep)
+            if not (slot and self.config.in_flight_kv == "keep"):
+                self.scheduler.preempt_all()
+            self.blocks.clear_prefix_cache()
+            if slot:
+                replaced = self._flip_to_slot(staged)
+            else:
+                install_staged(self.runner, staged)  # swaps; a delta's patches in place
+                self.unfilled_weights.difference_update(staged)
+                self._forget_slots()
+                if adapter is not None:
+                    self.lora.base.update(adapter.new_base)
+                    self.lora.adapter = adapter.adapter
+                else:  # weights replaced by model weights are their own new base
+                    self.lora.drop(staged)
+            self.version = version
+            self._work.set()
+            stood_still = time.perf_counter() - started
+        del replaced
+        return stood_still
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                             version: int, partial: bool = False) -> None:
+        """All or nothing: stage and check the whole stream, then swap it in (the version is
+        checked before the stream is read)."""
+        checked_version(version, self.version)
+        await self.commit_weights(self.stage_weights(named_tensors), version, partial)
+
+    def current_weight(self, name: str) -> torch.Tensor:
+        """A host copy of the HF-named weight now served (packed linears unpacked), or of an
+        adapter tensor (lora_A / lora_B) as last received."""
+        if is_adapter_name(name):
+            if name not in self.lora.adapter:
+                raise KeyError(f"current_weight: no adapter tensor {name!r} is served")
+            return self.lora.adapter[name].clone()
+        key = weight_key(name, self._accepted_shapes(), self.runner.config)
+        return self.runner.dense_weight(key).to("cpu", copy=True)
+
+    def current_values(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """Host copies of the served weight `name` at flat positions `index` (a delta sync's
+        check: O(len(index)) for a dense weight; a packed linear is unpacked)."""
+        key = weight_key(name, self._accepted_shapes(), self.runner.config)
+        if key in self.unfilled_weights:  # dropped by sleep: what it holds is no version
+            raise RuntimeError(self._weights_missing_message())
+        flat = self.runner.dense_weight(key).reshape(-1)
+        return flat.index_select(0, index.to(self.device)).cpu()
+
+    def patches_in_place(self, name: str) -> bool:
+        """Model weights (dense ones in place at commit, packed linears re-packed at staging);
+        an adapter's tensors come as full copies (they are merged, not served)."""
+        return not is_adapter_name(name)
