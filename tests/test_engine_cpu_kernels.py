@@ -210,6 +210,26 @@ def test_silu_and_mul_matches_torch_without_overflow(ops, size):
     assert_within(out.view(-1), expected, bound, "silu_and_mul")
 
 
+def word_sum(data: bytes) -> int:
+    """The slot checksum by its definition: little-endian 64-bit words (the tail zero-padded),
+    summed with wraparound, as a signed int64."""
+    padded = data + bytes(-len(data) % 8)
+    total = sum(int.from_bytes(padded[i:i + 8], "little") for i in range(0, len(padded), 8))
+    return (total + 2**63) % 2**64 - 2**63
+
+
+# 0 to 13 bytes: no word / a tail only; 2^18 + 13: streaming stores (aligned destination) and a
+# tail; 2^21 + 5: several 1 MiB pieces summed on different threads
+@pytest.mark.parametrize("size", [0, 5, 8, 13, (1 << 18) + 13, (1 << 21) + 5])
+@pytest.mark.parametrize("offset", [0, 3])  # 3: an unaligned destination, plain stores
+def test_copy_and_sum_copies_the_bytes_and_sums_them_as_words(ops, size, offset):
+    source = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    destination = torch.zeros(size + offset, dtype=torch.uint8)[offset:]
+    expected = word_sum(bytes(source.tolist()))
+    assert ops.copy_and_sum(destination, source) == expected
+    assert torch.equal(destination, source)
+    assert ops.sum_words(source) == expected
+
 def test_switch_off_is_reported():
 
     saved = os.environ.get(cpu_kernels.ENV_SWITCH)

@@ -236,51 +236,44 @@ void check_norm(const at::Tensor& x, const at::Tensor& weight) {
 // threads' start-up costs more than the work.
 inline int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, 16384 / width); }
 
-inline void norm_row(const float* x, const float* w, float* out, int64_t width, float eps) {
-  float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-  for (int64_t i = 0; i < width; ++i) squares += x[i] * x[i];
-  const float inv = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < width; ++i) out[i] = w[i] * (x[i] * inv);
-}
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// rms_norm of each row of x [T, H] into a new tensor; with `add` [T, H], x += add first (x is
+// then the residual stream, updated in place).
+at::Tensor norm_rows(const at::Tensor& x, const float* add, const at::Tensor& weight, double eps) {
   check_norm(x, weight);
   at::Tensor out = at::empty_like(x);
   const int64_t width = x.size(1);
-  const float* xs = x.data_ptr<float>();
+  float* xs = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* os = out.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
   at::parallel_for(0, x.size(0), rows_per_task(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      norm_row(xs + r * width, w, os + r * width, width, static_cast<float>(eps));
+      float* row = xs + r * width;
+      if (add != nullptr) {
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) row[i] += add[r * width + i];
+      }
+      float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < width; ++i) squares += row[i] * row[i];
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(width) + epsilon);
+      float* o = os + r * width;
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) o[i] = w[i] * (row[i] * inv);
     }
   });
   return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return norm_rows(x, nullptr, weight, eps);
 }
 
 at::Tensor add_rms_norm_(at::Tensor residual, const at::Tensor& x, const at::Tensor& weight,
                          double eps) {
-  check_norm(residual, weight);
   check_float(x, "x");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x must have residual's shape");
-  at::Tensor out = at::empty_like(x);
-  const int64_t width = x.size(1);
-  float* res = residual.data_ptr<float>();
-  const float* xs = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* os = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), rows_per_task(width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = res + r * width;
-      const float* add = xs + r * width;
-#pragma omp simd
-      for (int64_t i = 0; i < width; ++i) row[i] += add[i];
-      norm_row(row, w, os + r * width, width, static_cast<float>(eps));
-    }
-  });
-  return out;
+  return norm_rows(residual, x.data_ptr<float>(), weight, eps);
 }
 
 // x [D] -> x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[D/2:], x[:D/2])
@@ -378,20 +371,16 @@ at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
 constexpr int64_t kPieceBytes = 1 << 20;
 constexpr int64_t kStreamBytes = 1 << 18;  // below this a copy stays in cache (plain stores)
 
-uint64_t tail_word(const uint8_t* s, int64_t n) {
-  uint64_t word = 0;
-  std::memcpy(&word, s, n);  // x86-64 and aarch64 Linux are little-endian
-  return word;
-}
-
-// Copies n bytes s -> d and sums them as words. With AVX2 and a 32-byte aligned destination
-// (slot entries are 64-byte aligned) the stores bypass the cache: the destination is not read
-// for ownership first, which saves a third of the memory traffic of a large copy.
-uint64_t copy_sum_piece(uint8_t* d, const uint8_t* s, int64_t n, bool stream) {
+// Sums n bytes of s as words and, when COPY, copies them to d on the way. With AVX2 and a
+// 32-byte aligned destination (slot entries are 64-byte aligned) a copy's stores bypass the
+// cache: the destination is not read for ownership first, which saves a third of the memory
+// traffic of a large copy.
+template <bool COPY>
+uint64_t sum_piece(uint8_t* d, const uint8_t* s, int64_t n, bool stream) {
   uint64_t total = 0;
   int64_t i = 0;
 #if defined(__AVX2__)
-  if (stream) {
+  if (COPY && stream) {
     __m256i acc = _mm256_setzero_si256();
     for (; i + 128 <= n; i += 128) {
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
@@ -417,26 +406,16 @@ uint64_t copy_sum_piece(uint8_t* d, const uint8_t* s, int64_t n, bool stream) {
   for (int64_t j = i; j < words_end; j += 8) {
     uint64_t word;
     std::memcpy(&word, s + j, 8);
-    std::memcpy(d + j, &word, 8);
+    if constexpr (COPY) std::memcpy(d + j, &word, 8);
     total += word;
   }
   if (words_end < n) {
-    std::memcpy(d + words_end, s + words_end, n - words_end);
-    total += tail_word(s + words_end, n - words_end);
-  }
-  return total;
-}
-
-uint64_t sum_piece(const uint8_t* s, int64_t n) {
-  uint64_t total = 0;
-  const int64_t words_end = n / 8 * 8;
-#pragma omp simd reduction(+ : total)
-  for (int64_t j = 0; j < words_end; j += 8) {
-    uint64_t word;
-    std::memcpy(&word, s + j, 8);
+    uint64_t word = 0;
+    std::memcpy(&word, s + words_end, n - words_end);  // x86-64 and aarch64 Linux are little-endian
+    if constexpr (COPY) std::memcpy(d + words_end, s + words_end, n - words_end);
     total += word;
   }
-  return words_end < n ? total + tail_word(s + words_end, n - words_end) : total;
+  return total;
 }
 
 // Runs piece(offset, bytes) over [0, n) in kPieceBytes pieces on torch's threads; sums the results.
@@ -469,7 +448,7 @@ int64_t copy_and_sum(const at::Tensor& dst, const at::Tensor& src) {
   const uint8_t* s = static_cast<const uint8_t*>(src.data_ptr());
   const bool stream = n >= kStreamBytes && reinterpret_cast<uintptr_t>(d) % 32 == 0;
   return sum_over_pieces(n, [&](int64_t offset, int64_t bytes) {
-    return copy_sum_piece(d + offset, s + offset, bytes, stream);
+    return sum_piece<true>(d + offset, s + offset, bytes, stream);
   });
 }
 
@@ -477,7 +456,7 @@ int64_t sum_words(const at::Tensor& src) {
   check_bytes(src, "src");
   const uint8_t* s = static_cast<const uint8_t*>(src.data_ptr());
   return sum_over_pieces(src.numel() * src.element_size(), [&](int64_t offset, int64_t bytes) {
-    return sum_piece(s + offset, bytes);
+    return sum_piece<false>(nullptr, s + offset, bytes, false);
   });
 }
 
