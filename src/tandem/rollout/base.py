@@ -159,7 +159,7 @@ class BaseRollout(ABC):
     def weight_slot_specs(self) -> Any:
         """(name, shape, dtype) list and aliases of the weights two shared slots would hold, for
         the double-buffered handoff; None (the default): this engine cannot serve from slots,
-        so a shm sync loads it through the plain path (native.py implements the slots)."""
+        so a shm sync loads it through the plain path (engine/slot_weights.py implements them)."""
         return None
 
     def current_weight(self, name: str) -> torch.Tensor:
