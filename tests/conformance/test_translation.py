@@ -55,6 +55,8 @@ def test_weight_buckets_check_names_and_shapes_and_split_by_size():
     buckets = checked_buckets(tensors[:1] + [("big", torch.ones(100))], shapes, bucket_bytes=128)
     assert [[(name, t.numel()) for name, t in bucket] for bucket in buckets] == [[("a", 4)],
                                                                                 [("big", 100)]]
+    with pytest.raises(ValueError, match="held no tensor"):  # no update to stamp a version on
+        checked_buckets([], shapes, 128)
     with pytest.raises(ValueError, match="unknown weight 'zz'"):
         list(checked_buckets([("zz", torch.ones(1))], shapes, 20))
     with pytest.raises(ValueError, match=r"'b' has shape \(5,\)"):

@@ -348,10 +348,6 @@ class VLLMRollout(BaseRollout):
             return
         # checked in full before the engine is touched: a bad tensor leaves the old version
         buckets = checked_buckets(stream or [], self.shapes, self.bucket_bytes)
-        if not buckets:
-            raise ValueError(f"update_weights: the stream held no tensor; stamping version "
-                             f"{version} on the old weights would claim an update that never "
-                             "happened")
         # written while requests still run; the workers (same host) map the file
         layout = self.segment.write([item for bucket in buckets for item in bucket])
         # running requests stay queued; nothing computed with the old weights is reused
