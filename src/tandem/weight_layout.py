@@ -34,10 +34,6 @@ class Chunk(NamedTuple):
         return self.length == self.nbytes
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def dtype_of(name: str) -> torch.dtype:
     return getattr(torch, name)
 
@@ -57,7 +53,7 @@ def plan_buckets(weights: Iterable[WeightSpec], bucket_bytes: int | None = None
     bucket: list[Chunk] = []
     used = 0
     for name, shape, dtype in weights:
-        shape = tuple(shape)
+        shape, dtype_name = tuple(shape), str(dtype).removeprefix("torch.")
         nbytes, done = torch.Size(shape).numel() * dtype.itemsize, 0
         if used and used + nbytes > room >= nbytes:
             yield bucket
@@ -67,7 +63,7 @@ def plan_buckets(weights: Iterable[WeightSpec], bucket_bytes: int | None = None
                 yield bucket
                 bucket, used = [], 0
             length = min(nbytes - done, room - used)
-            bucket.append(Chunk(name, shape, dtype_name(dtype), nbytes, done, used, length))
+            bucket.append(Chunk(name, shape, dtype_name, nbytes, done, used, length))
             used += aligned(length)
             done += length
             if done == nbytes:

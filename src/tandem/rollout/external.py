@@ -40,11 +40,9 @@ def safetensors_shapes(path: Path, tied_embeddings: bool) -> dict[str, tuple[int
 def checked_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
                     shapes: Mapping[str, tuple], bucket_bytes: int
                     ) -> list[list[tuple[str, torch.Tensor]]]:
-    """The stream checked in full (an empty stream, an unknown name, a wrong shape or a
-    non-float tensor raises before any bucket is returned), CPU-contiguous, in
-    weight_layout.plan_buckets' buckets of bucket_bytes
-    (rollout.checkpoint_engine.update_weights_bucket_megabytes), grown to the largest tensor:
-    the engines load whole tensors."""
+    """The whole stream checked (empty, unknown names, wrong shapes, non-float: raised before any
+    bucket is returned), CPU-contiguous, in plan_buckets' buckets of bucket_bytes
+    (update_weights_bucket_megabytes) grown to the largest tensor: engines load whole tensors."""
     weights = [(name, _checked(name, tensor, shapes)) for name, tensor in named_tensors]
     if not weights:
         raise ValueError("update_weights: the stream held no tensor; stamping a new version on "

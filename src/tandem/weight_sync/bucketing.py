@@ -18,11 +18,6 @@ from tandem.weight_layout import Chunk, dtype_of, plan_buckets, view
 from tandem.weight_sync.base import NamedTensors
 
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of the tensor's bytes (a copy only if it was not contiguous)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 def tensor_buckets(named_tensors: NamedTensors, bucket_bytes: int
                    ) -> Iterator[list[tuple[Chunk, torch.Tensor]]]:
     """plan_buckets over a tensor stream: buckets of (chunk, its source bytes); pulls one tensor
@@ -31,7 +26,8 @@ def tensor_buckets(named_tensors: NamedTensors, bucket_bytes: int
 
     def weights():
         for name, tensor in named_tensors:
-            pulled.append(as_bytes(tensor))
+            # a flat uint8 view of its bytes (a copy only if it was not contiguous)
+            pulled.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
             yield name, tensor.shape, tensor.dtype
 
     source = torch.empty(0, dtype=torch.uint8)
