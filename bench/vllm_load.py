@@ -66,7 +66,7 @@ def _worker_process(worker) -> tuple[int, str, int, str]:
 async def load_pickled(rollout: VLLMRollout, named_tensors: list[tuple[str, torch.Tensor]],
                        version: int) -> None:
     """The former update_weights: the tensors themselves through collective_rpc."""
-    buckets = list(checked_buckets(named_tensors, rollout.shapes, rollout.bucket_bytes))
+    buckets = checked_buckets(named_tensors, rollout.shapes, rollout.bucket_bytes)
     await rollout.engine.pause_generation(mode="keep", clear_cache=False)
     try:
         await rollout.engine.collective_rpc(_begin_reload)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.rollout.vllm import SEGMENT_ALIGN, WeightSegment, segment_layout, segment_views
+from tandem.rollout.vllm import WeightSegment, segment_views
+from tandem.weight_layout import ALIGN, flat_layout
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:
@@ -20,13 +21,14 @@ def tensors() -> list[tuple[str, torch.Tensor]]:
 
 
 def test_layout_is_aligned_disjoint_and_plain_data():
-    layout, total = segment_layout(tensors())
+    layout, total = flat_layout((name, t.shape, t.dtype) for name, t in tensors())
     end = 0
-    for (name, offset, shape, dtype), (_, tensor) in zip(layout, tensors()):
-        assert offset % SEGMENT_ALIGN == 0 and offset >= end
-        assert shape == tuple(tensor.shape) and getattr(torch, dtype) == tensor.dtype
-        end = offset + tensor.numel() * tensor.element_size()
-    assert end <= total and total % SEGMENT_ALIGN == 0
+    for chunk, (name, tensor) in zip(layout, tensors()):
+        assert chunk.offset % ALIGN == 0 and chunk.offset >= end and chunk.whole
+        assert chunk.name == name and chunk.shape == tuple(tensor.shape)
+        assert getattr(torch, chunk.dtype) == tensor.dtype
+        end = chunk.offset + tensor.numel() * tensor.element_size()
+    assert end <= total and total % ALIGN == 0
     # only this crosses collective_rpc: str / int / tuple
     assert all(isinstance(value, (str, int, tuple)) for entry in layout for value in entry)
 
@@ -38,7 +40,9 @@ def test_segment_views_in_a_second_mapping_give_back_the_tensors(tmp_path):
     # the worker's side: its own mapping of the file, the layout as msgpack returns it (lists)
     mapped = torch.from_file(segment.path, shared=True, size=segment.buffer.numel(),
                              dtype=torch.uint8)
-    views = segment_views(mapped, [[n, o, list(s), d] for n, o, s, d in layout])
+    as_msgpack = [[list(value) if isinstance(value, tuple) else value for value in chunk]
+                  for chunk in layout]
+    views = segment_views(mapped, as_msgpack)
     assert [name for name, _ in views] == [name for name, _ in weights]
     for (_, view), (_, tensor) in zip(views, weights):
         assert view.dtype == tensor.dtype and torch.equal(view, tensor)

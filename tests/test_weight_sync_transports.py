@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.weight_sync.base import WeightSyncError
-from tandem.weight_sync.bucketing import Unpacker, fill_bucket, plan_buckets
+from tandem.weight_sync.bucketing import Unpacker, fill_bucket, tensor_buckets
 from tandem.weight_sync.registry import get_checkpoint_engine_class
 from weight_sync_procs import (Worker, build_sender, random_state, run_receiver, run_sender,
                                same_bits)
@@ -66,7 +66,7 @@ def test_bucketing_splits_and_rejoins_in_process():
     buffer = torch.empty(1 << 20, dtype=torch.uint8)
     unpacker, out = Unpacker(), {}
     big_pieces = 0
-    for bucket in plan_buckets(state.items(), 1 << 20):
+    for bucket in tensor_buckets(state.items(), 1 << 20):
         chunks = fill_bucket(buffer, bucket)
         big_pieces += sum(chunk.name == "layers.0.big" for chunk in chunks)
         out.update((n, t.clone()) for n, t in unpacker.unpack(buffer, chunks))
@@ -80,7 +80,7 @@ def test_only_tensors_larger_than_a_bucket_split_and_rejoin_in_a_reused_scratch(
     an unpacker running at the same time gets its own."""
     state = {"a": torch.randn(150_000), "b": torch.randn(150_000), "big": torch.randn(400_000)}
     buckets = [[(chunk.name, chunk.length) for chunk, _ in bucket]
-               for bucket in plan_buckets(state.items(), 1 << 20)]
+               for bucket in tensor_buckets(state.items(), 1 << 20)]
     # a (600 kB) fits the first bucket; b does not fit beside it: it starts the second bucket
     # instead of splitting; big (1.6 MB) is larger than a bucket and splits: the rest of the
     # second bucket, a whole third one, and the remainder in a fourth
@@ -90,7 +90,7 @@ def test_only_tensors_larger_than_a_bucket_split_and_rejoin_in_a_reused_scratch(
     def sync() -> tuple[dict, int]:
         unpacker, out, pointer = Unpacker(), {}, None
         buffer = torch.empty(1 << 20, dtype=torch.uint8)
-        for bucket in plan_buckets(state.items(), 1 << 20):
+        for bucket in tensor_buckets(state.items(), 1 << 20):
             for name, tensor in unpacker.unpack(buffer, fill_bucket(buffer, bucket)):
                 out[name] = tensor.clone()
                 pointer = tensor.data_ptr() if name == "big" else pointer

@@ -46,10 +46,17 @@ def test_stop_reasons_map_to_completed_length_aborted():
 
 
 def test_weight_buckets_check_names_and_shapes_and_split_by_size():
-    shapes = {"a": (2, 2), "b": (4,), "c": (3,)}
+    shapes = {"a": (2, 2), "b": (4,), "c": (3,), "big": (100,)}
     tensors = [("a", torch.ones(2, 2)), ("b", torch.ones(4)), ("c", torch.ones(3))]
-    buckets = list(checked_buckets(iter(tensors), shapes, bucket_bytes=20))
+    # each tensor starts on a 64-byte boundary: a and b fill 128 bytes, c starts the next bucket
+    buckets = checked_buckets(iter(tensors), shapes, bucket_bytes=128)
     assert [[name for name, _ in bucket] for bucket in buckets] == [["a", "b"], ["c"]]
+    # a tensor larger than a bucket is never split: the engines load whole tensors
+    buckets = checked_buckets(tensors[:1] + [("big", torch.ones(100))], shapes, bucket_bytes=128)
+    assert [[(name, t.numel()) for name, t in bucket] for bucket in buckets] == [[("a", 4)],
+                                                                                [("big", 100)]]
+    with pytest.raises(ValueError, match="held no tensor"):  # no update to stamp a version on
+        checked_buckets([], shapes, 128)
     with pytest.raises(ValueError, match="unknown weight 'zz'"):
         list(checked_buckets([("zz", torch.ones(1))], shapes, 20))
     with pytest.raises(ValueError, match=r"'b' has shape \(5,\)"):

@@ -5,9 +5,11 @@ engine's finish reason to tandem's stop_reason."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Mapping
 
 import torch
+
+from tandem.weight_layout import ALIGN, plan_buckets
 
 # an engine's finish reason -> tandem's stop_reason (vLLM's finish_reason, SGLang's "type")
 STOP_REASONS = {"stop": "completed", "length": "length", "abort": "aborted"}
@@ -37,26 +39,29 @@ def safetensors_shapes(path: Path, tied_embeddings: bool) -> dict[str, tuple[int
 
 def checked_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
                     shapes: Mapping[str, tuple], bucket_bytes: int
-                    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group checked, CPU-contiguous (name, tensor) pairs into buckets of about bucket_bytes
-    (rollout.checkpoint_engine.update_weights_bucket_megabytes); an unknown name, a wrong shape
-    or a non-float tensor raises before the bucket holding it is yielded."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        if name not in shapes:
-            raise ValueError(f"update_weights: unknown weight {name!r} (expected HF names such "
-                             f"as {next(iter(shapes))!r})")
-        if tuple(tensor.shape) != tuple(shapes[name]):
-            raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the "
-                             f"model expects {tuple(shapes[name])}")
-        if not tensor.is_floating_point():
-            raise TypeError(f"update_weights: {name!r} has dtype {tensor.dtype}; weights must be "
-                            "floating point")
-        bucket.append((name, tensor.detach().to("cpu").contiguous()))
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
+                    ) -> list[list[tuple[str, torch.Tensor]]]:
+    """The whole stream checked (empty, unknown names, wrong shapes, non-float: raised before any
+    bucket is returned), CPU-contiguous, in plan_buckets' buckets of bucket_bytes
+    (update_weights_bucket_megabytes) grown to the largest tensor: engines load whole tensors."""
+    weights = [(name, _checked(name, tensor, shapes)) for name, tensor in named_tensors]
+    if not weights:
+        raise ValueError("update_weights: the stream held no tensor; stamping a new version on "
+                         "the old weights would claim an update that never happened")
+    room = max(bucket_bytes, ALIGN, *(t.numel() * t.element_size() for _, t in weights))
+    plan = plan_buckets(((name, t.shape, t.dtype) for name, t in weights), room)
+    in_order = iter(weights)  # no tensor is split, so the chunks are the weights in order
+    return [[next(in_order) for _ in bucket] for bucket in plan]
+
+
+def _checked(name: str, tensor: torch.Tensor, shapes: Mapping[str, tuple]) -> torch.Tensor:
+    """The tensor, CPU-contiguous, if the model has a weight of that name and shape."""
+    if name not in shapes:
+        raise ValueError(f"update_weights: unknown weight {name!r} (expected HF names such "
+                         f"as {next(iter(shapes))!r})")
+    if tuple(tensor.shape) != tuple(shapes[name]):
+        raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the "
+                         f"model expects {tuple(shapes[name])}")
+    if not tensor.is_floating_point():
+        raise TypeError(f"update_weights: {name!r} has dtype {tensor.dtype}; weights must be "
+                        "floating point")
+    return tensor.detach().to("cpu").contiguous()

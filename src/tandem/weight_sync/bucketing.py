@@ -1,94 +1,49 @@
 """Packing a (name, tensor) stream into fixed-size byte buckets and unpacking it again.
 
-A bucket is a flat uint8 buffer plus a list of `Chunk` records (picklable metadata). A tensor
-that does not fit in the room left in a bucket starts the next one; only a tensor larger than a
-whole bucket is split across buckets, and the receiver re-joins it in a scratch buffer that
-lives on for the next syncs (a fresh allocation would cost a page fault and zeroing per 4 KiB,
-more than the copy itself).
+The buckets are tandem.weight_layout's plan: a flat uint8 buffer plus a list of `Chunk` records
+(picklable metadata). Only a tensor larger than a whole bucket is split across buckets, and the
+receiver re-joins it in a scratch buffer that lives on for the next syncs (a fresh allocation
+would cost a page fault and zeroing per 4 KiB, more than the copy itself).
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from collections import deque
 from typing import Iterator
 
 import torch
 
+from tandem.weight_layout import Chunk, dtype_of, plan_buckets, view
 from tandem.weight_sync.base import NamedTensors
 
-ALIGN = 64  # chunk offsets inside a bucket are multiples of this, so views of any dtype are legal
 
+def tensor_buckets(named_tensors: NamedTensors, bucket_bytes: int
+                   ) -> Iterator[list[tuple[Chunk, torch.Tensor]]]:
+    """plan_buckets over a tensor stream: buckets of (chunk, its source bytes); pulls one tensor
+    at a time."""
+    pulled: deque[torch.Tensor] = deque()  # sources planned but not yet handed out, in order
 
-@dataclass(frozen=True)
-class Chunk:
-    """One piece of one tensor inside one bucket."""
+    def weights():
+        for name, tensor in named_tensors:
+            # a flat uint8 view of its bytes (a copy only if it was not contiguous)
+            pulled.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            yield name, tensor.shape, tensor.dtype
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # e.g. "float32"
-    nbytes: int  # of the whole tensor
-    tensor_offset: int  # where this piece starts inside the tensor's bytes
-    bucket_offset: int  # where it lies inside the bucket
-    length: int  # bytes
-
-    @property
-    def whole(self) -> bool:
-        return self.length == self.nbytes
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_of(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of the tensor's bytes (a copy only if it was not contiguous)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def plan_buckets(named_tensors: NamedTensors, bucket_bytes: int
-                 ) -> Iterator[list[tuple[Chunk, torch.Tensor]]]:
-    """Yield buckets as lists of (chunk, source bytes); pulls one tensor at a time from the stream.
-    A tensor that fits in a bucket is never split: it starts a new bucket if this one is short."""
-    if bucket_bytes < ALIGN:
-        raise ValueError(f"bucket_bytes must be >= {ALIGN}, got {bucket_bytes}")
-    bucket: list[tuple[Chunk, torch.Tensor]] = []
-    used = 0
-    for name, tensor in named_tensors:
-        source = as_bytes(tensor)
-        shape, dtype, nbytes = tuple(tensor.shape), dtype_name(tensor.dtype), source.numel()
-        done = 0
-        if used and used + nbytes > bucket_bytes and nbytes <= bucket_bytes:
-            yield bucket
-            bucket, used = [], 0
-        while True:
-            if used >= bucket_bytes:
-                yield bucket
-                bucket, used = [], 0
-            length = min(nbytes - done, bucket_bytes - used)
-            bucket.append((Chunk(name, shape, dtype, nbytes, done, used, length),
-                           source[done:done + length]))
-            used += -(-length // ALIGN) * ALIGN
-            done += length
-            if done == nbytes:
-                break
-    if bucket:
+    source = torch.empty(0, dtype=torch.uint8)
+    for chunks in plan_buckets(weights(), bucket_bytes):
+        bucket = []
+        for chunk in chunks:
+            if chunk.tensor_offset == 0:  # every weight's first chunk: the next source
+                source = pulled.popleft()
+            bucket.append((chunk, source[chunk.tensor_offset:chunk.tensor_offset + chunk.length]))
         yield bucket
-
-
-def bucket_size(chunks: list[Chunk]) -> int:
-    """Bytes a bucket actually uses (its last chunk's end)."""
-    return max((c.bucket_offset + c.length for c in chunks), default=0)
 
 
 def fill_bucket(buffer: torch.Tensor, bucket: list[tuple[Chunk, torch.Tensor]]) -> list[Chunk]:
     """Copy each piece into the uint8 buffer; returns the metadata to send ahead of it."""
     for chunk, source in bucket:
-        buffer[chunk.bucket_offset:chunk.bucket_offset + chunk.length].copy_(source)
+        buffer[chunk.offset:chunk.offset + chunk.length].copy_(source)
     return [chunk for chunk, _ in bucket]
 
 
@@ -127,10 +82,10 @@ class Unpacker:
 
     def unpack(self, buffer: torch.Tensor, chunks: list[Chunk]) -> Iterator[tuple[str, torch.Tensor]]:
         for chunk in chunks:
-            piece = buffer[chunk.bucket_offset:chunk.bucket_offset + chunk.length]
             if chunk.whole:
-                yield chunk.name, piece.view(dtype_of(chunk.dtype)).view(chunk.shape)
+                yield chunk.name, view(buffer, chunk)
                 continue
+            piece = buffer[chunk.offset:chunk.offset + chunk.length]
             if chunk.name not in self._partial:
                 self._partial[chunk.name] = self._borrow(chunk.nbytes, buffer.device)
                 self._received[chunk.name] = 0

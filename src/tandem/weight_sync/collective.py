@@ -21,8 +21,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from tandem.weight_layout import bucket_size
 from tandem.weight_sync.base import CheckpointEngine, NamedTensors, SyncPlan, WeightSyncError
-from tandem.weight_sync.bucketing import Unpacker, bucket_size, fill_bucket, plan_buckets
+from tandem.weight_sync.bucketing import Unpacker, fill_bucket, tensor_buckets
 from tandem.weight_sync.control import (await_commit, commit, local_address_towards, rendezvous,
                                         serve_store)
 
@@ -85,7 +86,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         buffers = [torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device=self.device)
                    for _ in range(2)]
         pending: list[list] = [[], []]  # broadcasts in flight per buffer (and the tensors they read)
-        for index, bucket in enumerate(plan_buckets(named_tensors, self.plan.bucket_bytes)):
+        for index, bucket in enumerate(tensor_buckets(named_tensors, self.plan.bucket_bytes)):
             slot = index % 2
             self._wait_all(pending[slot], "send")  # bucket index-2 has left this buffer
             chunks = fill_bucket(buffers[slot], bucket)

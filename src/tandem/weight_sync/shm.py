@@ -33,8 +33,9 @@ from typing import Iterator
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
+from tandem.weight_layout import bucket_size
 from tandem.weight_sync.base import CheckpointEngine, NamedTensors, SyncPlan, WeightSyncError
-from tandem.weight_sync.bucketing import Unpacker, bucket_size, fill_bucket, plan_buckets
+from tandem.weight_sync.bucketing import Unpacker, fill_bucket, tensor_buckets
 from tandem.weight_sync.control import (await_commit, commit, put, rendezvous, serve_store, take,
                                         wait_keys)
 from tandem.weight_sync.slot_transfer import map_slots, receive_slot, send_into_slots
@@ -148,7 +149,7 @@ class ShmCheckpointEngine(CheckpointEngine):
         self.bytes_sent = 0
         receivers = range(1, self.plan.n_receivers + 1)
         count = 0
-        for index, bucket in enumerate(plan_buckets(named_tensors, self.plan.bucket_bytes)):
+        for index, bucket in enumerate(tensor_buckets(named_tensors, self.plan.bucket_bytes)):
             if index >= N_BUFFERS:
                 wait_keys(self._store, {f"consumed/{index - N_BUFFERS}/{r}": self._peer_of(r)
                                         for r in receivers}, self.plan.timeout_s, "send")

@@ -15,9 +15,10 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from tandem.weight_layout import view
 from tandem.weight_sync.base import NamedTensors, SyncPlan, WeightSyncError
 from tandem.weight_sync.control import await_commit, commit, put, take, wait_keys
-from tandem.weight_sync.slots import SlotsDescriptor, byte_sum, mapped, view, write_and_sum
+from tandem.weight_sync.slots import SlotsDescriptor, byte_sum, mapped, write_and_sum
 
 ANNOUNCE_BYTES = 4 << 20
 

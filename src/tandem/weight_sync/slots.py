@@ -23,33 +23,22 @@ from typing import Iterable
 import torch
 
 from tandem import cpu_kernels
+from tandem.weight_layout import Chunk, WeightSpec, flat_layout, view
 from tandem.weight_sync.base import WeightSyncError
-from tandem.weight_sync.bucketing import ALIGN, dtype_name, dtype_of
 
 CHECKSUM_PIECE_BYTES = 1 << 20  # the torch path sums each piece right after writing it (cache-hot)
 MADV_POPULATE_WRITE = 23  # Linux's value; Python's mmap module names it from 3.12 on
 
 
 @dataclass(frozen=True)
-class SlotEntry:
-    """Where one weight lies in a slot."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
 class SlotLayout:
     """Every weight of the engine in slot order; `nbytes` is one slot's size."""
 
-    entries: tuple[SlotEntry, ...]
+    entries: tuple[Chunk, ...]  # each whole
     nbytes: int
     aliases: tuple[tuple[str, str], ...] = ()  # (name a sender may use, the entry it fills)
 
-    def by_name(self) -> dict[str, SlotEntry]:
+    def by_name(self) -> dict[str, Chunk]:
         return {entry.name: entry for entry in self.entries}
 
 
@@ -66,15 +55,11 @@ class SlotsDescriptor:
         return 1 - self.active
 
 
-def make_layout(weights: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+def make_layout(weights: Iterable[WeightSpec],
                 aliases: dict[str, str] | None = None) -> SlotLayout:
-    """Lay (name, shape, dtype) out back to back, each at a multiple of ALIGN bytes."""
-    entries, offset = [], 0
-    for name, shape, dtype in weights:
-        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        entries.append(SlotEntry(name, tuple(shape), dtype_name(dtype), offset, nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
-    return SlotLayout(tuple(entries), max(offset, ALIGN), tuple(sorted((aliases or {}).items())))
+    """The weights' flat layout (weight_layout.flat_layout), with the names a sender may use."""
+    entries, nbytes = flat_layout(weights)
+    return SlotLayout(tuple(entries), nbytes, tuple(sorted((aliases or {}).items())))
 
 
 _MAPPED: dict[str, torch.Tensor] = {}  # path -> this process's one mapping of it
@@ -114,11 +99,6 @@ def forget(paths: Iterable[str]) -> None:
     with _MAPPED_LOCK:
         for path in paths:
             _MAPPED.pop(path, None)
-
-
-def view(slot: torch.Tensor, entry: SlotEntry) -> torch.Tensor:
-    """The weight `entry` inside a mapped slot, as its dtype and shape (no copy)."""
-    return slot[entry.offset:entry.offset + entry.nbytes].view(dtype_of(entry.dtype)).view(entry.shape)
 
 
 def byte_sum(data: torch.Tensor) -> int:
