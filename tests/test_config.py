@@ -110,8 +110,8 @@ NOT_READ = [
       for name in ("prefill_tensor_parallel_size", "prefill_replicas",
                    "decode_tensor_parallel_size", "decode_replicas")],
     # what vLLM / SGLang never read
-    (["rollout.name=vllm", "rollout.block_size=32"], "rollout.block_size", "vllm backend never reads"),
-    ([*SGLANG, "rollout.block_size=32"], "rollout.block_size", "sglang backend never reads"),
+    (["rollout.name=vllm", "rollout.block_size=32"], "rollout.block_size", "vllm backend on cpu never"),
+    ([*SGLANG, "rollout.block_size=32"], "rollout.block_size", "sglang backend on cuda never"),
     (["rollout.name=vllm", "model.device=cuda", "rollout.kv_cache_memory_bytes=268435456"],
      "rollout.kv_cache_memory_bytes", "gpu_memory_utilization"),
     ([*SGLANG, "rollout.kv_cache_memory_bytes=268435456"], "rollout.kv_cache_memory_bytes",

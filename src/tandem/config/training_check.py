@@ -59,9 +59,9 @@ def _kl_problem(field: str, value: str) -> str | None:
 def _correction_problem(config: TandemConfig) -> str | None:
     prefix = "algorithm.rollout_correction"
     correction = config.algorithm.rollout_correction
-    if (correction.importance_sampling_mode == "icepop"
-            and not 0 < correction.importance_sampling_low <= correction.importance_sampling_threshold):
-        return (f"{prefix}.importance_sampling_low: is {correction.importance_sampling_low}; "
+    low, threshold = correction.importance_sampling_low, correction.importance_sampling_threshold
+    if correction.importance_sampling_mode == "icepop" and not 0 < low <= threshold:
+        return (f"{prefix}.importance_sampling_low: is {low}; "
                 "icepop keeps ratios in [importance_sampling_low, importance_sampling_threshold], "
                 "so it must be > 0 and <= importance_sampling_threshold")
     try:
@@ -70,9 +70,10 @@ def _correction_problem(config: TandemConfig) -> str | None:
     except ValueError as error:
         return f"{prefix}.rejection: {error}"
     calculated = config.rollout.calculate_log_probs
-    if not calculated and (correction.importance_sampling != "none" or correction.rejection != "none"):
-        return (f"{prefix}: importance sampling and rejection compare rollout and actor log-probs, "
-                "so rollout.calculate_log_probs must be true (or set both to none)")
+    corrects = correction.importance_sampling != "none" or correction.rejection != "none"
+    if corrects and not calculated:
+        return (f"{prefix}: importance sampling and rejection compare rollout and actor "
+                "log-probs, so rollout.calculate_log_probs must be true (or set both to none)")
     if correction.bypass_mode and not calculated:
         return (f"{prefix}.bypass_mode: uses rollout_log_probs as old_log_probs, so "
                 "rollout.calculate_log_probs must be true")
@@ -84,7 +85,8 @@ def _estimator_problem(config: TandemConfig) -> str | None:
     if estimator == "grpo" and n < 2:
         return (f"rollout.n: is {n}, but adv_estimator=grpo normalises each reward against its "
                 "prompt's group: a group of one gets advantage 0 and learns nothing. Set "
-                "rollout.n >= 2 (e.g. rollout.n=4) or use algorithm.adv_estimator=gae with a critic")
+                "rollout.n >= 2 (e.g. rollout.n=4) or use algorithm.adv_estimator=gae with a "
+                "critic")
     if estimator == "gae" and not config.critic.enable:
         return ("algorithm.adv_estimator: gae needs a value model: set critic.enable=true "
                 "(or use adv_estimator=grpo)")
