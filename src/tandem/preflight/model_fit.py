@@ -18,13 +18,13 @@ def check_model_fit(config: TandemConfig) -> None:
     hf = hf_config(config.model.path)
     if hf is None:
         return
-    problem = (model_limits_problem(config, hf) or kv_budget_problem(config)
+    problem = (_limits_problem(config, hf) or _kv_budget_problem(config, hf)
                or _memory_budget_problem(config, hf))
     if problem:
         raise ConfigError(problem)
 
 
-def context_length(hf: dict[str, Any]) -> int | None:
+def _context_length(hf: dict[str, Any]) -> int | None:
     """The longest sequence the model's positions cover (max_position_embeddings, times a
     rope scaling factor), or None when config.json does not say."""
     positions = hf.get("max_position_embeddings")
@@ -35,7 +35,7 @@ def context_length(hf: dict[str, Any]) -> int | None:
     return int(positions * factor) if isinstance(factor, (int, float)) and factor > 1 else positions
 
 
-def model_limits_problem(config: TandemConfig, hf: dict[str, Any]) -> str | None:
+def _limits_problem(config: TandemConfig, hf: dict[str, Any]) -> str | None:
     """rollout.top_k (training and validation) within the vocabulary; prompt_length +
     response_length within the model's context."""
     rollout = config.rollout
@@ -47,7 +47,7 @@ def model_limits_problem(config: TandemConfig, hf: dict[str, Any]) -> str | None
                 return (f"{field}: is {top_k}, more than the model's vocabulary of {vocab} "
                         "tokens (config.json vocab_size); use -1 (off) or at most "
                         f"{vocab}")
-    context = context_length(hf)
+    context = _context_length(hf)
     longest = rollout.prompt_length + rollout.response_length
     if context is not None and longest > context:
         return (f"rollout.response_length: prompt_length + response_length = {longest} tokens, "
@@ -57,32 +57,23 @@ def model_limits_problem(config: TandemConfig, hf: dict[str, Any]) -> str | None
     return None
 
 
-def model_shape(path: str) -> dict[str, int] | None:
-    """layers, kv_heads, head_dim and max_positions of model.path, or None when unknown here."""
-    hf = hf_config(path)
-    heads = hf.get("num_attention_heads") if hf is not None else None
-    if not heads or "num_hidden_layers" not in hf:
-        return None
-    return {"layers": hf["num_hidden_layers"], "kv_heads": hf.get("num_key_value_heads") or heads,
-            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-            "max_positions": hf.get("max_position_embeddings") or 1 << 62}
-
-
-def kv_budget_problem(config: TandemConfig) -> str | None:
+def _kv_budget_problem(config: TandemConfig, hf: dict[str, Any]) -> str | None:
     """Why the longest trajectory cannot fit the native engine's KV cache, or None."""
     rollout = config.rollout
     default = RolloutConfig().kv_cache_memory_bytes
     budget = rollout.kv_cache_memory_bytes or default
     on_gpu = config.model.device.startswith("cuda")
-    if rollout.name != "native" or (on_gpu and rollout.kv_cache_memory_bytes in (0, default)):
+    heads = hf.get("num_attention_heads")
+    if (rollout.name != "native" or (on_gpu and rollout.kv_cache_memory_bytes in (0, default))
+            or not heads or "num_hidden_layers" not in hf):
         return None
-    shape = model_shape(config.model.path)
-    if shape is None:
-        return None
-    block_bytes = (2 * shape["layers"] * rollout.block_size * shape["kv_heads"] * shape["head_dim"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    block_bytes = (2 * hf["num_hidden_layers"] * rollout.block_size
+                   * (hf.get("num_key_value_heads") or heads) * head_dim
                    * DTYPE_BYTES.get(config.model.dtype, 4))
     blocks = budget // block_bytes
-    longest = min(rollout.prompt_length + rollout.response_length, shape["max_positions"])
+    longest = min(rollout.prompt_length + rollout.response_length,
+                  hf.get("max_position_embeddings") or 1 << 62)
     needed = -(-longest // rollout.block_size)
     if needed <= blocks:
         return None
