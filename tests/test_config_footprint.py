@@ -51,6 +51,9 @@ def test_replica_count_divides_devices_by_footprint() -> None:
       "rollout.nnodes=1", "rollout.n_gpus_per_node=3"],
      r"rollout.n_gpus_per_node: 3 devices per node do not split into replicas of 2 .* 1 would "
      "stay idle"),
+    (["rollout.nnodes=1", "rollout.n_gpus_per_node=1", "rollout.checkpoint_engine.backend=naive"],
+     r"rollout.checkpoint_engine.backend: is 'naive', .* standalone replicas are processes of "
+     "their own"),
     # nnodes only sizes the pool: nothing spreads replicas over nodes
     (["rollout.nnodes=4", "rollout.n_gpus_per_node=1"],
      r"rollout.nnodes: is 4, but nothing spreads standalone replicas over nodes: .* Set "

@@ -115,6 +115,11 @@ def _hybrid_problem(rollout: RolloutConfig) -> str | None:
 
 
 def _standalone_problem(rollout: RolloutConfig) -> str | None:
+    if rollout.checkpoint_engine.backend == "naive":
+        return ("rollout.checkpoint_engine.backend: is 'naive', which only hands tensors over "
+                "inside one process, but standalone replicas are processes of their own "
+                "(rollout.nnodes x rollout.n_gpus_per_node > 0); set it to auto (shm on one "
+                "host, else gloo or nccl) or name a transport across processes")
     if rollout.nnodes > 1:
         return (f"rollout.nnodes: is {rollout.nnodes}, but nothing spreads standalone replicas "
                 "over nodes: each reserves its devices wherever Ray finds them, so nnodes would "

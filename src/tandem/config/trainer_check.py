@@ -1,6 +1,6 @@
 """Load-time checks of the trainer modes' fields: what separate_async needs (rollout devices of
-its own, a cross-process transport, whole mini-batches per sync), its options refused in the
-other modes, and the async modes' buffer against the staleness bound."""
+its own, whole mini-batches per sync; its transport is footprint.py's standalone rule), its
+options refused in the other modes, and the async modes' buffer against the staleness bound."""
 
 from __future__ import annotations
 
@@ -22,10 +22,6 @@ def _separate_async_problem(config: TandemConfig) -> str | None:
     if rollout.nnodes < 1 or rollout.n_gpus_per_node < 1:
         return ("rollout.nnodes: separate_async runs rollout on its own devices: set "
                 "rollout.nnodes and rollout.n_gpus_per_node to at least 1")
-    if rollout.checkpoint_engine.backend == "naive":
-        return ("rollout.checkpoint_engine.backend: separate_async cannot use 'naive' (it only "
-                "hands tensors over inside one process); set it to auto (shm on one host, else "
-                "gloo or nccl) or name a transport across processes")
     sync_step = config.trainer.separate_async.parameter_sync_step
     mini = config.actor.ppo_mini_batch_size
     if data.train_batch_size != sync_step * mini:
