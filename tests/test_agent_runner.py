@@ -153,11 +153,13 @@ def test_a_given_registry_must_hold_the_configured_tools():
      "defines no 'Nothing'"),
     (["rollout.multi_turn.tools=[tandem.tools.calculator:evaluate_expression]"], "not a class"),
 ])
-def test_tool_names_are_checked_at_config_load(overrides, words):
+def test_tool_names_are_checked_before_the_run_starts(overrides, words):
     from tandem.config.load import ConfigError, load_config
+    from tandem.preflight import check_names
 
+    config = load_config(overrides=["rollout.multi_turn.enable=true", *overrides])
     with pytest.raises(ConfigError, match=words):
-        load_config(overrides=overrides)
+        check_names(config)
 
 
 class RecordingClient(CountingClient):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from tandem.algorithms import (AdaptiveKLController, FixedKLController, kl_controller_from_config,
                                kl_in_reward, kl_loss, kl_penalty, resolve_kl_type)
-from tandem.config.load import KL_TYPES, LOSS_AGG_MODES
+from tandem.config.choices import KL_TYPES, LOSS_AGG_MODES
 from tandem.config.schema import KLControlConfig
 
 PROPERTY = settings(max_examples=60, deadline=None)

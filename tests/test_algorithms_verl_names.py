@@ -7,9 +7,10 @@ from tensordict import TensorDict
 from tandem.batch.jagged import field_lengths, make_field, trajectories_to_batch
 from tandem.batch.trajectory import Trajectory
 from tandem.config import ConfigError, load_config
-from tandem.config.load import KL_TYPES, LOSS_AGG_MODES
+from tandem.config.choices import KL_TYPES, LOSS_AGG_MODES
 from tandem.trainer import ppo
 from tandem.training.forward import ForwardOutput, MiniBatchInfo
+from tandem.training.losses import actor_loss_fn
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -65,7 +66,7 @@ def test_actor_loss_divides_sum_norm_by_loss_scale_factor(scale_factor, divisor)
     overrides = ["actor.loss_agg_mode=seq-mean-token-sum-norm", "rollout.response_length=16"]
     if scale_factor is not None:
         overrides.append(f"actor.loss_scale_factor={scale_factor}")
-    loss_fn = ppo.actor_loss_fn(load_config(overrides=overrides))
+    loss_fn = actor_loss_fn(load_config(overrides=overrides))
     old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     advantages = torch.tensor([[1.0, 2.0, 50.0], [-1.0, 0.5, 3.0]])

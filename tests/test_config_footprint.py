@@ -51,6 +51,18 @@ def test_replica_count_divides_devices_by_footprint() -> None:
       "rollout.nnodes=1", "rollout.n_gpus_per_node=3"],
      r"rollout.n_gpus_per_node: 3 devices per node do not split into replicas of 2 .* 1 would "
      "stay idle"),
+    (["rollout.nnodes=1", "rollout.n_gpus_per_node=1", "rollout.checkpoint_engine.backend=naive"],
+     r"rollout.checkpoint_engine.backend: is 'naive', .* standalone replicas are processes of "
+     "their own"),
+    # nnodes only sizes the pool: nothing spreads replicas over nodes
+    (["rollout.nnodes=4", "rollout.n_gpus_per_node=1"],
+     r"rollout.nnodes: is 4, but nothing spreads standalone replicas over nodes: .* Set "
+     r"rollout.nnodes=1 and rollout.n_gpus_per_node to the rollout's devices \(4\)"),
+    ([*SEPARATE, "rollout.nnodes=2", "rollout.n_gpus_per_node=2"], r"rollout.nnodes: is 2, but"),
+    (["rollout.nnodes=0", "rollout.n_gpus_per_node=2"],
+     r"rollout.nnodes: is 0 with rollout.n_gpus_per_node=2: .* set both to 0 \(hybrid\)"),
+    (["trainer.trainer_mode=colocate_async", "rollout.nnodes=1"],
+     r"rollout.nnodes: is 1 with rollout.n_gpus_per_node=0"),
 ])
 def test_layouts_the_fleet_does_not_build_are_refused_at_load_time(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -65,6 +77,8 @@ def test_what_is_accepted_is_a_layout_the_fleet_builds() -> None:
         config = load_config(overrides=[f"trainer.trainer_mode={mode}", "rollout.nnodes=1",
                                         "rollout.n_gpus_per_node=1"])
         assert rollout_devices(config) == 1
+    # one pool of several devices: Ray places each replica where its devices are
+    assert rollout_devices(load_config(overrides=["rollout.nnodes=1", "rollout.n_gpus_per_node=4"])) == 4
     tensor_parallel = load_config(overrides=[*SEPARATE, "rollout.name=vllm",
                                              "rollout.tensor_model_parallel_size=2",
                                              "rollout.nnodes=1", "rollout.n_gpus_per_node=4"])

@@ -37,7 +37,7 @@ def run_offline(cache: Path, code: str) -> subprocess.CompletedProcess:
 def test_a_hub_id_loads_from_the_offline_cache(tmp_path):
     cache = hub_cache(tmp_path / "hub")
     code = (f"from tandem.models.tiny import resolve_model_path\n"
-            f"from tandem.config.kv_budget import hf_config\n"
+            f"from tandem.preflight.model_files import hf_config\n"
             f"from tandem.preflight import check_model\n"
             f"from transformers import AutoModelForCausalLM, AutoTokenizer\n"
             f"path = resolve_model_path({REPO!r})\n"

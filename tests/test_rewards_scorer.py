@@ -207,9 +207,10 @@ def test_config_names_a_verl_function_by_file_and_batched_ones_by_module(tmp_pat
     ({"custom_function": {"path": "tandem.rewards.arithmetic", "name": "final_answer_text"},
       "weights": [1.0, 2.0]}, "reward.weights has 2 entries but there are 1 reward functions"),
 ])
-def test_bad_reward_entries_fail_at_load_naming_the_field(reward, words):
+def test_bad_reward_entries_fail_before_the_run_naming_the_field(reward, words):
+    config = load_config({"reward": reward})  # the preflight and Trainer build the scorer
     with pytest.raises(ConfigError, match=words):
-        load_config({"reward": reward})
+        RewardScorer.from_config(config.reward)
 
 
 def test_python_and_config_per_sample_functions_are_not_both_taken():

@@ -121,11 +121,13 @@ def test_tool_instances_join_the_configured_ones():
 ])
 def test_bad_tool_entries_name_the_entry(tmp_path, monkeypatch, entry, words):
     from tandem.config.load import ConfigError, load_config
+    from tandem.preflight import check_names
 
     (tmp_path / "my_tools.py").write_text(USER_TOOLS)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match=f"rollout.multi_turn.tools: '{entry}'.*{words}"):
         build_tool_registry([entry])
     if "Raises" not in entry:  # construction happens when the run builds its tools
+        config = load_config({"rollout": {"multi_turn": {"enable": True, "tools": [entry]}}})
         with pytest.raises(ConfigError, match=words):
-            load_config({"rollout": {"multi_turn": {"enable": True, "tools": [entry]}}})
+            check_names(config)

@@ -28,10 +28,10 @@ def test_one_override_derives_rollout_devices_engine_and_sync_step():
     assert config.rollout.checkpoint_engine.backend == "auto"  # resolved at start (fleet.weight_sync)
     assert config.trainer.separate_async.parameter_sync_step == 4
     # what the user sets is kept, and still validated
-    config = load_config(overrides=["trainer.trainer_mode=separate_async", "rollout.nnodes=2",
+    config = load_config(overrides=["trainer.trainer_mode=separate_async", "rollout.nnodes=1",
                                     "rollout.n_gpus_per_node=3",
                                     "rollout.checkpoint_engine.backend=gloo"])
-    assert (config.rollout.nnodes, config.rollout.n_gpus_per_node) == (2, 3)
+    assert (config.rollout.nnodes, config.rollout.n_gpus_per_node) == (1, 3)
     assert config.rollout.checkpoint_engine.backend == "gloo"
     with pytest.raises(ConfigError, match=r"data.train_batch_size.*parameter_sync_step \(3\)"):
         load_config(overrides=["trainer.trainer_mode=separate_async", "data.train_batch_size=8",

@@ -108,18 +108,23 @@ def test_estimate_bounds_the_measured_peak(architecture, dtype, chunk_bytes):
 
 
 def test_a_budget_below_one_trajectory_is_a_config_error_naming_the_minimum():
+    from tandem.preflight import check_model_fit
+
     lengths = ["rollout.prompt_length=256", "rollout.response_length=256"]
     with pytest.raises(ConfigError) as error:
-        load_config(overrides=["model.path=tiny:qwen2", "actor.micro_batch_memory_gb=0.001", *lengths])
+        check_model_fit(load_config(overrides=["model.path=tiny:qwen2",
+                                               "actor.micro_batch_memory_gb=0.001", *lengths]))
     message = str(error.value)
     assert message.startswith("actor.micro_batch_memory_gb: is 0.001, which holds the estimated activations of ")
     assert "tokens of tiny:qwen2 (float32), fewer than the longest trajectory rollout.prompt_length + " \
            "rollout.response_length = 512; raise it to at least " in message
     minimum = float(message.split("raise it to at least ")[1].split(" ")[0])
-    assert load_config(overrides=["model.path=tiny:qwen2", f"actor.micro_batch_memory_gb={minimum}", *lengths])
+    check_model_fit(load_config(overrides=["model.path=tiny:qwen2",
+                                           f"actor.micro_batch_memory_gb={minimum}", *lengths]))
     below = round(minimum - 0.001, 3)  # the minimum is given to the MB
     with pytest.raises(ConfigError, match="actor.micro_batch_memory_gb"):
-        load_config(overrides=["model.path=tiny:qwen2", f"actor.micro_batch_memory_gb={below}", *lengths])
+        check_model_fit(load_config(overrides=["model.path=tiny:qwen2",
+                                               f"actor.micro_batch_memory_gb={below}", *lengths]))
     with pytest.raises(ConfigError, match=r"actor.micro_batch_memory_gb: is -1.0; must be >= 0"):
         load_config(overrides=["actor.micro_batch_memory_gb=-1"])
     with pytest.raises(ConfigError, match=r"actor.micro_batch_memory_gb: sizes packed micro-batches, but "

@@ -200,11 +200,13 @@ def test_in_flight_kv_is_checked_at_load_time():
     from tandem.config.choices import ConfigError
     from tandem.config.load import load_config
 
-    assert load_config(overrides=["rollout.in_flight_kv=keep"]).rollout.in_flight_kv == "keep"
+    standalone = ["rollout.nnodes=1", "rollout.n_gpus_per_node=1"]  # shm into its own engine
+    keep = load_config(overrides=[*standalone, "rollout.in_flight_kv=keep"])
+    assert keep.rollout.in_flight_kv == "keep"
     with pytest.raises(ConfigError, match="rollout.in_flight_kv.*recompute, keep"):
         load_config(overrides=["rollout.in_flight_kv=reuse"])
     with pytest.raises(ConfigError, match="rollout.in_flight_kv.*native engine's.*recompute"):
-        load_config(overrides=["rollout.in_flight_kv=keep", "rollout.name=vllm"])
+        load_config(overrides=[*standalone, "rollout.in_flight_kv=keep", "rollout.name=vllm"])
 
 
 async def test_double_buffer_true_is_refused_when_two_copies_do_not_fit(model_path, monkeypatch):

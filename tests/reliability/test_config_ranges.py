@@ -1,6 +1,6 @@
 """Issue 11, "configs": every numeric field's range is checked when the config loads (with a
-bad value for each), a KV cache too small for the lengths fails at load, and a section given as
-a scalar or a file that is not a mapping gets a message that says so."""
+bad value for each), a KV cache too small for the lengths fails before the run (the preflight),
+and a section given as a scalar or a file that is not a mapping gets a message that says so."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from tandem.config import ConfigError, TandemConfig, load_config
 from tandem.config.ranges import RANGES, describe, numeric_fields
+from tandem.preflight import check_model_fit
 
 
 def field_type(path: str) -> type:
@@ -94,20 +95,25 @@ def test_the_issues_cases(item, words):
     assert words in str(error.value)
 
 
-def test_a_response_longer_than_the_kv_cache_fails_at_load():
+def fit(overrides: list[str]) -> None:
+    """The preflight's check of the loaded config against the model (tandem train, Trainer)."""
+    check_model_fit(load_config(overrides=overrides))
+
+
+def test_a_response_longer_than_the_kv_cache_fails_before_the_run():
     # tiny:qwen2 in float32: 2 (K, V) x 2 layers x 16 tokens x 2 kv heads x 16 dims x 4 bytes
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4
     base = ["rollout.prompt_length=64", "rollout.response_length=192", "actor.ppo_max_token_len_per_micro_batch=256"]
-    load_config(overrides=base + [f"rollout.kv_cache_memory_bytes={16 * block_bytes}"])
+    fit(base + [f"rollout.kv_cache_memory_bytes={16 * block_bytes}"])
     with pytest.raises(ConfigError) as error:
-        load_config(overrides=base + [f"rollout.kv_cache_memory_bytes={16 * block_bytes - 1}"])
+        fit(base + [f"rollout.kv_cache_memory_bytes={16 * block_bytes - 1}"])
     assert str(error.value) == (
         f"rollout.response_length: prompt_length + response_length = 256 tokens need 16 KV blocks "
         f"of 16 tokens ({16 * block_bytes} bytes for tiny:qwen2), but rollout.kv_cache_memory_bytes="
         f"{16 * block_bytes - 1} holds 15; raise rollout.kv_cache_memory_bytes to at least "
         f"{16 * block_bytes} or shorten the lengths")
     # half precision halves the block: the same budget fits twice the tokens
-    load_config(overrides=base + ["model.dtype=bfloat16", f"rollout.kv_cache_memory_bytes={8 * block_bytes}"])
+    fit(base + ["model.dtype=bfloat16", f"rollout.kv_cache_memory_bytes={8 * block_bytes}"])
 
 
 def test_the_kv_check_reads_an_hf_directory(tmp_path):
@@ -118,8 +124,8 @@ def test_the_kv_check_reads_an_hf_directory(tmp_path):
     (tmp_path / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # no tensors
     # 2 x 4 layers x 16 tokens x 2 heads x 32 dims x 4 bytes = 32 KiB per block; 768 tokens: 48 blocks
     with pytest.raises(ConfigError, match="need 48 KV blocks"):
-        load_config(overrides=[f"model.path={tmp_path}", f"rollout.kv_cache_memory_bytes={47 * 32768}"])
-    load_config(overrides=[f"model.path={tmp_path}", f"rollout.kv_cache_memory_bytes={48 * 32768}"])
+        fit([f"model.path={tmp_path}", f"rollout.kv_cache_memory_bytes={47 * 32768}"])
+    fit([f"model.path={tmp_path}", f"rollout.kv_cache_memory_bytes={48 * 32768}"])
 
 
 def write(tmp_path, text: str, name: str = "config.yaml"):

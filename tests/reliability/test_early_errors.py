@@ -15,6 +15,7 @@ from test_cli_errors import ROW, run_cli, write_rows
 
 from tandem.config import ConfigError
 from tandem.config.load import load_config
+from tandem.preflight import check_model, check_model_fit
 from tandem.weight_sync.registry import (ENGINE_KWARGS, get_checkpoint_engine_class,
                                          unavailable_checkpoint_engines)
 
@@ -111,14 +112,21 @@ def test_the_cli_reports_it_before_anything_starts(run_dir, change, words):
     assert len(stderr.strip().splitlines()) == 2
 
 
+def checked(overrides: list[str]):
+    """The loaded config after the preflight's model checks (what tandem train runs)."""
+    config = load_config(overrides=overrides)
+    check_model(config.model.path)
+    check_model_fit(config)
+    return config
+
+
 def test_a_complete_model_directory_and_int64_seeds_pass(run_dir, monkeypatch):
     monkeypatch.chdir(run_dir)
-    config = load_config(overrides=["model.path=model", f"rollout.seed={2**63 - 1}",
-                                    "rollout.top_k=1000", "rollout.prompt_length=900",
-                                    "rollout.response_length=124"])
+    config = checked(["model.path=model", f"rollout.seed={2**63 - 1}", "rollout.top_k=1000",
+                      "rollout.prompt_length=900", "rollout.response_length=124"])
     assert config.rollout.seed == 2**63 - 1
     with pytest.raises(ConfigError, match="rope|context of 1024"):
-        load_config(overrides=["model.path=model", "rollout.prompt_length=1000"])
+        checked(["model.path=model", "rollout.prompt_length=1000"])
 
 
 def test_rope_scaling_extends_the_context(run_dir, monkeypatch):
@@ -126,9 +134,8 @@ def test_rope_scaling_extends_the_context(run_dir, monkeypatch):
     config_file = run_dir / "model" / "config.json"
     hf = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
-    load_config(overrides=["model.path=model", "rollout.prompt_length=3000",
-                           "rollout.response_length=1000",
-                           "actor.ppo_max_token_len_per_micro_batch=4096"])
+    checked(["model.path=model", "rollout.prompt_length=3000", "rollout.response_length=1000",
+             "actor.ppo_max_token_len_per_micro_batch=4096"])
 
 
 @pytest.mark.parametrize("name", sorted(ENGINE_KWARGS))

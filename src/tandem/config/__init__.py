@@ -1,4 +1,5 @@
-"""Typed configuration: dataclasses (schema.py), YAML + overrides and validation (load.py)."""
+"""Typed configuration: dataclasses (schema.py), YAML + overrides (load.py) and the field checks
+beside them, by concern (*_check.py, ranges.py, choices.py, footprint.py)."""
 
 from tandem.config.load import ConfigError, load_config, to_yaml
 from tandem.config.schema import (

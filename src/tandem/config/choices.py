@@ -1,10 +1,12 @@
 """The valid values of the config's choice fields, and the error every bad config raises.
 
-The lowest layer of tandem: modules anywhere may import these without importing the loader
-(load.py), which consults the registries of the layers above.
+The lowest layer of tandem: modules anywhere may import these. `choice_problem` checks every
+field of CHOICES (a list field element by element) when a config is loaded.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 LOGPROBS_MODES = ("raw", "processed")
@@ -21,14 +23,58 @@ TRUNCATE_SIDES = ("left", "right", "middle")
 CORRECTION_LEVELS = ("none", "token", "sequence")
 IMPORTANCE_SAMPLING_MODES = ("truncate", "icepop")
 REWARD_PLACEMENTS = ("agent_loop", "after_sampling")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPES = tuple(DTYPE_BYTES)
 LR_SCHEDULES = ("constant", "cosine")
 # what the async modes do about staleness: wait = bound it at admission (nothing is dropped);
 # drop | regenerate = discard or redraw a finished group over the bound (biased against length)
 STALE_POLICIES = ("wait", "drop", "regenerate")
 NONFINITE_LOSS_POLICIES = ("skip", "stop")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# logger name -> the module its client needs (the preflight checks it is installed)
+LOGGER_PACKAGES = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb",
+                   "mlflow": "mlflow"}
+
+# field -> its valid values (rollout.name and rollout.checkpoint_engine.backend are names in
+# registries: the preflight checks them; the KL fields have a message of their own)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": DTYPES,
+    "rollout.logprobs_mode": LOGPROBS_MODES,
+    "rollout.in_flight_kv": IN_FLIGHT_KV,
+    "rollout.multi_turn.tool_response_truncate_side": TRUNCATE_SIDES,
+    "actor.loss_agg_mode": LOSS_AGG_MODES,
+    "actor.optim.schedule": LR_SCHEDULES,
+    "critic.optim.schedule": LR_SCHEDULES,
+    "algorithm.adv_estimator": ADV_ESTIMATORS,
+    "algorithm.kl_ctrl.type": KL_CONTROLLERS,
+    "algorithm.rollout_correction.importance_sampling": CORRECTION_LEVELS,
+    "algorithm.rollout_correction.importance_sampling_mode": IMPORTANCE_SAMPLING_MODES,
+    "reward.placement": REWARD_PLACEMENTS,
+    "trainer.trainer_mode": TRAINER_MODES,
+    "trainer.loggers": tuple(LOGGER_PACKAGES),
+    "trainer.resume_missing": ("warn", "fail"),
+    "trainer.on_nonfinite_loss": NONFINITE_LOSS_POLICIES,
+    "trainer.placement_strategy": PLACEMENT_STRATEGIES,
+    "trainer.async_rollout.on_stale": STALE_POLICIES,
+}
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
+
+
+def choice_problem(config: Any) -> str | None:
+    """The first field of CHOICES holding a value outside its choices, "field: why", or None."""
+    for path, valid in CHOICES.items():
+        value = config
+        for part in path.split("."):
+            value = getattr(value, part)
+        for item in value if isinstance(value, list) else [value]:
+            if item not in valid:
+                return unknown_value(path, item, valid)
+    return None
+
+
+def unknown_value(field: str, value: Any, valid: tuple[str, ...]) -> str:
+    """The message for a value outside a field's choices."""
+    return f"{field}: unknown value {value!r}; valid values are {', '.join(valid)}"

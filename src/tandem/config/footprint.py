@@ -3,7 +3,9 @@ fleet layouts are built (checked at load time, so what the config accepts is wha
 
 Layout: with rollout devices of their own (rollout.nnodes x rollout.n_gpus_per_node > 0, any
 trainer mode) the rollout runs as STANDALONE replicas; without, inside the training workers
-(HYBRID; not for separate_async, whose rollout never stops for training).
+(HYBRID; not for separate_async, whose rollout never stops for training). Each standalone
+replica reserves its devices wherever Ray finds them: nothing spreads replicas over nodes, so
+rollout.nnodes is 0 (hybrid) or 1 and rollout.n_gpus_per_node counts the pool's devices.
 
 world_size = TP: data-parallel engine ranks, pipeline parallelism and prefill/decode
 disaggregation are refused until a backend runs them (their fields stay in the schema so a
@@ -13,7 +15,7 @@ config naming them gets this error, not an unknown-key one).
 from __future__ import annotations
 
 from tandem.config.choices import ConfigError
-from tandem.config.schema import RolloutConfig, TandemConfig
+from tandem.config.schema import RolloutConfig, TandemConfig, changed_fields
 
 # Backends whose engine lives on exactly one device: a replica of theirs has world_size 1.
 SINGLE_DEVICE_BACKENDS = ("native",)
@@ -40,11 +42,28 @@ def replica_count(total_devices: int, world_size: int) -> int:
 
 def fleet_problem(config: TandemConfig) -> str | None:
     """The first rollout layout option the fleet would not run as written, with the fix."""
+    device = config.model.device
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        return f"model.device: unknown device {device!r}; use cpu or cuda"
+    problem = _parallelism_problem(config)
+    if problem:
+        return problem
+    if rollout_devices(config):
+        return _standalone_problem(config.rollout)
+    if config.trainer.trainer_mode == "separate_async":
+        return None  # trainer_check's separate_async rules name the missing rollout devices
+    return _hybrid_problem(config.rollout)
+
+
+def _parallelism_problem(config: TandemConfig) -> str | None:
     rollout = config.rollout
     tp = rollout.tensor_model_parallel_size
-    if rollout.disaggregation.enabled:
-        return ("rollout.disaggregation.enabled: prefill/decode disaggregation is not built yet "
-                "(a plain engine would start and the reserved devices would idle); set it to false")
+    if rollout.pipeline_model_parallel_size != 1:
+        return (f"rollout.pipeline_model_parallel_size: is {rollout.pipeline_model_parallel_size}; "
+                "pipeline parallelism is not supported by any rollout backend. Set it to 1.")
+    problem = _disaggregation_problem(rollout)
+    if problem:
+        return problem
     if rollout.data_parallel_size != 1:
         return (f"rollout.data_parallel_size: is {rollout.data_parallel_size}, but no rollout "
                 "backend here runs data-parallel ranks inside one replica; set it to 1: the fleet "
@@ -55,22 +74,60 @@ def fleet_problem(config: TandemConfig) -> str | None:
     if rollout.name in CUDA_ONLY_BACKENDS and not config.model.device.startswith("cuda"):
         return (f"rollout.name: the {rollout.name!r} backend runs on CUDA only, but model.device="
                 f"{config.model.device!r}; set model.device=cuda or rollout.name=native / vllm")
-    if not rollout_devices(config):
-        if config.trainer.trainer_mode == "separate_async":
-            return None  # load.py's separate_async rules name the missing rollout devices
-        backend = rollout.checkpoint_engine.backend
-        if backend not in ("auto", "naive"):
-            return (f"rollout.checkpoint_engine.backend: is {backend!r}, but without rollout "
-                    "devices of their own (rollout.nnodes x rollout.n_gpus_per_node = 0) each "
-                    "engine lives in its training worker's process and takes the actor's weights "
-                    "in-process ('naive'); set it to auto (or naive)")
-        if tp != 1:
-            return (f"rollout.tensor_model_parallel_size: is {tp}, but without rollout devices of "
-                    "their own each engine runs inside one training worker, which holds one "
-                    "device; set it to 1, or give rollout devices (rollout.nnodes, "
-                    "rollout.n_gpus_per_node) for standalone replicas")
-        return None
-    per_node = rollout.n_gpus_per_node
+    return None
+
+
+def _disaggregation_problem(rollout: RolloutConfig) -> str | None:
+    disaggregation = rollout.disaggregation
+    if disaggregation.enabled:
+        return ("rollout.disaggregation.enabled: prefill/decode disaggregation is not built yet "
+                "(a plain engine would start and the reserved devices would idle); set it to false")
+    sizes = ("prefill_tensor_parallel_size", "prefill_replicas", "decode_tensor_parallel_size",
+             "decode_replicas")
+    for field in changed_fields(disaggregation, sizes):
+        return (f"rollout.disaggregation.{field}: is {getattr(disaggregation, field)}, but "
+                "rollout.disaggregation.enabled=false (prefill/decode disaggregation is not "
+                "built yet), so it sizes nothing; remove it (default 1)")
+    return None
+
+
+def _hybrid_problem(rollout: RolloutConfig) -> str | None:
+    """sync and colocate_async without rollout devices of their own: engines in the workers."""
+    if rollout.nnodes or rollout.n_gpus_per_node:
+        return (f"rollout.nnodes: is {rollout.nnodes} with rollout.n_gpus_per_node="
+                f"{rollout.n_gpus_per_node}: the rollout's own devices are their product, 0, so "
+                "the engines would run inside the training workers (hybrid) and the other value "
+                "would mean nothing; set both to 0 (hybrid), or rollout.nnodes=1 and "
+                "rollout.n_gpus_per_node >= 1 (standalone replicas)")
+    backend = rollout.checkpoint_engine.backend
+    if backend not in ("auto", "naive"):
+        return (f"rollout.checkpoint_engine.backend: is {backend!r}, but without rollout devices "
+                "of their own (rollout.nnodes x rollout.n_gpus_per_node = 0) each engine lives "
+                "in its training worker's process and takes the actor's weights in-process "
+                "('naive'); set it to auto (or naive)")
+    tp = rollout.tensor_model_parallel_size
+    if tp != 1:
+        return (f"rollout.tensor_model_parallel_size: is {tp}, but without rollout devices of "
+                "their own each engine runs inside one training worker, which holds one device; "
+                "set it to 1, or give rollout devices (rollout.nnodes, rollout.n_gpus_per_node) "
+                "for standalone replicas")
+    return None
+
+
+def _standalone_problem(rollout: RolloutConfig) -> str | None:
+    if rollout.checkpoint_engine.backend == "naive":
+        return ("rollout.checkpoint_engine.backend: is 'naive', which only hands tensors over "
+                "inside one process, but standalone replicas are processes of their own "
+                "(rollout.nnodes x rollout.n_gpus_per_node > 0); set it to auto (shm on one "
+                "host, else gloo or nccl) or name a transport across processes")
+    if rollout.nnodes > 1:
+        return (f"rollout.nnodes: is {rollout.nnodes}, but nothing spreads standalone replicas "
+                "over nodes: each reserves its devices wherever Ray finds them, so nnodes would "
+                "only multiply rollout.n_gpus_per_node into a device count. Set rollout.nnodes=1 "
+                "and rollout.n_gpus_per_node to the rollout's devices "
+                f"({rollout.nnodes * rollout.n_gpus_per_node}); Ray places the replicas on the "
+                "nodes that have them")
+    tp, per_node = rollout.tensor_model_parallel_size, rollout.n_gpus_per_node
     if tp > per_node:
         return (f"rollout.tensor_model_parallel_size: a replica of {tp} devices must fit on one "
                 f"node, which has rollout.n_gpus_per_node={per_node}; lower it or raise "

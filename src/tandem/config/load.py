@@ -1,6 +1,8 @@
-"""Load a TandemConfig from YAML plus `a.b.c=value` overrides, and validate it at load time.
+"""Load a TandemConfig from YAML plus `a.b.c=value` overrides, and validate its fields.
 
-Every error is a ConfigError whose message names the field and the fix.
+Every error is a ConfigError whose message names the field and the fix. The checks live by
+concern beside this file (ranges, choices, rollout, footprint, trainer, sync, lora, training,
+reward); those that need registries, data, the model or memory are tandem.preflight's.
 """
 
 from __future__ import annotations
@@ -9,26 +11,22 @@ import dataclasses
 import difflib
 import typing
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from tandem.config.choices import (ADV_ESTIMATORS, CORRECTION_LEVELS, DTYPES,
-                                   IMPORTANCE_SAMPLING_MODES, IN_FLIGHT_KV, KL_CONTROLLERS, KL_TYPES,
-                                   LOGPROBS_MODES, LOSS_AGG_MODES, LR_SCHEDULES,
-                                   NONFINITE_LOSS_POLICIES, PLACEMENT_STRATEGIES,
-                                   REWARD_PLACEMENTS, STALE_POLICIES, TRAINER_MODES,
-                                   TRUNCATE_SIDES, ConfigError)
-from tandem.config.footprint import fleet_problem, rollout_devices
-from tandem.config.kv_budget import hf_config, kv_budget_problem
+from tandem.config.choices import ConfigError, choice_problem
+from tandem.config.footprint import fleet_problem
 from tandem.config.lora_check import derive_lora_rank, lora_problem
-from tandem.config.model_check import model_problem
 from tandem.config.ranges import out_of_range
 from tandem.config.reward_check import served_reward_problem
-from tandem.config.schema import RolloutConfig, RolloutCorrectionConfig, TandemConfig
-from tandem.types import TEMPERATURE_FLOOR
+from tandem.config.rollout_check import rollout_problem
+from tandem.config.schema import TandemConfig
+from tandem.config.sync_check import sync_problem
+from tandem.config.trainer_check import trainer_problem
+from tandem.config.training_check import training_problem
 
 
 def load_config(source: str | Path | Mapping[str, Any] | None = None,
@@ -214,265 +212,17 @@ def _all_keys(cls: type, prefix: str = "") -> Iterator[str]:
             yield f"{prefix}{item.name}"
 
 
-def _fail(field_name: str, message: str) -> None:
-    raise ConfigError(f"{field_name}: {message}")
-
-
-def _choice(field_name: str, value: str, valid: Iterable[str]) -> None:
-    valid = tuple(valid)
-    if value not in valid:
-        _fail(field_name, f"unknown value {value!r}; valid values are {', '.join(valid)}")
+# Each check returns the first problem of its concern as "field: why; fix". They read the
+# fields alone: what needs a registry, the data, the model or the memory budget is checked by
+# tandem.preflight, before Ray or torch start.
+CHECKS: tuple[Callable[[TandemConfig], str | None], ...] = (
+    out_of_range, choice_problem, fleet_problem, rollout_problem, trainer_problem, sync_problem,
+    lora_problem, training_problem, served_reward_problem)
 
 
 def validate(config: TandemConfig) -> None:
     """Raise ConfigError on the first invalid field; return None when the config is usable."""
-    from tandem.rollout.registry import rollout_backend_names
-    from tandem.tools.registry import tool_class
-    from tandem.weight_sync.registry import checkpoint_engine_names, engine_kwargs_problem
-
-    problem = out_of_range(config)
-    if problem:
-        raise ConfigError(problem)
-    rollout = config.rollout
-    if rollout.mode != "async":
-        _fail("rollout.mode", f"{rollout.mode!r} is not supported: the synchronous generation path "
-              "was removed and async server mode is the only one. Set rollout.mode=async "
-              "(trainer.trainer_mode=sync is a different thing and is still available).")
-    _choice("rollout.name", rollout.name, rollout_backend_names())
-    if rollout.pipeline_model_parallel_size != 1:
-        _fail("rollout.pipeline_model_parallel_size", f"is {rollout.pipeline_model_parallel_size}; "
-              "pipeline parallelism is not supported by any rollout backend. Set it to 1.")
-    _check_sampling("rollout", rollout.temperature, rollout.top_p, rollout.top_k)
-    _check_sampling("rollout.val_kwargs", rollout.val_kwargs.temperature, rollout.val_kwargs.top_p,
-                    rollout.val_kwargs.top_k)
-    _choice("rollout.logprobs_mode", rollout.logprobs_mode, LOGPROBS_MODES)
-    _choice("rollout.in_flight_kv", rollout.in_flight_kv, IN_FLIGHT_KV)
-    if rollout.in_flight_kv == "keep" and rollout.name != "native":
-        _fail("rollout.in_flight_kv", f"'keep' is the native engine's; {rollout.name} recomputes "
-              "running requests after a weight update. Set it to recompute.")
-    problem = model_problem(config) or kv_budget_problem(config)
-    if problem:
-        raise ConfigError(problem)
-
-    problem = fleet_problem(config)
-    if problem:
-        raise ConfigError(problem)
-
-    ckpt = rollout.checkpoint_engine
-    _choice("rollout.checkpoint_engine.backend", ckpt.backend, ("auto", *checkpoint_engine_names()))
-    problem = engine_kwargs_problem(ckpt.backend, dict(ckpt.engine_kwargs))
-    if problem:
-        _fail("rollout.checkpoint_engine.engine_kwargs", problem)
-    transport = ckpt.engine_kwargs.get("transport") if ckpt.backend == "delta" else ckpt.backend
-    if transport == "nccl" and not config.model.device.startswith("cuda"):
-        _fail("rollout.checkpoint_engine.backend", f"{ckpt.backend!r} moves weights over NCCL, "
-              f"which needs CUDA devices, but model.device={config.model.device!r}; use shm or "
-              "gloo on CPU (or model.device=cuda)")
-
-    turns = rollout.multi_turn
-    _choice("rollout.multi_turn.tool_response_truncate_side", turns.tool_response_truncate_side,
-            TRUNCATE_SIDES)
-    for tool in turns.tools:
-        try:
-            tool_class(tool)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-    if turns.tools and not turns.enable:
-        _fail("rollout.multi_turn.enable", f"is false, so the tools {list(turns.tools)} listed in "
-              "rollout.multi_turn.tools would be ignored; set rollout.multi_turn.enable=true or drop them")
-    _check_openai_agent(rollout)
-
-    _choice("model.dtype", config.model.dtype, DTYPES)
-    if config.model.device not in ("cpu", "cuda") and not config.model.device.startswith("cuda:"):
-        _fail("model.device", f"unknown device {config.model.device!r}; use cpu or cuda")
-
-    actor = config.actor
-    _choice("actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
-    if actor.loss_scale_factor is not None and actor.loss_scale_factor <= 0:
-        _fail("actor.loss_scale_factor", f"is {actor.loss_scale_factor}; it must be a positive "
-              "constant (or null: rollout.response_length)")
-    _kl_type("actor.kl_loss_type", actor.kl_loss_type)
-    _choice("actor.optim.schedule", actor.optim.schedule, LR_SCHEDULES)
-    _choice("critic.optim.schedule", config.critic.optim.schedule, LR_SCHEDULES)
-    longest = rollout.prompt_length + rollout.response_length
-    if actor.ppo_max_token_len_per_micro_batch < longest:
-        _fail("actor.ppo_max_token_len_per_micro_batch", f"is {actor.ppo_max_token_len_per_micro_batch}, "
-              f"below the longest trajectory rollout.prompt_length + rollout.response_length = {longest}; "
-              f"raise it to at least {longest}")
-    if actor.micro_batch_memory_gb:
-        _check_memory_budget(config)
-    problem = lora_problem(actor.lora)
-    if problem:
-        raise ConfigError(problem)
-
-    algorithm = config.algorithm
-    _choice("algorithm.adv_estimator", algorithm.adv_estimator, ADV_ESTIMATORS)
-    _kl_type("algorithm.kl_penalty", algorithm.kl_penalty)
-    _choice("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, KL_CONTROLLERS)
-    correction = algorithm.rollout_correction
-    _check_rollout_correction(correction)
-    if not rollout.calculate_log_probs and (correction.importance_sampling != "none"
-                                            or correction.rejection != "none"):
-        _fail("algorithm.rollout_correction", "importance sampling and rejection compare rollout and "
-              "actor log-probs, so rollout.calculate_log_probs must be true (or set both to none)")
-    if rollout.calculate_log_probs and rollout.logprobs_mode == "raw" and rollout.temperature not in (0.0, 1.0):
-        _fail("rollout.logprobs_mode", f"'raw' log-probs are of the untempered model, but rollout.temperature="
-              f"{rollout.temperature} samples from logits / temperature; PPO's ratio, rollout correction "
-              "and the rollout-vs-actor gap need the sampled distribution. Set rollout.logprobs_mode="
-              "processed (or rollout.temperature=1)")
-    if correction.bypass_mode and not rollout.calculate_log_probs:
-        _fail("algorithm.rollout_correction.bypass_mode", "uses rollout_log_probs as old_log_probs, "
-              "so rollout.calculate_log_probs must be true")
-    if algorithm.adv_estimator == "grpo" and rollout.n < 2:
-        _fail("rollout.n", f"is {rollout.n}, but adv_estimator=grpo normalises each reward against "
-              "its prompt's group: a group of one gets advantage 0 and learns nothing. Set "
-              "rollout.n >= 2 (e.g. rollout.n=4) or use algorithm.adv_estimator=gae with a critic")
-    if algorithm.adv_estimator == "gae" and not config.critic.enable:
-        _fail("algorithm.adv_estimator", "gae needs a value model: set critic.enable=true "
-              "(or use adv_estimator=grpo)")
-    _choice("reward.placement", config.reward.placement, REWARD_PLACEMENTS)
-    from tandem.rewards.scorer import user_reward_functions
-
-    user_reward_functions(config.reward)  # a bad entry or weights list is a ConfigError
-    problem = served_reward_problem(config)
-    if problem:
-        raise ConfigError(problem)
-
-    if config.data.train_batch_size < actor.ppo_mini_batch_size:
-        _fail("actor.ppo_mini_batch_size", f"is {actor.ppo_mini_batch_size} prompts, more than "
-              f"data.train_batch_size={config.data.train_batch_size}: a mini-batch would be mostly "
-              "padding. Lower it or raise the batch size")
-
-    trainer = config.trainer
-    _choice("trainer.trainer_mode", trainer.trainer_mode, TRAINER_MODES)
-    _check_loggers(trainer.loggers)
-    _choice("trainer.resume_missing", trainer.resume_missing, ("warn", "fail"))
-    _choice("trainer.on_nonfinite_loss", trainer.on_nonfinite_loss, NONFINITE_LOSS_POLICIES)
-    _choice("trainer.placement_strategy", trainer.placement_strategy, PLACEMENT_STRATEGIES)
-    if actor.fsdp_size != trainer.n_devices:
-        _fail("actor.fsdp_size", f"is {actor.fsdp_size} but trainer.n_devices={trainer.n_devices}: in the "
-              "hybrid layout every device runs one FSDP rank; set both to the same value")
-    if (actor.ppo_mini_batch_size * rollout.n) % trainer.n_devices:
-        _fail("actor.ppo_mini_batch_size", f"a mini-batch of {actor.ppo_mini_batch_size} prompts x rollout.n="
-              f"{rollout.n} trajectories does not split over trainer.n_devices={trainer.n_devices}")
-    if trainer.trainer_mode == "separate_async":
-        if rollout.nnodes < 1 or rollout.n_gpus_per_node < 1:
-            _fail("rollout.nnodes", "separate_async runs rollout on its own devices: set "
-                  "rollout.nnodes and rollout.n_gpus_per_node to at least 1")
-        if ckpt.backend == "naive":
-            _fail("rollout.checkpoint_engine.backend", "separate_async cannot use 'naive' (it only "
-                  "hands tensors over inside one process); choose one of "
-                  f"{', '.join(n for n in checkpoint_engine_names() if n != 'naive')}")
-        sync_step = trainer.separate_async.parameter_sync_step
-        if config.data.train_batch_size != sync_step * actor.ppo_mini_batch_size:
-            _fail("data.train_batch_size", f"is {config.data.train_batch_size}, but separate_async "
-                  f"needs train_batch_size == trainer.separate_async.parameter_sync_step ({sync_step})"
-                  f" x actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) = "
-                  f"{sync_step * actor.ppo_mini_batch_size}")
-    elif rollout.torch_threads and not rollout_devices(config):
-        _fail("rollout.torch_threads", f"is {rollout.torch_threads}, but in trainer_mode="
-              f"{trainer.trainer_mode} the rollout engine runs inside the training workers, whose "
-              "threads are actor.torch_threads; set rollout.torch_threads=0")
-    async_rollout = trainer.async_rollout
-    _choice("trainer.async_rollout.on_stale", async_rollout.on_stale, STALE_POLICIES)
-    if async_rollout.buffer_groups and async_rollout.buffer_groups < config.data.train_batch_size:
-        _fail("trainer.async_rollout.buffer_groups", f"is {async_rollout.buffer_groups}, fewer than "
-              f"data.train_batch_size={config.data.train_batch_size}: a step could never fill its "
-              "batch. Raise it (or 0 for 3 x train_batch_size)")
-    usable = (async_rollout.max_staleness + 1) * config.data.train_batch_size
-    if async_rollout.buffer_groups > usable:
-        _fail("trainer.async_rollout.buffer_groups", f"is {async_rollout.buffer_groups}, but a step "
-              f"takes data.train_batch_size={config.data.train_batch_size} groups, so groups past "
-              f"(max_staleness + 1) x train_batch_size = {usable} would wait beyond "
-              f"trainer.async_rollout.max_staleness={async_rollout.max_staleness} versions and be "
-              f"generated only to go stale. Lower it to at most {usable} (or 0 for 3 x "
-              "train_batch_size), or raise max_staleness")
-
-
-# logger name -> the module its client needs (and the extra that installs it)
-LOGGER_PACKAGES = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb",
-                   "mlflow": "mlflow"}
-
-
-def _check_loggers(loggers: list[str]) -> None:
-    import importlib.util
-
-    for name in loggers:
-        _choice("trainer.loggers", name, LOGGER_PACKAGES)
-        package = LOGGER_PACKAGES[name]
-        if package is not None and importlib.util.find_spec(package) is None:
-            _fail("trainer.loggers", f"lists {name!r}, but the {package} package is not "
-                  f"installed; pip install 'tandem-rl[{name}]' or drop {name!r}")
-
-
-def _check_memory_budget(config: TandemConfig) -> None:
-    """actor.micro_batch_memory_gb must hold the longest trajectory, when the model's shape is
-    known here (the engine checks again with the loaded model: a head with softcapping or logit
-    scaling takes the full-logits path, as an FSDP-sharded one does)."""
-    from tandem.training.memory_budget import micro_batch_token_budget
-
-    if not config.actor.use_remove_padding:
-        _fail("actor.micro_batch_memory_gb", "sizes packed micro-batches, but actor.use_remove_padding="
-              "false: a padded forward also holds its padding tokens, which the estimate cannot bound. "
-              "Set actor.use_remove_padding=true, or actor.micro_batch_memory_gb=0 and size "
-              "micro-batches with actor.ppo_max_token_len_per_micro_batch")
-    hf = hf_config(config.model.path)
-    if hf is None:
-        return
-    try:
-        micro_batch_token_budget(config, hf, full_logits=config.actor.fsdp_size > 1)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-
-
-def _kl_type(field_name: str, value: str) -> None:
-    if value.rstrip("+") == "full":
-        _fail(field_name, "'full' (the exact KL over the whole vocabulary) needs both policies' full "
-              "distributions per token, which the trainer does not keep (verl does not implement it "
-              f"either); use an estimator instead: {', '.join(KL_TYPES)}")
-    _choice(field_name, value, KL_TYPES)
-
-
-def _check_rollout_correction(correction: RolloutCorrectionConfig) -> None:
-    from tandem.config.rejection_spec import parse_rejection
-
-    prefix = "algorithm.rollout_correction"
-    _choice(f"{prefix}.importance_sampling", correction.importance_sampling, CORRECTION_LEVELS)
-    _choice(f"{prefix}.importance_sampling_mode", correction.importance_sampling_mode,
-            IMPORTANCE_SAMPLING_MODES)
-    if correction.importance_sampling_threshold <= 0:
-        _fail(f"{prefix}.importance_sampling_threshold", "must be > 0 (the upper bound on the ratio)")
-    if (correction.importance_sampling_mode == "icepop"
-            and not 0 < correction.importance_sampling_low <= correction.importance_sampling_threshold):
-        _fail(f"{prefix}.importance_sampling_low", f"is {correction.importance_sampling_low}; icepop "
-              "keeps ratios in [importance_sampling_low, importance_sampling_threshold], so it must "
-              "be > 0 and <= importance_sampling_threshold")
-    try:
-        parse_rejection(correction.rejection, correction.rejection_low, correction.rejection_high,
-                        correction.rejection_threshold)
-    except ValueError as error:
-        raise ConfigError(f"{prefix}.rejection: {error}") from None
-
-
-def _check_openai_agent(rollout: RolloutConfig) -> None:
-    agent = rollout.openai_agent
-    if not 0 <= agent.port <= 65535:
-        _fail("rollout.openai_agent.port", f"is {agent.port}; use 0 (a free port) or 1..65535")
-    if not agent.served_model_name:
-        _fail("rollout.openai_agent.served_model_name", "is empty; callers name it as `model`")
-    if not agent.enable:
-        return
-    if ":" not in agent.agent:
-        _fail("rollout.openai_agent.agent", f"is {agent.agent!r}; give the import path of the "
-              "agent as 'package.module:function' (async def run(client, row))")
-    if rollout.multi_turn.enable:
-        _fail("rollout.openai_agent.enable", "and rollout.multi_turn.enable are both true; the "
-              "openai agent runs its own tools, so set rollout.multi_turn.enable=false")
-
-
-def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int) -> None:
-    if 0 < temperature < TEMPERATURE_FLOOR:  # the engine would sample greedily, the actor not
-        _fail(f"{prefix}.temperature", f"is {temperature}, below {TEMPERATURE_FLOOR:g}; use 0 for "
-              f"greedy decoding or a temperature >= {TEMPERATURE_FLOOR:g}")
-    if top_k == 0:
-        _fail(f"{prefix}.top_k", f"is {top_k}; use -1 to disable top-k or a positive count")
+    for check in CHECKS:
+        problem = check(config)
+        if problem:
+            raise ConfigError(problem)

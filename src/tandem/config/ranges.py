@@ -15,9 +15,9 @@ from typing import Any, Iterator
 RANGES: dict[str, str] = {
     "rollout.prompt_length": "[1, inf)",
     "rollout.response_length": "[1, inf)",
-    "rollout.temperature": "[0, inf)",  # 0 is greedy; (0, 1e-5) is refused in load.py
+    "rollout.temperature": "[0, inf)",  # 0 is greedy; (0, 1e-5) is refused in rollout_check.py
     "rollout.top_p": "(0, 1]",
-    "rollout.top_k": "[-1, inf)",  # -1 is off; 0 is refused in load.py
+    "rollout.top_k": "[-1, inf)",  # -1 is off; 0 is refused in rollout_check.py
     "rollout.n": "[1, inf)",
     "rollout.tensor_model_parallel_size": "[1, inf)",
     "rollout.data_parallel_size": "[1, inf)",

@@ -387,3 +387,11 @@ class TandemConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def changed_fields(section: Any, names: tuple[str, ...] | None = None) -> list[str]:
+    """The fields of `section` (all, or `names`) whose value differs from the dataclass
+    default: what a user set, for the checks that refuse options a layout or backend ignores."""
+    default = type(section)()
+    names = names or tuple(vars(default))
+    return [name for name in names if getattr(section, name) != getattr(default, name)]

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from tandem.config.kv_budget import DTYPE_BYTES
+from tandem.config.choices import DTYPE_BYTES
 from tandem.config.schema import TandemConfig
 from tandem.training.lm_head import DEFAULT_CHUNK_BYTES
 

