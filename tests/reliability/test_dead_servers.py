@@ -24,7 +24,7 @@ from tandem.serving.replica import ServerOptions
 from tandem.serving.resumable_client import ResumableClient, StalledRequestError
 from tandem.serving.server import RolloutServer
 from tandem.types import GenerateRequest, TokenOutput
-from test_serving_scripted import scripted_sequence, token_log_prob
+from test_serving_scripted import load_weights, scripted_sequence, token_log_prob
 
 ray.cloudpickle.register_pickle_by_value(test_serving_scripted)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -200,7 +200,7 @@ async def test_an_abort_storm_loses_and_repeats_no_token(scripted_backend) -> No
              for r, p in prompts.items()]
     aborted = 0
     for _ in range(40):  # fewer rounds than the no-progress limit, none waits for a token
-        aborted += sum(sum(n) for n in (await manager.control("abort_all_requests")).values())
+        aborted += sum(sum(n) for n in (await manager.control("abort_all_requests")).results.values())
         await manager.control("resume_generation")
         await asyncio.sleep(0)
     outputs = await asyncio.gather(*tasks)
@@ -340,7 +340,7 @@ async def test_native_abort_storm_during_generation_and_sync(native_manager) -> 
         await asyncio.sleep(0.02)
         await manager.control("abort_all_requests")
         if version % 2 == 0:  # every other storm round is a (same-weights) sync
-            await manager.control("update_weights", list(weights.items()), version)
+            await load_weights(manager, list(weights.items()), version)
         await manager.control("resume_generation")
     outputs = await asyncio.wait_for(asyncio.gather(*tasks), 300)
     assert_whole(outputs, budget)
