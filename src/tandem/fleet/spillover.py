@@ -82,12 +82,12 @@ class Spillover:
         self.joined = False
         await self._sleep()
 
-    async def _control(self, verb: str, *args: Any) -> dict[str, list[Any]]:
+    async def _control(self, verb: str, *args: Any) -> list[list[Any]]:
         answers = await self.fleet.rollout.control(verb, *args, replicas=self.replicas)
-        return answers.results
+        return list(answers.results.values())
 
     async def _tokens(self) -> int:
-        return sum(server["tokens"] for servers in (await self._control("stats")).values()
+        return sum(server["tokens"] for servers in await self._control("stats")
                    for server in servers)
 
     async def _sleep(self) -> None:
