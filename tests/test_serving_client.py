@@ -143,15 +143,20 @@ async def test_a_control_call_without_an_answer_names_the_verb_and_the_server(sc
     replica = manager.replicas["replica-1"]
     replica.options = dataclasses.replace(replica.options, control_timeout_s=0.2)
 
-    async def stuck(tags):
+    async def stuck(*args):
         await asyncio.sleep(60)
 
-    replica.servers[0].sleep = stuck
+    replica.servers[0].sleep = replica.servers[0].clear_kv_cache = stuck
     started = time.monotonic()
     with pytest.raises(ControlTimeout, match=r"sleep\(\) on server 'replica-1' \(.*\) got no "
                                              r"answer within 0.2 s"):
         await manager.control("sleep", ["kv_cache"])
     assert time.monotonic() - started < 5
+    # the weight sync's way: the caller's deadline, the silent replica left out, the fleet kept
+    answers = await manager.control("clear_kv_cache", timeout_s=0.2, on_error="leave_out")
+    assert answers.results == {"replica-0": [None]} and list(answers.left_out) == ["replica-1"]
+    assert "clear_kv_cache() on server 'replica-1'" in str(answers.left_out["replica-1"])
+    assert list(manager.replicas) == ["replica-0", "replica-1"]
 
 
 async def test_resumable_client_continues_across_a_weight_update(scripted) -> None:

@@ -159,6 +159,27 @@ async def test_add_replica_after_an_aborting_removal_serves_again(scripted_backe
     assert output.extra_fields["resumes"] == 0
 
 
+async def test_a_dead_replica_leaves_the_fleet_on_a_verb_but_one_outside_it_is_an_error(
+        scripted_backend) -> None:
+    manager = await local_manager(servers=3)
+
+    async def dead(*args):
+        raise ActorDiedError()
+
+    manager.replicas["replica-1"].servers[0].clear_kv_cache = dead
+    answers = await manager.control("clear_kv_cache")  # the fleet goes on without it
+    assert list(answers.results) == ["replica-0", "replica-2"]
+    assert list(answers.left_out) == ["replica-1"]
+    assert list(manager.replicas) == ["replica-0", "replica-2"]
+    assert (await manager.status()).dead_servers == ["replica-1"]
+    # a replica outside the fleet (spillover's engines before they join) failing is the caller's
+    outside = await manager.remove_replica("replica-2")
+    outside.servers[0].clear_kv_cache = dead
+    with pytest.raises(ActorDiedError) as failure:
+        await manager.control("clear_kv_cache", replicas=[outside])
+    assert "clear_kv_cache() on server 'replica-2'" in failure.value.__notes__
+
+
 class AlwaysAborted:
     """A client stub whose every reply is "aborted" with no token (a stuck server)."""
 

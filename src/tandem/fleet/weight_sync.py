@@ -236,7 +236,8 @@ class CrossProcessSync:
             peer = next(name for name, _ in receivers if name.endswith(f"({server_id})"))
             raise WeightSyncError("build_topology", peer,
                                   f"{type(error).__name__}: {error}") from error
-        versions = [version for replica in replicas for version in answers.results[replica.server_id]]
+        versions = [version for replica in replicas
+                    for version in answers.results[replica.server_id]]
         extra = (slots,) if slots is not None else ()  # only double-buffered syncs pass slots
         plan = await self._within(call(self.trainers[0], "build_sync_plan", self.engine,
                                        len(receivers), version, versions, *extra,

@@ -200,7 +200,7 @@ class ServerManager:
         for server_id in dead:
             logger.warning("replica %r died (%s); it leaves the fleet", server_id,
                            type(answers.left_out[server_id]).__name__)
-            self.replicas.pop(server_id)
+            self.replicas.pop(server_id, None)  # another call may have found it first
             await call(self.balancer, "report_dead", server_id, 0)
         for server_id, error in answers.left_out.items():
             if server_id not in dead:

@@ -64,8 +64,9 @@ class RewardModelPool:
         bundle = device_bundle(device, config.torch_threads)  # CPU threads count on CPU
         placements = []
         for index in range(config.n_devices):
-            group = await reserve([bundle], "STRICT_PACK", timeout_s, f"reward server {index} "
-                                  f"({bundle}; reward.model.n_devices / reward.model.torch_threads)")
+            group = await reserve([bundle], "STRICT_PACK", timeout_s,
+                                  f"reward server {index} ({bundle}; reward.model.n_devices / "
+                                  "reward.model.torch_threads)")
             self._groups.append(group)
             placements.append(in_bundle(group, 0, bundle))
         return placements

@@ -194,7 +194,8 @@ class RLTrainer:
 
     async def _per_worker(self, method: str, batch: TensorDict, *args: Any) -> list[Any]:
         """`method` on every worker with its shard, each within trainer.worker_timeout_s."""
-        return await self.fleet.on_workers(method, [(shard, *args) for shard in self._shards(batch)])
+        shards = self._shards(batch)
+        return await self.fleet.on_workers(method, [(shard, *args) for shard in shards])
 
     def _store(self, batch: TensorDict, key: str, flats: list[torch.Tensor]) -> None:
         batch[key] = make_field(torch.cat(flats).float(), field_lengths(batch["responses"]))
