@@ -118,7 +118,8 @@ class ScriptedRollout(BaseRollout):
                 "request_ids": list(self.request_ids)}
 
 
-async def load_weights(manager: Any, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+async def load_weights(manager: Any, named_tensors: Iterable[tuple[str, Any]],
+                       version: int) -> None:
     """(name, tensor) pairs straight into every server of the manager's replicas as `version`
     (RolloutServer.update_weights, the seam's in-process end; no verb moves weights): serving
     tests change versions without a training actor."""

@@ -221,7 +221,8 @@ async def test_an_abort_storm_loses_and_repeats_no_token(scripted_backend) -> No
              for r, p in prompts.items()]
     aborted = 0
     for _ in range(40):  # fewer rounds than the no-progress limit, none waits for a token
-        aborted += sum(sum(n) for n in (await manager.control("abort_all_requests")).results.values())
+        answers = await manager.control("abort_all_requests")
+        aborted += sum(sum(n) for n in answers.results.values())
         await manager.control("resume_generation")
         await asyncio.sleep(0)
     outputs = await asyncio.gather(*tasks)
