@@ -20,7 +20,7 @@ from tandem.serving.replica import ControlTimeout, ServerOptions
 from tandem.serving.resumable_client import ResumableClient
 from tandem.serving.server import RolloutServer
 from tandem.types import GenerateRequest, TokenOutput
-from test_serving_scripted import scripted_sequence, token_log_prob
+from test_serving_scripted import load_weights, scripted_sequence, token_log_prob
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ async def test_generate_waits_while_paused_and_proceeds_on_resume(scripted) -> N
     client = manager.client()
     running = asyncio.ensure_future(client.generate(GenerateRequest("a", [1], {"max_tokens": 10_000})))
     await wait_until(lambda: backends(manager)[0].stats()["running"] == 1)
-    assert sum(sum(n) for n in (await manager.control("abort_all_requests")).values()) == 1
+    assert sum(sum(n) for n in (await manager.control("abort_all_requests")).results.values()) == 1
     aborted = await running
     assert aborted.stop_reason == "aborted" and aborted.token_ids
     waiting = asyncio.ensure_future(client.generate(GenerateRequest("b", [1], {"max_tokens": 2})))
@@ -110,7 +110,7 @@ async def test_control_calls_refuse_to_run_under_generating_requests(scripted) -
     with pytest.raises(RuntimeError, match="abort_all_requests"):
         await manager.control("sleep", ["weights", "kv_cache"])
     with pytest.raises(RuntimeError, match="abort_all_requests"):
-        await manager.control("update_weights", [("w", torch.zeros(2))], 1)
+        await load_weights(manager, [("w", torch.zeros(2))], 1)
     await manager.control("abort_all_requests")
     await task
     await manager.control("sleep", ["weights", "kv_cache"])
@@ -124,15 +124,18 @@ async def test_control_calls_refuse_to_run_under_generating_requests(scripted) -
 
 async def test_a_control_verb_reaches_every_server_and_names_an_unknown_one(scripted) -> None:
     manager = await local_manager()
-    tensors = [(f"layer{i}.weight", torch.zeros(256)) for i in range(10)]
-    results = await manager.control("update_weights", tensors, 7)
-    assert results == {"replica-0": [None], "replica-1": [None]}
-    assert [b.stats()["weight_tensors_loaded"] for b in backends(manager)] == [10, 10]
-    output = await manager.client().generate(GenerateRequest("x", [4], {"max_tokens": 2}))
-    assert output.global_steps == 7
-    assert await manager.weight_versions() == {"replica-0": 7, "replica-1": 7}
+    answers = await manager.control("clear_kv_cache")
+    assert answers.results == {"replica-0": [None], "replica-1": [None]} and not answers.left_out
+    assert [b.stats()["kv_clears"] for b in backends(manager)] == [1, 1]
+    only = await manager.control("clear_kv_cache", replicas=[manager.replicas["replica-1"]])
+    assert list(only.results) == ["replica-1"]
+    assert [b.stats()["kv_clears"] for b in backends(manager)] == [1, 2]
+    assert await manager.weight_versions() == {"replica-0": 0, "replica-1": 0}
     with pytest.raises(ValueError, match="unknown control verb 'reboot'"):
         await manager.control("reboot")
+    # weights move only through the seam (fleet/weight_sync.py), never as a verb
+    with pytest.raises(ValueError, match="unknown control verb 'update_weights'"):
+        await manager.control("update_weights", [("w", torch.zeros(1))], 1)
 
 
 async def test_a_control_call_without_an_answer_names_the_verb_and_the_server(scripted) -> None:
@@ -140,15 +143,20 @@ async def test_a_control_call_without_an_answer_names_the_verb_and_the_server(sc
     replica = manager.replicas["replica-1"]
     replica.options = dataclasses.replace(replica.options, control_timeout_s=0.2)
 
-    async def stuck(tags):
+    async def stuck(*args):
         await asyncio.sleep(60)
 
-    replica.servers[0].sleep = stuck
+    replica.servers[0].sleep = replica.servers[0].clear_kv_cache = stuck
     started = time.monotonic()
     with pytest.raises(ControlTimeout, match=r"sleep\(\) on server 'replica-1' \(.*\) got no "
                                              r"answer within 0.2 s"):
         await manager.control("sleep", ["kv_cache"])
     assert time.monotonic() - started < 5
+    # the weight sync's way: the caller's deadline, the silent replica left out, the fleet kept
+    answers = await manager.control("clear_kv_cache", timeout_s=0.2, on_error="leave_out")
+    assert answers.results == {"replica-0": [None]} and list(answers.left_out) == ["replica-1"]
+    assert "clear_kv_cache() on server 'replica-1'" in str(answers.left_out["replica-1"])
+    assert list(manager.replicas) == ["replica-0", "replica-1"]
 
 
 async def test_resumable_client_continues_across_a_weight_update(scripted) -> None:
@@ -158,7 +166,7 @@ async def test_resumable_client_continues_across_a_weight_update(scripted) -> No
     task = asyncio.ensure_future(client.generate(GenerateRequest("traj", [3, 1, 4], params)))
     await wait_until(lambda: backends(manager)[0].stats()["tokens_generated"] >= 5)
     await manager.control("abort_all_requests")
-    await manager.control("update_weights", [("w", torch.zeros(1))], 1)
+    await load_weights(manager, [("w", torch.zeros(1))], 1)
     before = backends(manager)[0].stats()["tokens_generated"]
     await manager.control("resume_generation")
     out = await task

@@ -22,6 +22,7 @@ from tandem.serving.replica import ServerOptions
 from tandem.serving.server import RolloutServer
 
 from float_bounds import assert_within, token_logprob_bounds
+from test_serving_scripted import load_weights
 from tandem.types import GenerateRequest
 
 CONFIG = RolloutConfig(kv_cache_memory_bytes=16 << 20, block_size=16)
@@ -76,10 +77,10 @@ async def test_partial_rollout_abort_update_weights_resume(manager, model_path) 
         if await generated_tokens(manager) - start >= 32 * 4:
             break
         await asyncio.sleep(0.01)
-    assert sum(sum(n) for n in (await manager.control("abort_all_requests")).values()) == 32
+    assert sum(sum(n) for n in (await manager.control("abort_all_requests")).results.values()) == 32
     new_weights = {name: tensor + 0.01 * torch.randn_like(tensor)
                    for name, tensor in load_file(model_path / "model.safetensors").items()}
-    await manager.control("update_weights", list(new_weights.items()), 1)
+    await load_weights(manager, list(new_weights.items()), 1)
     assert (await manager.status()).in_flight() == {"replica-0": 16, "replica-1": 16}
     await manager.control("resume_generation")
     outputs = await asyncio.gather(*tasks)
@@ -109,13 +110,12 @@ async def test_hybrid_in_process_sync_cycle(model_path) -> None:
     assert host.backend.memory_bytes()["kv_cache"] == 0
     await manager.control("wake_up", ["weights", "kv_cache"])
     weights = load_file(model_path / "model.safetensors")
-    await manager.control("update_weights",
-                          [(name, tensor * 1.5) for name, tensor in weights.items()], 3)
+    await load_weights(manager, [(name, tensor * 1.5) for name, tensor in weights.items()], 3)
     after = await client.generate(GenerateRequest("a", [5, 6, 7], params))
     assert after.global_steps == after.extra_fields["min_global_steps"] == 3
     # the new weights are in use (greedy tokens of a random tiny model may not move; log-probs do)
     assert after.log_probs != before.log_probs
-    await manager.control("update_weights", list(weights.items()), 4)
+    await load_weights(manager, list(weights.items()), 4)
     again = await client.generate(GenerateRequest("b", [5, 6, 7], params))
     assert again.token_ids == before.token_ids and again.global_steps == 4
     assert again.log_probs == before.log_probs

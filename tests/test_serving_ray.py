@@ -23,7 +23,7 @@ from tandem.serving.balancer import LoadBalancerActor, NoServerError
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ReplicaLayout, ServerOptions
 from tandem.serving.server import RolloutServer
-from test_serving_scripted import token_log_prob
+from test_serving_scripted import load_weights, token_log_prob
 from tandem.types import GenerateRequest
 
 # Test modules are not importable inside Ray workers: ship their classes by value.
@@ -58,6 +58,12 @@ async def in_flight_total(manager: ServerManager) -> int:
 
 async def backend_stats(manager: ServerManager) -> dict[str, dict]:
     return {sid: stats["backend"] for sid, stats in (await manager.stats()).items()}
+
+
+async def request_ids(manager: ServerManager, replica) -> list[str]:
+    """Every request id a replica's engine was asked for (also one out of the balancer)."""
+    answers = await manager.control("stats", replicas=[replica])
+    return answers.results[replica.server_id][0]["backend"]["request_ids"]
 
 
 async def test_four_standalone_replicas_each_in_its_own_placement_group(manager) -> None:
@@ -183,7 +189,7 @@ async def test_removing_a_server_mid_run_reroutes_without_losing_requests(manage
     tasks = [asyncio.ensure_future(two_turns(f"move{i}")) for i in range(40)]
     await asyncio.sleep(0.1)
     removed = await manager.remove_replica("replica-3", abort=True)
-    seen_at_removal = (await removed.control("stats"))[0]["backend"]["request_ids"]
+    seen_at_removal = await request_ids(manager, removed)
     results = await asyncio.gather(*tasks)
     try:
         assert all(len(a.token_ids) == 60 and len(b.token_ids) == 20 for a, b in results)
@@ -192,9 +198,9 @@ async def test_removing_a_server_mid_run_reroutes_without_losing_requests(manage
             "replica-0", "replica-1", "replica-2"]
         assert await in_flight_total(manager) == 0
         # Nothing new reached the removed server's engine after its removal.
-        assert (await removed.control("stats"))[0]["backend"]["request_ids"] == seen_at_removal
+        assert await request_ids(manager, removed) == seen_at_removal
     finally:
-        await removed.control("resume_generation")
+        await manager.control("resume_generation", replicas=[removed])
         await manager.add_replica(removed)
 
 
@@ -216,8 +222,8 @@ async def test_partial_rollout_abort_update_resume_loses_and_repeats_nothing(man
             break
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.1)  # every request has tokens of version 0 by now (5 ms per token)
-    assert sum(sum(n) for n in (await manager.control("abort_all_requests")).values()) == 32
-    await manager.control("update_weights", [("w", torch.ones(4))], 1)
+    assert sum(sum(n) for n in (await manager.control("abort_all_requests")).results.values()) == 32
+    await load_weights(manager, [("w", torch.ones(4))], 1)
     await manager.control("resume_generation")
     outputs = await asyncio.gather(*tasks)
     after = await backend_stats(manager)
@@ -229,7 +235,7 @@ async def test_partial_rollout_abort_update_resume_loses_and_repeats_nothing(man
                for o in interrupted)
     generated = sum(after[s]["tokens_generated"] - before[s]["tokens_generated"] for s in after)
     assert generated == 32 * 150  # no token generated twice
-    await manager.control("update_weights", [("w", torch.zeros(4))], 0)  # leave version 0 behind
+    await load_weights(manager, [("w", torch.zeros(4))], 0)  # leave version 0 behind
 
 
 class TrainingWorker(RolloutServer):

@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping
 import pytest
 
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags
+from tandem.serving.remote import call
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 
 
@@ -115,6 +116,16 @@ class ScriptedRollout(BaseRollout):
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "running": len(self._aborts),
                 "request_ids": list(self.request_ids)}
+
+
+async def load_weights(manager: Any, named_tensors: Iterable[tuple[str, Any]],
+                       version: int) -> None:
+    """(name, tensor) pairs straight into every server of the manager's replicas as `version`
+    (RolloutServer.update_weights, the seam's in-process end; no verb moves weights): serving
+    tests change versions without a training actor."""
+    tensors = list(named_tensors)
+    await asyncio.gather(*(call(server, "update_weights", tensors, version)
+                           for replica in manager.replicas.values() for server in replica.servers))
 
 
 def scripted_sequence(prompt: list[int], count: int, version: int = 0) -> list[int]:

@@ -57,16 +57,9 @@ def fleet(ray_cluster, request):
                             start_timeout_s=300)
     servers = asyncio.run(ServerManager.create(ROLLOUT, options, "standalone", total_devices=2))
     yield workers, servers, config.rollout.checkpoint_engine
-    asyncio.run(shutdown(servers))
+    asyncio.run(servers.shutdown())  # a killed server's replica only drops its placement group
     for worker in workers:
         ray.kill(worker)
-
-
-async def shutdown(servers: ServerManager) -> None:
-    """Stop what is left: a killed server's replica only drops its placement group."""
-    await asyncio.gather(*(r.shutdown() for r in servers.replicas.values()),
-                         return_exceptions=True)
-    ray.kill(servers.balancer)
 
 
 async def served(server, tag: str) -> list:

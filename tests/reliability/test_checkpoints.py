@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +18,9 @@ from tandem import algorithms
 from tandem.batch.jagged import padded_field, trajectories_to_batch
 from tandem.batch.trajectory import Trajectory
 from tandem.config.load import ConfigError, load_config
-from tandem.config.schema import KLControlConfig, OptimConfig
+from tandem.config.schema import KLControlConfig, OptimConfig, TandemConfig
+from tandem.fleet.fleet import Fleet
+from tandem.fleet.startup import StartupClock
 from tandem.models.tiny import TinyModelSpec, build_tiny_model
 from tandem.trainer.rl_trainer import RLTrainer
 from tandem.training import checkpoint
@@ -185,26 +186,24 @@ def test_nan_weights_are_not_saved(tiny_path, tmp_path) -> None:
 
 
 class InProcessWorker:
-    """Stands in for a hybrid worker actor: save/load_checkpoint.remote() on a local engine."""
-
-    class _Remote:
-        def __init__(self, function):
-            self.function = function
-
-        async def remote(self, *args):
-            return self.function(*args)
+    """Stands in for a hybrid worker actor: save/load_checkpoint on a local engine."""
 
     def __init__(self, engine: TrainingEngine) -> None:
         self.engine = engine
-        self.save_checkpoint = self._Remote(lambda d: engine.save_checkpoint(f"{d}/actor"))
-        self.load_checkpoint = self._Remote(lambda d: engine.load_checkpoint(f"{d}/actor"))
+
+    def save_checkpoint(self, directory: str) -> None:
+        self.engine.save_checkpoint(f"{directory}/actor")
+
+    def load_checkpoint(self, directory: str) -> dict:
+        return self.engine.load_checkpoint(f"{directory}/actor")
 
 
 def driver(tmp_path, engine: TrainingEngine) -> RLTrainer:
     """The RLTrainer's checkpoint methods over an in-process worker (no Ray, no data)."""
     trainer = object.__new__(RLTrainer)
     trainer.output_dir, trainer.metrics, trainer.step = tmp_path / "run", None, 0
-    trainer.fleet = SimpleNamespace(workers=[InProcessWorker(engine)])
+    trainer.fleet = Fleet(TandemConfig(), tmp_path, StartupClock())
+    trainer.fleet.workers = [InProcessWorker(engine)]
     trainer.kl_controller = algorithms.kl_controller_from_config(KLControlConfig())
     return trainer
 

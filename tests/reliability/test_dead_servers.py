@@ -24,7 +24,7 @@ from tandem.serving.replica import ServerOptions
 from tandem.serving.resumable_client import ResumableClient, StalledRequestError
 from tandem.serving.server import RolloutServer
 from tandem.types import GenerateRequest, TokenOutput
-from test_serving_scripted import scripted_sequence, token_log_prob
+from test_serving_scripted import load_weights, scripted_sequence, token_log_prob
 
 ray.cloudpickle.register_pickle_by_value(test_serving_scripted)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -159,6 +159,27 @@ async def test_add_replica_after_an_aborting_removal_serves_again(scripted_backe
     assert output.extra_fields["resumes"] == 0
 
 
+async def test_a_dead_replica_leaves_the_fleet_on_a_verb_but_one_outside_it_is_an_error(
+        scripted_backend) -> None:
+    manager = await local_manager(servers=3)
+
+    async def dead(*args):
+        raise ActorDiedError()
+
+    manager.replicas["replica-1"].servers[0].clear_kv_cache = dead
+    answers = await manager.control("clear_kv_cache")  # the fleet goes on without it
+    assert list(answers.results) == ["replica-0", "replica-2"]
+    assert list(answers.left_out) == ["replica-1"]
+    assert list(manager.replicas) == ["replica-0", "replica-2"]
+    assert (await manager.status()).dead_servers == ["replica-1"]
+    # a replica outside the fleet (spillover's engines before they join) failing is the caller's
+    outside = await manager.remove_replica("replica-2")
+    outside.servers[0].clear_kv_cache = dead
+    with pytest.raises(ActorDiedError) as failure:
+        await manager.control("clear_kv_cache", replicas=[outside])
+    assert "clear_kv_cache() on server 'replica-2'" in failure.value.__notes__
+
+
 class AlwaysAborted:
     """A client stub whose every reply is "aborted" with no token (a stuck server)."""
 
@@ -200,7 +221,8 @@ async def test_an_abort_storm_loses_and_repeats_no_token(scripted_backend) -> No
              for r, p in prompts.items()]
     aborted = 0
     for _ in range(40):  # fewer rounds than the no-progress limit, none waits for a token
-        aborted += sum(sum(n) for n in (await manager.control("abort_all_requests")).values())
+        answers = await manager.control("abort_all_requests")
+        aborted += sum(sum(n) for n in answers.results.values())
         await manager.control("resume_generation")
         await asyncio.sleep(0)
     outputs = await asyncio.gather(*tasks)
@@ -340,7 +362,7 @@ async def test_native_abort_storm_during_generation_and_sync(native_manager) -> 
         await asyncio.sleep(0.02)
         await manager.control("abort_all_requests")
         if version % 2 == 0:  # every other storm round is a (same-weights) sync
-            await manager.control("update_weights", list(weights.items()), version)
+            await load_weights(manager, list(weights.items()), version)
         await manager.control("resume_generation")
     outputs = await asyncio.wait_for(asyncio.gather(*tasks), 300)
     assert_whole(outputs, budget)

@@ -1,12 +1,16 @@
 """Issue 28, "hangs with no deadline": a placement that no node layout can ever hold fails at
 once with a message (not after 600 s), a dead trainer.ray_address fails within a bounded time
 (Ray itself retries it forever), and a huge buffer_groups neither makes the producer spin nor
-piles up tasks in the driver."""
+piles up tasks in the driver. Issue 35: a training worker that stalls (SIGSTOP) during the
+update stops the run within trainer.worker_timeout_s, naming the phase and the worker."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+import time
 
 import pytest
 import ray
@@ -14,10 +18,14 @@ import ray
 from tandem.agent.dataset import DatasetRow
 from tandem.config import ConfigError
 from tandem.config.load import load_config
+from tandem.demo.tasks import make_datasets
 from tandem.serving.placement_fit import placement_problem
 from tandem.fleet import placement
+from tandem.serving.remote import NoAnswerError
 from tandem.trainer.producer import RolloutProducer
+from tandem.trainer.rl_trainer import RLTrainer
 from tandem.trainer.rollout_buffer import RolloutBuffer
+from tandem.trainer.sync import fit_sync
 
 NODE = {"CPU": 4.0, "memory": 8e9, "node:10.0.0.1": 1.0}
 GPU_NODE = {"CPU": 8.0, "GPU": 2.0}
@@ -147,3 +155,46 @@ def test_a_buffer_larger_than_staleness_allows_is_refused():
                                "data.train_batch_size=8", "trainer.async_rollout.max_staleness=1"])
     load_config(overrides=["trainer.async_rollout.buffer_groups=16", "data.train_batch_size=8",
                            "trainer.async_rollout.max_staleness=1"])
+
+
+WORKER_TIMEOUT_S = 5.0
+
+
+def test_a_stalled_training_worker_stops_the_run_naming_the_phase_and_the_worker(tmp_path,
+                                                                                 ray_cluster):
+    train, _ = make_datasets(tmp_path / "data", 2, 1, seed=0, kind="easy")
+    config = load_config(overrides=[
+        "model.path=tiny:qwen2", f"data.train_files=[{train}]", "data.train_batch_size=1",
+        "rollout.n=2", "rollout.response_length=4", "rollout.kv_cache_memory_bytes=8388608",
+        "actor.ppo_mini_batch_size=1", "trainer.total_steps=1", "trainer.progress=false",
+        f"trainer.worker_timeout_s={WORKER_TIMEOUT_S}", f"trainer.output_dir={tmp_path / 'run'}"])
+    stalled: dict[str, float] = {}  # when the worker stopped and the run failed; its pid
+
+    async def run() -> None:
+        trainer = RLTrainer(config)
+        await trainer.start()
+        pid = stalled["pid"] = await trainer.workers[0].__ray_call__.remote(
+            lambda worker: os.getpid())
+        update = trainer.update
+
+        async def update_on_a_stalled_worker(batch):
+            os.kill(pid, signal.SIGSTOP)  # alive, answering nothing, as a hung process is
+            stalled["at"] = time.monotonic()
+            return await update(batch)
+
+        trainer.update = update_on_a_stalled_worker
+        try:
+            await asyncio.wait_for(fit_sync(trainer), 20 * WORKER_TIMEOUT_S)
+        finally:
+            stalled["failed_at"] = time.monotonic()
+            os.kill(pid, signal.SIGCONT)
+            await trainer.stop()
+
+    with pytest.raises(NoAnswerError) as failure:
+        asyncio.run(run())
+    message = str(failure.value)
+    assert stalled["failed_at"] - stalled["at"] < WORKER_TIMEOUT_S + 10  # no hang
+    assert "training worker 0 (actor " in message and "trainer.worker_timeout_s" in message
+    assert f":{stalled['pid']}) gave no answer" in message  # its node and process
+    assert message.startswith(("update_actor: ", "update_actor_on_policy: ")), message
+    assert f"within {WORKER_TIMEOUT_S} s" in message

@@ -44,6 +44,7 @@ RANGES: dict[str, str] = {
     "rollout.checkpoint_engine.update_weights_bucket_megabytes": "[1, inf)",
     "rollout.checkpoint_engine.timeout_s": "(0, inf)",  # the deadline of every wait of a weight sync
     "trainer.timeout_s": "(0, inf)",  # engine start, control calls, training collectives
+    "trainer.worker_timeout_s": "(0, inf)",  # each call to the training workers
     "rollout.openai_agent.port": "[0, 65535]",  # 0: a free port
     "rollout.openai_agent.max_request_bytes": "[1024, inf)",
     "rollout.multi_turn.max_assistant_turns": "[1, inf)",

@@ -370,6 +370,9 @@ class TrainerConfig:
     # deadline of the fleet's waits outside a weight sync: engine start, every control call to a
     # server, and each collective of the training group (FSDP)
     timeout_s: float = 600.0
+    # deadline of each call to the training workers (log-probs, values, an update, a checkpoint
+    # save or load): a stalled worker stops the run naming the phase instead of hanging it
+    worker_timeout_s: float = 1800.0
     ray_address: str = ""  # join this Ray cluster ("auto", "ip:6379"); "" = $RAY_ADDRESS or start one
     placement_strategy: str = "PACK"  # training workers' bundles: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
@@ -21,15 +21,16 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from tandem.config.footprint import rollout_devices
 from tandem.config.schema import TandemConfig
 from tandem.serving.manager import ServerManager
+from tandem.serving.placement import in_bundle
+from tandem.serving.remote import NoAnswerError, call
 from tandem.serving.replica import ReplicaLayout, ServerOptions
 from tandem.serving.resumable_client import ResumableClient
 from tandem.fleet import placement
-from tandem.fleet.weight_sync import CrossProcessSync
 from tandem.fleet.hybrid_worker import HybridWorkerActor
-from tandem.fleet.weight_sync import InProcessSync
 from tandem.fleet.served_rewards import ServedRewards
 from tandem.fleet.startup import StartupClock
-from tandem.fleet.weight_sync import WeightSync, choose_transport, receiver_nodes
+from tandem.fleet.weight_sync import (CrossProcessSync, InProcessSync, WeightSync,
+                                      choose_transport, receiver_nodes)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class Fleet:
         self.layout = (ReplicaLayout.STANDALONE if rollout_devices(config)
                        else ReplicaLayout.HYBRID)
         self.workers: list[Any] = []
+        self.worker_addresses: list[str] = []  # where each rank runs, for error messages
         self.placement_group: PlacementGroup | None = None
         self.rollout: ServerManager | None = None
         self.weight_sync: WeightSync | None = None
@@ -64,11 +66,15 @@ class Fleet:
         init_method = await placement.rank0_rendezvous(self.placement_group) if n > 1 else None
         bundle = placement.device_bundle(config)
         self.workers = [HybridWorkerActor.options(
-            **placement.in_bundle(self.placement_group, rank, bundle)).remote(
+            **in_bundle(self.placement_group, rank, bundle)).remote(
             config, rank, n, init_method, actor_steps, critic_steps, worker_threads)
             for rank in range(n)]
-        await placement.within(asyncio.gather(*(w.ping.remote() for w in self.workers)),
-                               timeout_s, "training workers start (trainer.timeout_s)")
+        try:  # the actors load the model and join the training group in their constructor
+            self.worker_addresses = list(await asyncio.gather(*(
+                call(worker, "ping", timeout_s=timeout_s) for worker in self.workers)))
+        except NoAnswerError:
+            raise NoAnswerError(f"training workers did not start within {timeout_s} s "
+                                "(trainer.timeout_s)") from None
         self.startup.mark("workers")
         options = ServerOptions(model_path=str(self.model_path), dtype=config.model.dtype,
                                 device=config.model.device, torch_threads=server_threads,
@@ -76,7 +82,7 @@ class Fleet:
         ckpt = config.rollout.checkpoint_engine
         if self.layout is ReplicaLayout.STANDALONE:  # on CPU a device is one core
             self.rollout = await ServerManager.create(config.rollout, options, "standalone")
-            sender_node = await self.workers[0].node_id.remote()
+            sender_node = await call(self.workers[0], "node_id", timeout_s=timeout_s)
             self.transport = choose_transport(ckpt.backend, config.model.device, sender_node,
                                               receiver_nodes(self.rollout.replicas.values()),
                                               ckpt.engine_kwargs)
@@ -91,7 +97,7 @@ class Fleet:
                                                       hosts=self.workers)
             self.weight_sync = InProcessSync(self.workers, list(self.rollout.replicas),
                                              ckpt.timeout_s)
-        await placement.log_torch_threads(config, self.workers, self.rollout)
+        placement.log_torch_threads(config, await self.on_workers("torch_threads"), self.rollout)
         await self.rewards.start(self.placement_group)
         self.startup.mark("servers")
 
@@ -102,13 +108,34 @@ class Fleet:
             return self.rollout.client()
         return ResumableClient(self.rollout.client())
 
+    async def on_workers(self, method: str, args_per_rank: Sequence[tuple] | None = None
+                         ) -> list[Any]:
+        """`method` on every training worker at once (rank r gets args_per_rank[r], default no
+        arguments), each within trainer.worker_timeout_s: a stalled worker stops the run with a
+        NoAnswerError naming the method (the phase) and the worker, never hangs it."""
+        timeout_s = self.config.trainer.worker_timeout_s
+        args_per_rank = args_per_rank or [()] * len(self.workers)
+
+        async def one(rank: int, args: tuple) -> Any:
+            try:
+                return await call(self.workers[rank], method, *args, timeout_s=timeout_s)
+            except NoAnswerError:
+                where = (self.worker_addresses[rank] if rank < len(self.worker_addresses)
+                         else "address unknown")
+                raise NoAnswerError(f"{method}: training worker {rank} ({where}) gave no answer "
+                                    f"within {timeout_s} s (trainer.worker_timeout_s): stalled, "
+                                    "or a step longer than that; the run stops") from None
+
+        return list(await asyncio.gather(*(one(rank, args)
+                                           for rank, args in enumerate(args_per_rank))))
+
     # ---- the calls a mode's phase order is made of ------------------------------------------
 
     async def abort(self) -> int:
         """Pause generation on every server and abort what runs (the resumable client keeps the
         tokens); returns how many requests were running."""
-        return sum(sum(counts) for counts in
-                   (await self.rollout.control("abort_all_requests")).values())
+        answers = await self.rollout.control("abort_all_requests")
+        return sum(sum(counts) for counts in answers.results.values())
 
     async def resume(self) -> None:
         """Reopen generation everywhere; re-asked requests proceed."""

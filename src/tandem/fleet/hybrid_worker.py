@@ -13,6 +13,7 @@ still hosts a full rollout engine (one replica per worker).
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -260,9 +261,11 @@ class HybridWorker(RolloutServer):
                                     do_sample=False, eos_token_id=eos, pad_token_id=eos)
         return output[0, len(prompt_ids):].tolist()
 
-    def ping(self) -> int:
-        """Readiness check: the rank."""
-        return self.rank
+    def ping(self) -> str:
+        """Readiness check: where this worker runs (Ray actor, node IP, pid), for messages that
+        name it."""
+        actor = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+        return f"actor {actor}, {ray.util.get_node_ip_address()}:{os.getpid()}"
 
     def node_id(self) -> str:
         """The Ray node this worker was placed on."""

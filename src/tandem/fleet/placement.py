@@ -4,7 +4,6 @@ at module level, so `tandem train` can start Ray before it imports the rest."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -12,10 +11,10 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import PlacementGroup
 
 from tandem.config.schema import TandemConfig
+from tandem.serving import placement as serving_placement
 
 logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 600.0
@@ -127,11 +126,10 @@ def torch_threads(config: TandemConfig, cores: int | None = None) -> tuple[int, 
     return actor or share, rollout or share
 
 
-async def log_torch_threads(config: TandemConfig, workers: list[Any], manager: Any) -> None:
-    """Log once the torch threads each process reports (every worker's engine and training
-    threads, every standalone server's engine thread); warn when the processes computing at
-    the same time ask for more threads than this machine has cores."""
-    hybrid = list(await asyncio.gather(*(worker.torch_threads.remote() for worker in workers)))
+def log_torch_threads(config: TandemConfig, hybrid: list[dict[str, int]], manager: Any) -> None:
+    """Log once the torch threads each process reports (`hybrid`: every worker's engine and
+    training threads; every standalone server's engine thread); warn when the processes
+    computing at the same time ask for more threads than this machine has cores."""
     training = [threads["training"] for threads in hybrid]
     separate = standalone_rollout_devices(config) > 0
     if separate:
@@ -151,42 +149,17 @@ async def log_torch_threads(config: TandemConfig, workers: list[Any], manager: A
 
 def device_bundle(config: TandemConfig) -> dict[str, float]:
     """Ray resources of one training device: a CPU, or a GPU with the CPU that drives it."""
-    return {"GPU": 1.0, "CPU": 1.0} if config.model.device.startswith("cuda") else {"CPU": 1.0}
+    return serving_placement.device_bundle(config.model.device)
 
 
 async def reserve_devices(config: TandemConfig) -> PlacementGroup:
     """A placement group of trainer.n_devices bundles (trainer.placement_strategy), placed;
     removed again if it cannot be placed in time."""
-    from tandem.serving.replica import resolve_ready
-
-    n = config.trainer.n_devices
-    group = placement_group([device_bundle(config)] * n, strategy=config.trainer.placement_strategy)
-    try:
-        await resolve_ready(group, PLACEMENT_TIMEOUT_S,
-                            f"training workers ({n} x {device_bundle(config)}, "
-                            f"{config.trainer.placement_strategy}; trainer.n_devices / "
-                            "trainer.placement_strategy)")
-    except BaseException:
-        remove_placement_group(group)  # a pending group would wait for resources forever
-        raise
-    return group
-
-
-def in_bundle(group: PlacementGroup, index: int, resources: dict[str, float]) -> dict[str, Any]:
-    """Ray .options() that run an actor or task on bundle `index` of `group` with `resources`."""
-    from tandem.serving.replica import actor_resources
-
-    strategy = PlacementGroupSchedulingStrategy(placement_group=group,
-                                                placement_group_bundle_index=index)
-    return {"scheduling_strategy": strategy, **actor_resources(resources)}
-
-
-async def within(awaitable: Any, timeout_s: float, what: str) -> Any:
-    """Await with a deadline; a TimeoutError naming `what` instead of a silent hang."""
-    try:
-        return await asyncio.wait_for(awaitable, timeout_s)
-    except asyncio.TimeoutError:
-        raise TimeoutError(f"{what}: no answer within {timeout_s} s") from None
+    n, strategy = config.trainer.n_devices, config.trainer.placement_strategy
+    return await serving_placement.reserve(
+        [device_bundle(config)] * n, strategy, PLACEMENT_TIMEOUT_S,
+        f"training workers ({n} x {device_bundle(config)}, {strategy}; trainer.n_devices / "
+        "trainer.placement_strategy)")
 
 
 @ray.remote(num_cpus=0)
@@ -198,4 +171,4 @@ def _address_on_node() -> str:
 
 async def rank0_rendezvous(group: PlacementGroup) -> str:
     """tcp://<node ip>:<free port> chosen on the node of bundle 0, where rank 0 will run."""
-    return await _address_on_node.options(**in_bundle(group, 0, {})).remote()
+    return await _address_on_node.options(**serving_placement.in_bundle(group, 0, {})).remote()

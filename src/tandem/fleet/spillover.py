@@ -12,13 +12,17 @@ abort (their running requests come back "aborted" and the resumable client conti
 the standalone servers) -> count the tokens they returned (their own counters) -> sleep them
 (free their memory for training). The actor's weights must be the served version, so the fit
 loop keeps them only until the first mini-batch update after a sync. Every call is bounded:
-control calls by trainer.timeout_s, the sync by rollout.checkpoint_engine.timeout_s.
+verbs (through the fleet's fan-out, ServerManager.control) by trainer.timeout_s, the sync by
+rollout.checkpoint_engine.timeout_s.
+
+The fleet's own seam is the cross-process sync of the standalone replicas; these engines live
+inside the training workers and must be loaded before they join the balancer, so they get the
+in-process seam (InProcessSync), built once here.
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 from tandem.serving.replica import RolloutReplica
 from tandem.fleet.weight_sync import InProcessSync
@@ -78,8 +82,9 @@ class Spillover:
         self.joined = False
         await self._sleep()
 
-    async def _control(self, verb: str, *args) -> list:
-        return await asyncio.gather(*(replica.control(verb, *args) for replica in self.replicas))
+    async def _control(self, verb: str, *args: Any) -> list[list[Any]]:
+        answers = await self.fleet.rollout.control(verb, *args, replicas=self.replicas)
+        return list(answers.results.values())
 
     async def _tokens(self) -> int:
         return sum(server["tokens"] for servers in await self._control("stats")

@@ -18,6 +18,7 @@ as `await sync(version) -> SyncReport`, with two implementations chosen once by 
   With shm and engines that serve from two weight slots (double-buffered handoff,
   weight_sync/slots.py) nothing is aborted or released: the actor writes every engine's inactive
   slot while generation goes on, and each engine flips between two steps; the pause is the flip.
+  The verbs to the servers go through the fleet's one fan-out (ServerManager.control).
   Every wait has the deadline rollout.checkpoint_engine.timeout_s; a server that is dead or stuck
   before the transfer is left out of it (`SyncReport.left_out`), a failure during it raises
   WeightSyncError naming the phase and the peer. Either way every server that took part resumes
@@ -37,7 +38,7 @@ from typing import Any, Awaitable, Protocol, Sequence
 from ray.exceptions import RayActorError, RayTaskError
 
 from tandem.config.choices import ConfigError
-from tandem.serving.manager import ServerManager
+from tandem.serving.manager import Answers, ServerManager
 from tandem.serving.remote import NoAnswerError, call, resolve, submit
 from tandem.serving.replica import ReplicaLayout, RolloutReplica
 from tandem.weight_sync.base import WeightSyncError
@@ -162,18 +163,19 @@ class CrossProcessSync:
             await self._transfer(replicas, version, timings, slots)
             timings["sync/pause_s"] = timings.get("sync/flip_s", 0.0)
             return await self._report(version, timings, start, left_out)
-        paused = await self._each(replicas, "abort_all_requests", timings, "abort", left_out)
+        paused = _answered(replicas, await self._each(replicas, "abort", timings, left_out,
+                                                      "abort_all_requests"))
         try:
-            replicas = await self._each(paused, "release_kv_cache", timings, "release_kv_cache",
-                                        left_out)
-            if not replicas:
+            released = _answered(paused, await self._each(paused, "release_kv_cache", timings,
+                                                           left_out, "release_kv_cache"))
+            if not released:
                 raise WeightSyncError("prepare", None, "no rollout server is left to receive "
                                       f"version {version}: {left_out}")
-            await self._transfer(replicas, version, timings, None)
+            await self._transfer(released, version, timings, None)
         finally:
             # generation resumes whatever happened above, on each server's last complete version
-            await self._each(paused, "resume_kv_cache", timings, "resume_kv_cache", left_out)
-            await self._each(paused, "resume_generation", timings, "resume_generation", left_out)
+            await self._each(paused, "resume_kv_cache", timings, left_out, "resume_kv_cache")
+            await self._each(paused, "resume_generation", timings, left_out, "resume_generation")
         # abort .. resume: nothing generates (encoding ahead came before)
         timings["sync/pause_s"] = time.perf_counter() - paused_at
         return await self._report(version, timings, start, left_out)
@@ -200,47 +202,42 @@ class CrossProcessSync:
         the replicas that answered (one that fails the offer goes to left_out, as on the ring)."""
         if self.engine != "shm" or self.engine_kwargs.get("double_buffer") is False:
             return None, replicas
-        begin = time.perf_counter()
-        answers = await asyncio.gather(*(asyncio.gather(*(
-            call(server, "weight_slots", self.engine_kwargs, timeout_s=self.timeout_s)
-            for server in replica.servers)) for replica in replicas), return_exceptions=True)
-        timings["sync/prepare_slots_s"] = time.perf_counter() - begin
-        offered, answered = [], []
-        for replica, answer in zip(replicas, answers):
-            if isinstance(answer, ValueError):  # double_buffer true and the slots do not fit
-                raise WeightSyncError("prepare", replica.server_id, str(answer)) from answer
-            if isinstance(answer, BaseException):
-                left_out[replica.server_id] = f"prepare: {type(answer).__name__}: {answer}"
-                continue
-            offered.extend(answer)
-            answered.append(replica)
-        if not answered:
+        answers = await self._each(replicas, "prepare_slots", timings, left_out,
+                                   "weight_slots", self.engine_kwargs)
+        for server_id, error in answers.left_out.items():
+            if isinstance(error, ValueError):  # double_buffer true and the slots do not fit
+                raise WeightSyncError("prepare", server_id, str(error)) from error
+        if not answers.results:
             raise WeightSyncError("prepare", None, f"no rollout server is left to receive: {left_out}")
-        return (offered if all(slots is not None for slots in offered) else None), answered
+        offered = [slots for results in answers.results.values() for slots in results]
+        return ((offered if all(slots is not None for slots in offered) else None),
+                _answered(replicas, answers))
 
-    async def _each(self, replicas: list[RolloutReplica], method: str, timings: dict[str, float],
-                    phase: str, left_out: dict[str, str]) -> list[RolloutReplica]:
-        """Call replica.method() on all replicas at once, each within the deadline; returns the
-        ones that answered, the others go to left_out with the error."""
+    async def _each(self, replicas: list[RolloutReplica], phase: str, timings: dict[str, float],
+                    left_out: dict[str, str], verb: str, *args: Any) -> Answers:
+        """`verb` on every server of `replicas` through the fleet's fan-out, each within the
+        deadline; the replicas that failed go to left_out, named with the phase."""
         begin = time.perf_counter()
-        results = await asyncio.gather(*(asyncio.wait_for(r.control(method), self.timeout_s)
-                                         for r in replicas), return_exceptions=True)
+        answers = await self.servers.control(verb, *args, replicas=replicas,
+                                             timeout_s=self.timeout_s, on_error="leave_out")
         timings[f"sync/{phase}_s"] = time.perf_counter() - begin
-        answered = []
-        for replica, result in zip(replicas, results):
-            if isinstance(result, BaseException):
-                left_out[replica.server_id] = f"{phase}: {type(result).__name__}: {result}"
-            else:
-                answered.append(replica)
-        return answered
+        for server_id, error in answers.left_out.items():
+            left_out[server_id] = f"{phase}: {type(error).__name__}: {error}"
+        return answers
 
     async def _transfer(self, replicas: list[RolloutReplica], version: int,
                         timings: dict[str, float], slots: list | None) -> None:
         """build topology, then send || receive + load (each participant finalizes itself)."""
         receivers = _receivers(replicas)
         begin = time.perf_counter()
-        versions = [await self._within(call(server, "weight_version", timeout_s=self.timeout_s),
-                                       "build_topology", name) for name, server in receivers]
+        answers = await self.servers.control("weight_version", replicas=replicas,
+                                             timeout_s=self.timeout_s, on_error="leave_out")
+        for server_id, error in answers.left_out.items():
+            peer = next(name for name, _ in receivers if name.endswith(f"({server_id})"))
+            raise WeightSyncError("build_topology", peer,
+                                  f"{type(error).__name__}: {error}") from error
+        versions = [version for replica in replicas
+                    for version in answers.results[replica.server_id]]
         extra = (slots,) if slots is not None else ()  # only double-buffered syncs pass slots
         plan = await self._within(call(self.trainers[0], "build_sync_plan", self.engine,
                                        len(receivers), version, versions, *extra,
@@ -290,6 +287,11 @@ class CrossProcessSync:
             return await awaitable
         except Exception as error:
             raise WeightSyncError(phase, peer, f"{type(error).__name__}: {error}") from error
+
+
+def _answered(replicas: list[RolloutReplica], answers: Answers) -> list[RolloutReplica]:
+    """The replicas that answered a fanned-out verb."""
+    return [replica for replica in replicas if replica.server_id in answers.results]
 
 
 def _receivers(replicas: list[RolloutReplica]) -> list[tuple[str, Any]]:

@@ -1,5 +1,7 @@
 """The server manager: replicas = devices // footprint, one global load balancer, clients, and
-the one control path: `control(verb, ...)` reaches every server of every replica.
+the one fan-out of verbs to servers: `control(verb, ...)` reaches every server of the fleet's
+replicas (or of the replicas named), each call within its deadline; the trainer modes, the
+weight-sync seam and spillover all go through it.
 
 Servers that are Ray actors get a LoadBalancerActor; servers living in this process (the hybrid
 in-process mode) get a plain LoadBalancer, so the whole path runs on the caller's event loop.
@@ -9,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -19,11 +22,21 @@ from tandem.config.footprint import replica_count, replica_world_size
 from tandem.config.schema import RolloutConfig
 from tandem.serving.balancer import BalancerStatus, LoadBalancer, LoadBalancerActor
 from tandem.serving.client import DEAD_SERVER_ERRORS, ServerClient
-from tandem.serving.remote import call, is_actor
-from tandem.serving.replica import ReplicaLayout, RolloutReplica, ServerOptions
+from tandem.serving.remote import NoAnswerError, call, is_actor
+from tandem.serving.replica import ControlTimeout, ReplicaLayout, RolloutReplica, ServerOptions
 from tandem.serving.resumable_client import MAX_ABORTS_WITHOUT_PROGRESS, ResumableClient
+from tandem.serving.server import CONTROL_VERBS
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Answers:
+    """What one fanned-out verb returned: server_id -> the result of each of its servers (in
+    order), and the replicas left out with their error."""
+
+    results: dict[str, list[Any]]
+    left_out: dict[str, BaseException] = field(default_factory=dict)
 
 
 class ServerManager:
@@ -80,9 +93,7 @@ class ServerManager:
         failures = [result for result in results if isinstance(result, BaseException)]
         if failures:
             # Do not leave half a fleet of actors and placement groups behind.
-            await asyncio.gather(*(r.shutdown() for r in replicas), return_exceptions=True)
-            if remote:
-                ray.kill(balancer)
+            await manager._stop(replicas)
             raise failures[0]
         for replica in replicas:
             await manager.add_replica(replica)
@@ -106,7 +117,7 @@ class ServerManager:
         """Open generation on an initialised replica (undoing a remove_replica(abort=True)) and
         route new requests to it too."""
         # A replica still rerouting would answer every call "aborted" with no token, forever.
-        await replica.control("resume_generation")
+        await self.control("resume_generation", replicas=[replica])
         # the handle inside an object reference: the balancer's process keeps it without
         # deserializing it, which would import the server's class (torch and the model code)
         handle = [ray.put(replica.main_server)] if replica.is_remote else None
@@ -125,7 +136,7 @@ class ServerManager:
         # self.servers keeps the handle: a request routed there just before removal still gets it.
         replica = self.replicas.pop(server_id)
         if abort:
-            await replica.control("abort_all_requests", True)
+            await self.control("abort_all_requests", True, replicas=[replica])
         return replica
 
     async def status(self) -> BalancerStatus:
@@ -142,56 +153,93 @@ class ServerManager:
 
     async def stats(self) -> dict[str, dict[str, Any]]:
         """server_id -> that replica's main-server counters."""
-        return {sid: stats[0] for sid, stats in (await self.control("stats")).items()}
+        return {sid: stats[0] for sid, stats in (await self.control("stats")).results.items()}
 
     async def weight_versions(self) -> dict[str, int | None]:
         """server_id -> the weight version its main server serves (None: it did not answer)."""
-        results = await asyncio.gather(*(r.control("weight_version")
-                                         for r in self.replicas.values()), return_exceptions=True)
-        return {sid: None if isinstance(result, BaseException) else result[0]
-                for sid, result in zip(self.replicas, results)}
+        answers = await self.control("weight_version", on_error="leave_out")
+        return {sid: answers.results[sid][0] if sid in answers.results else None
+                for sid in self.replicas}
 
     async def servers_behind(self, version: int) -> list[str]:
         """The servers not serving `version` (or not answering): a sync still owes them."""
         return sorted(sid for sid, served in (await self.weight_versions()).items()
                       if served != version)
 
-    # -- the one control path -----------------------------------------------------------------
+    # -- the one fan-out ----------------------------------------------------------------------
 
-    async def control(self, verb: str, *args: Any) -> dict[str, list[Any]]:
-        """server_id -> the results of `verb` (serving.server.CONTROL_VERBS) on each server of
-        that replica, every call within its deadline (ControlTimeout names verb and server).
-        A replica whose actor died leaves the fleet (and the balancer) instead of failing the
-        call: a dead server never blocks the trainer. Any other error is raised once every call
-        has returned, with a note naming the server."""
-        replicas = dict(self.replicas)
-        results = await asyncio.gather(*(r.control(verb, *args) for r in replicas.values()),
-                                       return_exceptions=True)
-        outcome = dict(zip(replicas, results))
-        for server_id, result in outcome.items():
-            if isinstance(result, DEAD_SERVER_ERRORS):
-                logger.warning("replica %r died (%s); it leaves the fleet", server_id,
-                               type(result).__name__)
-                self.replicas.pop(server_id, None)
-                await call(self.balancer, "report_dead", server_id, 0)
-        for server_id, result in outcome.items():
-            if isinstance(result, BaseException) and not isinstance(result, DEAD_SERVER_ERRORS):
-                result.add_note(f"{verb}() on server {server_id!r}")
-                raise result
-        return {sid: r for sid, r in outcome.items() if not isinstance(r, BaseException)}
+    async def control(self, verb: str, *args: Any, replicas: Iterable[RolloutReplica] | None = None,
+                      timeout_s: float | None = None,
+                      on_error: Literal["raise", "leave_out"] = "raise") -> Answers:
+        """`verb` (serving.server.CONTROL_VERBS) on every server of `replicas` (default: the
+        fleet's) at once, each call within timeout_s (default: the replica's
+        options.control_timeout_s; past it a ControlTimeout names verb and server).
+
+        on_error="raise": a replica of the fleet whose actor died leaves it (and the balancer)
+        and is left out, so a dead server never blocks the trainer; any other error is raised
+        once every call has returned, with a note naming the server. on_error="leave_out": every
+        replica that failed is left out with its error and the fleet stays as it is (the caller
+        decides, e.g. the weight sync names the phase)."""
+        if verb not in CONTROL_VERBS:
+            raise ValueError(f"unknown control verb {verb!r}; one of {', '.join(CONTROL_VERBS)}")
+        targets = list(self.replicas.values() if replicas is None else replicas)
+        outcomes = await asyncio.gather(*(asyncio.gather(*(
+            _on_server(replica, index, verb, args, timeout_s)
+            for index in range(len(replica.servers)))) for replica in targets),
+            return_exceptions=True)
+        answers = Answers({})
+        for replica, outcome in zip(targets, outcomes):
+            if isinstance(outcome, BaseException):
+                answers.left_out[replica.server_id] = outcome
+            else:
+                answers.results[replica.server_id] = list(outcome)
+        if on_error == "leave_out":
+            return answers
+        dead = [sid for sid, error in answers.left_out.items()
+                if isinstance(error, DEAD_SERVER_ERRORS) and sid in self.replicas]
+        for server_id in dead:
+            logger.warning("replica %r died (%s); it leaves the fleet", server_id,
+                           type(answers.left_out[server_id]).__name__)
+            self.replicas.pop(server_id, None)  # another call may have found it first
+            await call(self.balancer, "report_dead", server_id, 0)
+        for server_id, error in answers.left_out.items():
+            if server_id not in dead:
+                error.add_note(f"{verb}() on server {server_id!r}")
+                raise error
+        return answers
 
     async def shutdown(self) -> None:
         """Stop every replica and the balancer (a dead server's replica only drops its
         placement group); the first other error is raised afterwards."""
-        results = await asyncio.gather(*(r.shutdown() for r in self.replicas.values()),
-                                       return_exceptions=True)
-        if is_actor(self.balancer):
-            ray.kill(self.balancer)
+        replicas = list(self.replicas.values())
         self.replicas.clear()
         self.servers.clear()
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, DEAD_SERVER_ERRORS):
-                raise result
+        errors = await self._stop(replicas)
+        if errors:
+            raise errors[0]
+
+    async def _stop(self, replicas: list[RolloutReplica]) -> list[BaseException]:
+        """Shut the engines down, free the replicas' processes and groups, kill the balancer;
+        returns the errors other than dead servers."""
+        answers = await self.control("shutdown", replicas=replicas, on_error="leave_out")
+        for replica in replicas:
+            replica.release()
+        if is_actor(self.balancer):
+            ray.kill(self.balancer)
+        return [error for error in answers.left_out.values()
+                if not isinstance(error, DEAD_SERVER_ERRORS)]
+
+
+async def _on_server(replica: RolloutReplica, index: int, verb: str, args: tuple,
+                     timeout_s: float | None) -> Any:
+    """One server's call of a fan-out, within its deadline."""
+    timeout_s = replica.options.control_timeout_s if timeout_s is None else timeout_s
+    try:
+        return await call(replica.servers[index], verb, *args, timeout_s=timeout_s)
+    except NoAnswerError:
+        where = replica.infos[index].address if index < len(replica.infos) else "not started"
+        raise ControlTimeout(f"{verb}() on server {replica.server_id!r} ({where}) got no answer "
+                             f"within {timeout_s} s") from None
 
 
 def _device_pool(config: RolloutConfig, layout: ReplicaLayout, hosts: Sequence[Any] | None,

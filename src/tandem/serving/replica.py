@@ -5,8 +5,8 @@ process itself); no new process, no new devices. COLOCATED: a new server process
 bundles of an existing Ray placement group (devices shared with another role). STANDALONE: a
 new server process on a placement group of its own devices: one bundle holding the whole
 footprint (TP devices), so the engine's own workers see every device it was told about. Every
-replica here spans one node and runs one server, its main server; `control` fans a verb out
-over `servers`, each call within its deadline.
+replica here spans one node and runs one server, its main server; verbs reach its servers
+through ServerManager.control, the one fan-out.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from enum import Enum
 from typing import Any, Sequence
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from tandem.config.footprint import replica_world_size
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.registry import get_rollout_class
+from tandem.serving.placement import device_bundle, in_bundle, reserve, wait_placed
 from tandem.serving.remote import NoAnswerError, call, is_actor
-from tandem.serving.server import CONTROL_VERBS, RolloutServerActor, ServerInfo
+from tandem.serving.server import RolloutServerActor, ServerInfo
 
 
 class ReplicaLayout(str, Enum):
@@ -54,20 +54,13 @@ class ServerOptions:
         """Resources of one device: one GPU (plus a CPU) on cuda, one CPU otherwise."""
         if self.device_bundle is not None:
             return dict(self.device_bundle)
-        return {"CPU": 1.0, "GPU": 1.0} if self.device.startswith("cuda") else {"CPU": 1.0}
+        return device_bundle(self.device)
 
     def threads(self) -> int | None:
         """torch threads for a placed CPU server: the bundle's CPU count, at least 1."""
         if self.device.startswith("cuda"):
             return self.torch_threads
         return self.torch_threads or max(1, int(self.bundle().get("CPU", 1)))
-
-
-def actor_resources(resources: dict[str, float]) -> dict[str, Any]:
-    """Ray actor options asking for exactly `resources`."""
-    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
-    return {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0),
-            **({"resources": custom} if custom else {})}
 
 
 class ControlTimeout(NoAnswerError):
@@ -110,8 +103,8 @@ class RolloutReplica:
         share = self.options.colocated_fraction
         bundle = group.bundle_specs[bundle_indices[0]]
         resources = {k: round(v * share, 4) for k, v in bundle.items() if k in ("CPU", "GPU")}
-        await resolve_ready(group, self.options.start_timeout_s, f"colocated replica "
-                            f"{self.replica_rank}")
+        await wait_placed(group, self.options.start_timeout_s,
+                          f"colocated replica {self.replica_rank}")
         await self._start([self._place_server(group, bundle_indices[0], resources)],
                           self.options.threads())
 
@@ -120,10 +113,10 @@ class RolloutReplica:
         server holding all of them (load-time checks keep a footprint within one node)."""
         self._begin(ReplicaLayout.STANDALONE)
         bundle = {name: amount * self.world_size for name, amount in self.options.bundle().items()}
-        group = placement_group([bundle], strategy="STRICT_PACK")
+        group = await reserve([bundle], "STRICT_PACK", self.options.start_timeout_s,
+                              f"standalone replica {self.replica_rank} ({bundle}; "
+                              "rollout.nnodes / rollout.n_gpus_per_node)")
         self.placement_group, self._owns_placement_group = group, True
-        await resolve_ready(group, self.options.start_timeout_s,
-                            f"standalone replica {self.replica_rank} ({bundle})")
         await self._start([self._place_server(group, 0, bundle)], self.options.threads())
 
     def _begin(self, layout: ReplicaLayout) -> None:
@@ -139,10 +132,7 @@ class RolloutReplica:
 
     def _place_server(self, group: PlacementGroup, bundle_index: int,
                       resources: dict[str, float]) -> Any:
-        strategy = PlacementGroupSchedulingStrategy(placement_group=group,
-                                                    placement_group_bundle_index=bundle_index)
-        return RolloutServerActor.options(scheduling_strategy=strategy,
-                                          **actor_resources(resources)).remote(
+        return RolloutServerActor.options(**in_bundle(group, bundle_index, resources)).remote(
             self.server_id, self.options.pause_timeout_s, self.options.drain_timeout_s)
 
     async def _start(self, servers: list[Any], torch_threads: int | None) -> None:
@@ -177,53 +167,13 @@ class RolloutReplica:
         """True when the servers are Ray actors, False when they live in this process."""
         return is_actor(self.main_server)
 
-    # -- control, fanned out to every server concurrently -----------------------------------
-
-    async def control(self, verb: str, *args: Any) -> list[Any]:
-        """Call `verb` (a name in CONTROL_VERBS) on every server at once; each answer within
-        options.control_timeout_s, else ControlTimeout naming the verb and the server."""
-        if verb not in CONTROL_VERBS:
-            raise ValueError(f"unknown control verb {verb!r}; one of {', '.join(CONTROL_VERBS)}")
-        return list(await asyncio.gather(*(self._control_one(index, verb, *args)
-                                            for index in range(len(self.servers)))))
-
-    async def _control_one(self, index: int, verb: str, *args: Any) -> Any:
-        timeout_s = self.options.control_timeout_s
-        try:
-            return await call(self.servers[index], verb, *args, timeout_s=timeout_s)
-        except NoAnswerError:
-            where = self.infos[index].address if index < len(self.infos) else "not started"
-            raise ControlTimeout(f"{verb}() on server {self.server_id!r} ({where}) got no answer "
-                                 f"within {timeout_s} s (ServerOptions.control_timeout_s)") from None
-
-    async def shutdown(self) -> None:
-        """Stop the engines; kill processes and placement groups this replica created."""
-        try:
-            if self.servers:
-                await self.control("shutdown")
-        finally:
-            if self.layout is not ReplicaLayout.HYBRID:
-                for server in self.servers:
-                    ray.kill(server)
-            if self._owns_placement_group and self.placement_group is not None:
-                remove_placement_group(self.placement_group)
-                self.placement_group = None
-            self.servers = []
-
-
-async def resolve_ready(group: PlacementGroup, timeout_s: float, what: str) -> None:
-    """Wait for a placement group to be placed; a clear error instead of a silent hang, at
-    once when the cluster's nodes can never hold it (serving/placement_fit.py)."""
-    from tandem.serving.placement_fit import alive_nodes, placement_problem
-
-    strategy = ray.util.placement_group_table(group).get("strategy", "PACK")
-    problem = placement_problem(group.bundle_specs, strategy, alive_nodes())
-    if problem:
-        raise RuntimeError(f"{what}: the placement group can never be placed: {problem}")
-    try:
-        await asyncio.wait_for(asyncio.wrap_future(group.ready().future()), timeout_s)
-    except asyncio.TimeoutError:
-        raise TimeoutError(f"{what}: placement group not placed within {timeout_s} s; the cluster "
-                           f"has {ray.available_resources()} available. Lower "
-                           "ServerOptions.device_bundle or the replica count.") from None
-
+    def release(self) -> None:
+        """Kill the server processes and free the placement group this replica created (the
+        manager tells the engines to shut down first); hybrid hosts are left running."""
+        if self.layout is not ReplicaLayout.HYBRID:
+            for server in self.servers:
+                ray.kill(server)
+        if self._owns_placement_group and self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+        self.servers = []

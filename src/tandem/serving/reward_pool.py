@@ -8,17 +8,15 @@ import asyncio
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from tandem.config.schema import RewardModelConfig
 from tandem.serving.balancer import LoadBalancerActor
 from tandem.serving.client import DEAD_SERVER_ERRORS, STALL_TIMEOUT_S
+from tandem.serving.placement import device_bundle, in_bundle, reserve
 from tandem.serving.remote import call
-from tandem.serving.replica import actor_resources, resolve_ready
 from tandem.serving.reward_client import RewardModelClient
 from tandem.serving.reward_server import RewardModelServerActor, RewardServerInfo
-
 
 
 class RewardModelPool:
@@ -43,10 +41,10 @@ class RewardModelPool:
             for index, options in enumerate(placements):
                 pool.servers[f"reward-{index}"] = RewardModelServerActor.options(**options).remote(
                     f"reward-{index}")
-            infos = await asyncio.wait_for(asyncio.gather(*(
-                server.start.remote(model_path, dtype, device, config.torch_threads,
-                                    config.max_batch_size, config.max_length)
-                for server in pool.servers.values())), start_timeout_s)
+            infos = await asyncio.gather(*(
+                call(server, "start", model_path, dtype, device, config.torch_threads,
+                     config.max_batch_size, config.max_length, timeout_s=start_timeout_s)
+                for server in pool.servers.values()))
             for server_id, info in zip(pool.servers, infos):
                 pool.infos[server_id] = info
                 await call(pool.balancer, "add_server", server_id)
@@ -57,22 +55,20 @@ class RewardModelPool:
 
     async def _placements(self, config: RewardModelConfig, device: str,
                           shared_group: PlacementGroup | None, timeout_s: float) -> list[dict]:
-        cuda = device.startswith("cuda")
         if config.n_devices == 0:
             if shared_group is None:
                 raise ValueError("reward.model.n_devices=0 shares the training workers' bundles: "
                                  "pass their placement group")
             # the training worker holds the whole bundle: the server shares its core unreserved
-            return [_in_group(shared_group, {"CPU": 0.0})]
-        # CPU threads on CPU; a GPU (with the CPU driving it) on cuda
-        bundle = {"CPU": 1.0, "GPU": 1.0} if cuda else {"CPU": float(config.torch_threads)}
+            return [in_bundle(shared_group, 0, {"CPU": 0.0})]
+        bundle = device_bundle(device, config.torch_threads)  # CPU threads count on CPU
         placements = []
         for index in range(config.n_devices):
-            group = placement_group([bundle], strategy="STRICT_PACK")
+            group = await reserve([bundle], "STRICT_PACK", timeout_s,
+                                  f"reward server {index} ({bundle}; reward.model.n_devices / "
+                                  "reward.model.torch_threads)")
             self._groups.append(group)
-            await resolve_ready(group, timeout_s, f"reward server {index} ({bundle}; "
-                                "reward.model.n_devices / reward.model.torch_threads)")
-            placements.append(_in_group(group, bundle))
+            placements.append(in_bundle(group, 0, bundle))
         return placements
 
     def client(self, timeout_s: float | None = None,
@@ -99,8 +95,3 @@ class RewardModelPool:
             remove_placement_group(group)
         self.servers, self._groups, self.balancer = {}, [], None
 
-
-def _in_group(group: PlacementGroup, resources: dict[str, float]) -> dict[str, Any]:
-    strategy = PlacementGroupSchedulingStrategy(placement_group=group,
-                                                placement_group_bundle_index=0)
-    return {"scheduling_strategy": strategy, **actor_resources(resources)}

@@ -37,10 +37,11 @@ logger = logging.getLogger(__name__)
 
 # How often abort_all_requests() re-issues the backend abort while calls are still returning.
 _ABORT_POLL_S = 0.05
-# The verbs the trainer sends to every server of every replica (ServerManager.control): a new
-# one is a method of RolloutServer (and, if the engine does it, of BaseRollout) named here.
+# The verbs the trainer, the weight-sync seam and spillover send to servers (ServerManager.control,
+# the one fan-out): a new one is a method of RolloutServer (and, if the engine does it, of
+# BaseRollout) named here. Weights are no verb: they move only through the seam.
 CONTROL_VERBS = ("abort_all_requests", "resume_generation", "sleep", "wake_up",
-                 "release_kv_cache", "resume_kv_cache", "clear_kv_cache", "update_weights",
+                 "release_kv_cache", "resume_kv_cache", "clear_kv_cache", "weight_slots",
                  "weight_version", "stats", "info", "shutdown")
 
 
@@ -257,7 +258,8 @@ class RolloutServer:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              version: int) -> None:
-        """Load (name, tensor) pairs (one bucket or all) and stamp `version` on later tokens."""
+        """Load (name, tensor) pairs (one bucket or all) and stamp `version` on later tokens: the
+        in-process end of the seam (the naive checkpoint engine of a hybrid worker)."""
         self._require_quiet("update_weights()")
         await self.backend.update_weights(named_tensors, version)
 

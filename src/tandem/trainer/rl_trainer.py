@@ -4,7 +4,6 @@ the fleet's (fleet.py); the modes (sync.py, ...) decide the order of these calls
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import shutil
 from pathlib import Path
@@ -194,8 +193,9 @@ class RLTrainer:
         return [shard_batch(slim, rank, n) for rank in range(n)]
 
     async def _per_worker(self, method: str, batch: TensorDict, *args: Any) -> list[Any]:
-        return await asyncio.gather(*(getattr(w, method).remote(shard, *args)
-                                      for w, shard in zip(self.workers, self._shards(batch))))
+        """`method` on every worker with its shard, each within trainer.worker_timeout_s."""
+        shards = self._shards(batch)
+        return await self.fleet.on_workers(method, [(shard, *args) for shard in shards])
 
     def _store(self, batch: TensorDict, key: str, flats: list[torch.Tensor]) -> None:
         batch[key] = make_field(torch.cat(flats).float(), field_lengths(batch["responses"]))
@@ -362,7 +362,7 @@ class RLTrainer:
         directory = self.checkpoint_dir(self.step)
         if directory.exists():
             shutil.rmtree(directory)
-        await asyncio.gather(*(w.save_checkpoint.remote(str(directory)) for w in self.workers))
+        await self.fleet.on_workers("save_checkpoint", [(str(directory),)] * len(self.workers))
         state = {"step": self.step, "kl_controller": self.kl_controller.state_dict()}
         checkpoint.save_trainer_state(directory, state)
         checkpoint.write_latest(self.output_dir / "checkpoints", self.step)
@@ -376,7 +376,7 @@ class RLTrainer:
             return False
         directory = self.checkpoint_dir(step)
         state = checkpoint.load_trainer_state(directory)
-        await asyncio.gather(*(w.load_checkpoint.remote(str(directory)) for w in self.workers))
+        await self.fleet.on_workers("load_checkpoint", [(str(directory),)] * len(self.workers))
         self.step = state["step"]
         self.kl_controller.load_state_dict(state["kl_controller"])
         if self.metrics is not None:
