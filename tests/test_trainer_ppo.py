@@ -8,6 +8,7 @@ from tandem.batch.trajectory import Trajectory
 from tandem.config.load import load_config
 from tandem.trainer import ppo
 from tandem.training.engine import TrainingEngine
+from tandem.training.losses import actor_loss_fn
 
 
 def make_batch(eos: int) -> torch.Tensor:
@@ -25,7 +26,7 @@ def make_batch(eos: int) -> torch.Tensor:
 
 def actor_gradient(engine, batch, config):
     engine.model.zero_grad()
-    engine.accumulate_gradients(batch, ppo.actor_loss_fn(config), calculate_entropy=True)
+    engine.accumulate_gradients(batch, actor_loss_fn(config), calculate_entropy=True)
     return {name: p.grad.clone() for name, p in engine.model.named_parameters() if p.grad is not None}
 
 
