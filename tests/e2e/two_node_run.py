@@ -21,7 +21,8 @@ from ray.util.placement_group import placement_group_table
 from tandem.config.load import load_config
 from tandem.demo.tasks import make_datasets, write_jsonl
 from tandem.rewards import RewardResult, register_reward
-from tandem.fleet import placement, ppo
+from tandem.fleet import placement
+from tandem.trainer import ppo
 from tandem.trainer.metrics import read_metrics
 from tandem.trainer.rl_trainer import RLTrainer
 from tandem.trainer.sync import fit_sync
