@@ -17,7 +17,6 @@ from tandem.batch.trajectory import Trajectory
 
 TOKEN_FIELDS = ("prompts", "responses", "input_ids", "position_ids", "response_mask", "loss_mask",
                 "rollout_log_probs", "response_versions")
-RESPONSE_FIELDS = ("responses", "response_mask", "loss_mask", "rollout_log_probs", "response_versions")
 NON_TENSOR_FIELDS = ("uid", "data_source", "stop_reason", "ground_truth", "reward_extra", "metadata")
 
 

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import ray
 from ray.util.placement_group import PlacementGroup
 
+from tandem.config.footprint import reward_devices, rollout_devices
 from tandem.config.schema import TandemConfig
 from tandem.serving import placement as serving_placement
 
@@ -40,8 +41,8 @@ def ray_init_kwargs(config: TandemConfig) -> dict[str, Any]:
     # worker_niceness 0: Ray's default (15) starves the workers on a busy machine.
     # address "local": a cluster of its own, never the last one `ray start` left on this machine
     return {"address": "local",
-            "num_cpus": max(os.cpu_count() or 1, config.trainer.n_devices + standalone_rollout_devices(config)
-                            + reward_cpus(config)),
+            "num_cpus": max(os.cpu_count() or 1, config.trainer.n_devices
+                            + rollout_devices(config) + reward_devices(config)),
             "include_dashboard": False, "logging_level": logging.WARNING,
             "log_to_driver": True, "_system_config": {"worker_niceness": 0}}
 
@@ -95,20 +96,6 @@ def without_token_auth_notice() -> Iterator[None]:
         notice.removeFilter(keep)
 
 
-def standalone_rollout_devices(config: TandemConfig) -> int:
-    """Devices of the standalone rollout replicas (0: the engines live in the workers)."""
-    from tandem.config.footprint import rollout_devices
-
-    return rollout_devices(config)
-
-
-def reward_cpus(config: TandemConfig) -> int:
-    """CPUs the reward pools reserve (on cuda each reward device also holds one CPU)."""
-    from tandem.config.footprint import reward_devices
-
-    return reward_devices(config)
-
-
 def torch_threads(config: TandemConfig, cores: int | None = None) -> tuple[int, int]:
     """(torch threads of each training worker, of each standalone rollout server).
 
@@ -119,7 +106,7 @@ def torch_threads(config: TandemConfig, cores: int | None = None) -> tuple[int, 
     rollout engine alternates with training in the same process.
     """
     cores = cores or len(os.sched_getaffinity(0))
-    workers, servers = config.trainer.n_devices, standalone_rollout_devices(config)
+    workers, servers = config.trainer.n_devices, rollout_devices(config)
     actor, rollout = config.actor.torch_threads, config.rollout.torch_threads
     unset = (0 if actor else workers) + (0 if rollout or not servers else servers)
     share = max(1, (cores - workers * actor - servers * rollout) // max(unset, 1))
@@ -131,7 +118,7 @@ def log_torch_threads(config: TandemConfig, hybrid: list[dict[str, int]], manage
     training threads; every standalone server's engine thread); warn when the processes
     computing at the same time ask for more threads than this machine has cores."""
     training = [threads["training"] for threads in hybrid]
-    separate = standalone_rollout_devices(config) > 0
+    separate = rollout_devices(config) > 0
     if separate:
         engines = [info.torch_threads for replica in manager.replicas.values() for info in replica.infos]
     else:

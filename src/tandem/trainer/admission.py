@@ -26,11 +26,6 @@ class AdmissionSchedule:
         self.slots_left = per_version  # groups it still takes at `version`
         self.due: Counter[int] = Counter()  # deadline version -> untrained groups
 
-    @property
-    def untrained(self) -> int:
-        """Admitted groups not taken yet (generating or finished)."""
-        return sum(self.due.values())
-
     def deadline(self, head: int) -> int:
         """The last version a group whose generation started at `head` may train at."""
         return head + self.max_staleness
