@@ -1,24 +1,14 @@
-"""Forward passes over a jagged batch, returning outputs only where they score response tokens.
+"""Forward passes over a jagged batch, returning outputs only where they score response tokens
+(docs/training.md, "Forward passes").
 
 Packed (remove padding): all valid tokens in one row [1, T] with positions restarting at 0 per
-sequence, no attention mask and no KV cache. transformers 5 then derives the sequence ids from
-the position resets and builds a block-diagonal causal mask (sdpa / eager; its flash-attention
-path reads the same resets), so attention never crosses sequences. With a cache object
-present it does not, hence `use_cache=False` (tests/test_training_forward.py holds this).
-The sequence boundaries also go to the attention as `cu_seq_lens_q/k`: the training engine's
-`packed_sdpa` attention (packed_attention.py) attends per sequence with them (as
-`attention_rows`, computed once per forward) instead of over the whole masked row.
-
-Shared prompts (`share_prompts`, packed_sdpa only): GRPO's n samples of a prompt carry the same
-prompt tokens; the packed row then holds each prompt once, followed by every response of its
-group (layouts.SharedPromptBatch), and attention shows each response its prompt. The decoder's
-work drops by (n-1)/n of the prompt tokens; outputs equal the plain packed ones up to float
-rounding, gradients included.
-
-Padded: the dense layout (prompts left-padded, responses right-padded) with an attention mask;
-every response then starts at column P, so one column range serves the whole batch.
-
-Actor log-probs come from the decoder's hidden states through the LM head in chunks
+sequence, no attention mask and `use_cache=False` (with a cache object transformers 5 stops
+deriving the block-diagonal mask from the position resets, and sequences attend to each other).
+The boundaries also go to the attention as `cu_seq_lens_q/k` (as `attention_rows`, computed once
+per forward), with which `packed_sdpa` (packed_attention.py) attends per sequence. Shared
+prompts (`share_prompts`, packed_sdpa only): each prompt once, followed by every response of its
+group (layouts.SharedPromptBatch). Padded: prompts left-padded, responses right-padded, with an
+attention mask. Actor log-probs come from the hidden states through the LM head in chunks
 (lm_head.py) when the head is a plain linear map; otherwise from the model's full logits.
 """
 

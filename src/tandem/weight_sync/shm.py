@@ -1,22 +1,15 @@
-"""`shm`: same host, separate processes; buckets move through two shared buffers.
+"""`shm`: same host, separate processes; buckets move through two shared buffers
+(docs/weight_sync.md, "shm").
 
-CPU: two files in /dev/shm (`tandem-sync-<sender pid>-...`) that every participant maps
-(`torch.from_file(shared=True)`). CUDA: two device buffers whose CUDA IPC handles travel in the
-plan. Either way a tensor is copied once into shared memory by the sender and once out by the
-receiver's consumer (the receiver yields views of the shared buffer, valid until its iterator
-advances). The buffers outlive a sync (fresh pages would cost a page fault and zeroing per 4 KiB
-every sync): the sender keeps them until `close()` or its exit, receivers keep their mappings
-for the next sync, and a new sender removes files left by senders that died.
+CPU: two files in /dev/shm (`tandem-sync-<sender pid>-...`) that every participant maps; CUDA:
+two device buffers whose IPC handles travel in the plan. The sender copies each byte in once and
+the receiver's consumer once out (receivers yield views of the buffer). The buffers outlive a
+sync (fresh pages cost a fault and zeroing) until `close()`; a new sender removes the files of
+senders that died. Control goes through the sender's TCPStore: `ready/k` holds bucket k's chunk
+list (empty: the end), `consumed/k/rank` frees its buffer for bucket k+2, `done`/`commit` end it.
 
-With `double_buffer` (engine kwarg; None: wherever every receiver offers weight slots) and
-receivers that map their weights in two shared slots (slots.py), the ring is not used: the
-sender writes each receiver's inactive slot directly (slot_transfer.py), one copy in all.
-
-Control goes through the sender's TCPStore (on `master_addr`, loopback unless given): `ready/k`
-holds bucket k's pickled chunk list (an empty value ends the stream); each receiver sets
-`consumed/k/rank` when its consumer has moved past bucket k, which frees that buffer for bucket
-k+2; at the end each receiver sets `done/rank` and its iterator finishes only once the sender
-has seen all of them and set `commit`.
+With `double_buffer` and receivers that map their weights in two shared slots (slots.py), the
+sender writes each receiver's inactive slot directly instead (slot_transfer.py).
 """
 
 from __future__ import annotations
