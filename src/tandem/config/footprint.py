@@ -29,8 +29,6 @@ def replica_world_size(config: RolloutConfig) -> int:
 
 def replica_count(total_devices: int, world_size: int) -> int:
     """Replicas that fit in total_devices; zero is an error naming both numbers."""
-    if world_size < 1:
-        raise ValueError(f"replica world_size must be >= 1, not {world_size}")
     count = total_devices // world_size
     if count == 0:
         raise ConfigError(f"rollout: {total_devices} device(s) cannot hold one replica of "

@@ -1,16 +1,9 @@
-"""The rollout buffer of the async modes (the seed's TransferQueue role, §6.1).
-
-Agent loops put whole prompt groups (all n sessions of one prompt) into it as they finish; the
-trainer takes groups for an update. Its capacity counts groups queued *or still generating*:
-the producer reserves a slot before it submits a prompt, so a full buffer holds submission
-back (back-pressure) and at most `capacity` groups are ever in flight or waiting.
-
-Staleness: a group's lag is (trainer version - its head version, the oldest weight version of
-any of its tokens). on_stale=wait (the default) bounds it at admission (trainer/admission.py):
-a group starts only if it can train within max_staleness versions of its head, the trainer takes
-the groups closest to expiry first, and no finished group is ever dropped. on_stale=drop |
-regenerate keep the older rule: anything may start, and a group over the bound when taken is
-dropped or drawn again, which biases updates against long answers (they span the most syncs).
+"""The rollout buffer of the async modes (the seed's TransferQueue role, §6.1; docs/trainer.md,
+"Rollout buffer"): whole prompt groups in as they finish, groups for an update out. Its capacity
+counts groups queued *or still generating* (the producer reserves a slot before it submits a
+prompt), so a full buffer holds submission back. on_stale=wait bounds staleness at admission
+(trainer/admission.py), dropping nothing; on_stale=drop | regenerate discard or redraw a group
+over the bound when it is taken, which biases updates against long answers.
 """
 
 from __future__ import annotations

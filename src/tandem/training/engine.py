@@ -57,8 +57,6 @@ class TrainingEngine:
             raise ValueError(f"TrainingEngine role={role!r}: use one of {ROLES}")
         if role == "reference" and optim is not None:
             raise ValueError("TrainingEngine role='reference' is frozen: pass optim=None")
-        if on_nonfinite_loss not in ("skip", "stop"):
-            raise ValueError(f"on_nonfinite_loss={on_nonfinite_loss!r}: use 'skip' or 'stop'")
         self.role, self.max_token_len, self.use_remove_padding = role, max_token_len, use_remove_padding
         self.on_nonfinite_loss, self.share_prompts = on_nonfinite_loss, share_prompts
         self.save_merged = bool(lora is not None and lora.rank and lora.save_merged)

@@ -72,11 +72,6 @@ class CheckpointEngine(ABC):
         if engine_kwargs:
             raise ValueError(f"{type(self).__name__} does not take engine_kwargs "
                              f"{sorted(engine_kwargs)} (rollout.checkpoint_engine.engine_kwargs)")
-        if bucket_megabytes < 1:
-            raise ValueError(f"bucket_megabytes must be >= 1, got {bucket_megabytes} "
-                             "(rollout.checkpoint_engine.update_weights_bucket_megabytes)")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s} (checkpoint_engine.timeout_s)")
         self.bucket_bytes = bucket_megabytes << 20
         self.timeout_s = float(timeout_s)
         self.plan: SyncPlan | None = None

@@ -71,12 +71,6 @@ class DeltaCheckpointEngine(CheckpointEngine):
                  patches_in_place: Callable[[str], bool] | None = None,
                  **transport_kwargs) -> None:
         super().__init__(bucket_megabytes, timeout_s)
-        if transport not in ("shm", "gloo", "nccl"):
-            raise ValueError(f"delta transport must be shm, gloo or nccl, got {transport!r} "
-                             "(engine_kwargs.transport)")
-        if transport_kwargs.get("double_buffer"):
-            raise ValueError("delta patches the receivers' current weights and cannot write a "
-                             "weight slot: drop engine_kwargs.double_buffer with backend delta")
         if transport == "shm":
             transport_kwargs["double_buffer"] = False
         self.inner = get_checkpoint_engine_class(transport)(bucket_megabytes, timeout_s,

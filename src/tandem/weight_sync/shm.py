@@ -45,12 +45,6 @@ class ShmCheckpointEngine(CheckpointEngine):
                  device: str = "cpu", shm_dir: str = "/dev/shm", master_addr: str = "127.0.0.1",
                  double_buffer: bool | None = None, **engine_kwargs) -> None:
         super().__init__(bucket_megabytes, timeout_s, **engine_kwargs)
-        if double_buffer not in (None, True, False):
-            raise ValueError(f"shm double_buffer must be true, false or unset, got "
-                             f"{double_buffer!r} (engine_kwargs.double_buffer)")
-        if double_buffer and device != "cpu":
-            raise ValueError("shm double_buffer maps weight slots in /dev/shm: CPU engines only; "
-                             "set engine_kwargs.double_buffer false with device cuda")
         self.double_buffer = double_buffer
         self.master_addr = master_addr  # where the sender's control store listens
         if device not in ("cpu", "cuda"):
