@@ -1,12 +1,8 @@
-"""Token-exact recording of OpenAI-style chat sessions (the endpoint's side of `openai_agent`).
-
-A session is a sequence of chat-completion calls sharing one session id. Each call either
-*extends* a branch (its messages are that branch's conversation, the assistant reply we returned,
-then only new tool/user messages): the new prompt is the branch's prompt + every token so far +
-the template's delta for the new messages, exactly as the built-in tool loop appends it, so
-sampled tokens are never decoded and encoded again. Any other call *forks*: a new branch renders
-the messages from scratch, and `forks` counts it. Every branch becomes one Trajectory (sampled
-tokens mask 1 + logprobs, everything else mask 0 + 0.0).
+"""Token-exact recording of OpenAI-style chat sessions (the endpoint's side of `openai_agent`;
+docs/agent_loops.md, "Bring your own agent"). A call *extends* a branch when its messages are
+that branch's conversation, the reply we returned, then only new tool/user messages: the new
+prompt is the branch's tokens + the template's delta, as the tool loop appends it. Any other
+call *forks* a new branch (`forks` counts it). Every branch becomes one Trajectory.
 """
 
 from __future__ import annotations
