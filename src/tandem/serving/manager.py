@@ -56,8 +56,7 @@ class ServerManager:
                      layout: ReplicaLayout | str, *, hosts: Sequence[Any] | None = None,
                      placement_group: PlacementGroup | None = None,
                      bundle_indices: Sequence[int] | None = None,
-                     total_devices: int | None = None,
-                     max_sticky_entries: int = 100_000) -> "ServerManager":
+                     total_devices: int | None = None) -> "ServerManager":
         """Create every replica for `layout` and register it with a fresh balancer.
 
         HYBRID: `hosts` are the workers (one per device) that will host engines: local
@@ -77,9 +76,7 @@ class ServerManager:
         if remote and not ray.is_initialized():
             raise RuntimeError(f"the {layout.value} layout starts Ray actors: call ray.init() "
                                "first")
-        balancer = (LoadBalancerActor.remote(max_sticky_entries) if remote
-                    else LoadBalancer(max_sticky_entries))
-        manager = cls(config, options, layout, balancer)
+        manager = cls(config, options, layout, LoadBalancerActor.remote() if remote else LoadBalancer())
         if layout is ReplicaLayout.HYBRID:
             inits = [r.init_hybrid(hosts[r.replica_rank * world_size:][:world_size])
                      for r in replicas]
