@@ -48,10 +48,9 @@ def ray_init_kwargs(config: TandemConfig) -> dict[str, Any]:
 
 
 def init_ray(config: TandemConfig) -> None:
-    """Unless Ray is up already: join the configured cluster as it is, or start a local one with Ray's own choice of token
-    authentication (on since Ray 2.59 unless RAY_AUTH_MODE says otherwise) without Ray's notice
-    that it chose it, which it logs on every start (docs/trainer.md, "Ray's token
-    authentication")."""
+    """Unless Ray is up already: join the configured cluster as it is, or start a local one with
+    Ray's own choice of token authentication, without the notice Ray logs about it on every start
+    (docs/trainer.md, "Ray's token authentication")."""
     if ray.is_initialized():
         return
     kwargs = ray_init_kwargs(config)
@@ -97,14 +96,10 @@ def without_token_auth_notice() -> Iterator[None]:
 
 
 def torch_threads(config: TandemConfig, cores: int | None = None) -> tuple[int, int]:
-    """(torch threads of each training worker, of each standalone rollout server).
-
-    A set value (actor.torch_threads, rollout.torch_threads) is used as is; 0 ("auto") gives
-    each such process an even share of the cores of this machine (`cores`) that the set values
-    leave. The processes that compute at the same time share: with standalone replicas the
-    training workers and the standalone servers; otherwise only the training workers, whose own
-    rollout engine alternates with training in the same process.
-    """
+    """(torch threads of each training worker, of each standalone rollout server): a set value
+    (actor.torch_threads, rollout.torch_threads) is used as is; 0 ("auto") gives each process that
+    computes at the same time (the workers, and the standalone servers if any) an even share of the
+    `cores` the set values leave."""
     cores = cores or len(os.sched_getaffinity(0))
     workers, servers = config.trainer.n_devices, rollout_devices(config)
     actor, rollout = config.actor.torch_threads, config.rollout.torch_threads

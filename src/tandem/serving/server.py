@@ -185,12 +185,9 @@ class RolloutServer:
                                "request(s) are generating; call abort_all_requests() first")
 
     async def abort_all_requests(self, reroute: bool = False) -> int:
-        """Pause generation and abort every running request; returns how many were running.
-
-        Returns only after every aborted call has come back, so weights may change afterwards.
-        With reroute (the server left the balancer), later calls are answered "aborted" at once
-        instead of waiting, until resume_generation().
-        """
+        """Pause generation and abort every running request; returns how many were running, once
+        every aborted call has come back. With reroute (the server left the balancer) later calls
+        are answered "aborted" at once, until resume_generation()."""
         backend = self.backend
         self._paused = True
         self._rerouting = self._rerouting or reroute

@@ -160,14 +160,10 @@ class RolloutBuffer:
         return None
 
     async def take(self, count: int, version: int) -> tuple[list[RolloutGroup], list[RolloutGroup], dict[str, float]]:
-        """Wait for `count` groups within max_staleness of trainer version `version`.
-
-        Returns (taken, stale, metrics): `stale` are groups over the bound (on_stale=drop |
-        regenerate only), already counted as dropped or regenerated (the caller resubmits the
-        latter's rows). on_stale=wait takes the oldest heads first and never has stale groups.
-        Metrics include the group lags and the taken groups' token lags
-        (step_metrics.token_lag_metrics).
-        """
+        """Wait for `count` groups within max_staleness of trainer version `version`; returns
+        (taken, stale, metrics). `stale` (on_stale=drop | regenerate only) are over the bound and
+        already counted as dropped or regenerated; on_stale=wait takes the oldest heads first and
+        has none."""
         if count > self.capacity:
             raise ValueError(f"taking {count} groups from a buffer of capacity {self.capacity} "
                              "would wait forever; raise the capacity")
