@@ -1,13 +1,11 @@
 """One device of the HYBRID layout: the training engines and a rollout engine in one process.
 
-The worker *is* a rollout server (the balancer routes generate calls to it) and also holds the
-actor (and the reference / critic when the config needs them). Weight sync into its own engine
-is therefore in-process: the `naive` checkpoint engine hands the actor's (name, tensor) stream
-to the rollout engine (load_actor_weights, driven by fleet.weight_sync.InProcessSync). For rollout
-servers in their own processes the worker is the sending side of a sync (encode_weights_ahead,
-build_sync_plan, send_weights) driven by fleet.weight_sync.CrossProcessSync. With trainer.n_devices > 1
-the workers form a torch.distributed group and the actor is sharded with FSDP2; each worker
-still hosts a full rollout engine (one replica per worker).
+The worker *is* a rollout server (the balancer routes generate calls to it) and holds the actor (and
+the reference / critic the config needs). It loads the actor's weights into its own engine
+in-process (load_actor_weights, for InProcessSync) and is the sending side of a sync into servers of
+their own (encode_weights_ahead, build_sync_plan, send_weights, for CrossProcessSync). With
+trainer.n_devices > 1 the workers shard the actor with FSDP2; each still hosts a full rollout
+engine.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""A rollout replica: the server(s) serving one model copy, placed by layout (seed §3.3, §5).
-
-HYBRID: the engine lives inside workers that already exist (training workers, or the driver
-process itself); no new process, no new devices. COLOCATED: a new server process placed on
-bundles of an existing Ray placement group (devices shared with another role). STANDALONE: a
-new server process on a placement group of its own devices: one bundle holding the whole
-footprint (TP devices), so the engine's own workers see every device it was told about. Every
-replica here spans one node and runs one server, its main server; verbs reach its servers
-through ServerManager.control, the one fan-out.
-"""
+"""A rollout replica: the server serving one model copy, placed by layout (seed §3.3, §5;
+docs/serving.md, "Layouts"): HYBRID inside workers that already exist (no new process or devices),
+COLOCATED as a new process on bundles of another role's placement group, STANDALONE as a new process
+on one bundle of its own holding the whole footprint (TP devices). Verbs reach its servers through
+ServerManager.control."""
 
 from __future__ import annotations
 
