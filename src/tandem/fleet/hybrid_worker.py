@@ -232,8 +232,6 @@ class HybridWorker(RolloutServer):
         if self.rank == 0:
             from transformers import AutoTokenizer
 
-            from tandem.models.tiny import resolve_model_path
-
             tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(self.config.model.path))
             tokenizer.save_pretrained(f"{directory}/actor")
             if self.actor.uses_lora and self.config.actor.lora.save_merged:

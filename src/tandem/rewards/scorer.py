@@ -267,7 +267,6 @@ def _name(fn: Callable) -> str:
 
 
 def _callable(fn: Any, field: str) -> Callable:
-
     if not callable(fn):
         raise ConfigError(f"{field}: {fn!r} is not callable; give a function")
     return fn
