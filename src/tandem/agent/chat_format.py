@@ -54,12 +54,9 @@ class ChatFormat:
 
     def tool_turn_ids(self, tool_messages: Sequence[dict[str, Any]], after_stop_token: bool
                       ) -> list[int]:
-        """Tokens that follow a finished assistant turn: its closing boundary, the rendered
-        tool messages and the next generation prompt.
-
-        after_stop_token: the model's tokens already end with the end-of-turn token, so the
-        delta starts after it; otherwise the delta includes it.
-        """
+        """Tokens that follow a finished assistant turn: its closing boundary (the end-of-turn token
+        too, unless after_stop_token: the model's tokens already end with it), the rendered tool
+        messages and the next generation prompt."""
         history = self._history
         full = self._render([*_DUMMY_HISTORY, *tool_messages], None, add_generation_prompt=True)
         if full[:len(history)] != history:

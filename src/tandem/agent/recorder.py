@@ -280,13 +280,10 @@ class ChatRecorder:
 
     async def complete(self, key: str, messages: list[dict[str, Any]], tools: list[dict] | None,
                        request: dict[str, Any]) -> list[Completion]:
-        """Run one chat call of session `key`: n choices, each recorded on its branch.
-
-        request: n, max_tokens, temperature, top_p, seed and stop (a list of strings).
-        Rendering runs in a thread; the session changes only once the call has its replies
-        (a failed or cancelled call leaves it as it was, a new session is not kept), except
-        that messages overflowing the token budget are recorded as the branch's end.
-        """
+        """Run one chat call of session `key` (request: n, max_tokens, temperature, top_p, seed,
+        stop): n choices, each recorded on its branch. Rendering runs in a thread; the session
+        changes only once the call has its replies (a failed or cancelled call leaves it as it was),
+        except that messages overflowing the token budget are recorded as the branch's end."""
         normalized = [normalize(message) for message in messages]
         if not normalized:
             raise RequestError(400, "messages must not be empty", param="messages")
