@@ -60,11 +60,8 @@ class ForwardOutput:
 
 def response_head_outputs(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool,
                           output_key: str = "logits", share_prompts: bool = True) -> torch.Tensor:
-    """Run `model` and return its `output_key` at the positions predicting response tokens.
-
-    `model(input_ids, position_ids, attention_mask, use_cache, logits_to_keep)` is the HF causal
-    LM call (ValueModel mirrors it). Returns [sum R_i, ...] in batch order.
-    """
+    """Run `model` (the HF causal LM call, which ValueModel mirrors) and return its `output_key` at
+    the positions predicting response tokens: [sum R_i, ...] in batch order."""
     def run(positions: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
         return getattr(model(**inputs, use_cache=False, logits_to_keep=positions), output_key)
 
@@ -135,13 +132,11 @@ def actor_forward(model: torch.nn.Module, batch: TensorDict, use_remove_padding:
                   temperature: float = 1.0, calculate_entropy: bool = False, entropy_grad: bool = True,
                   logits_chunk_bytes: int | None = DEFAULT_CHUNK_BYTES, share_prompts: bool = True
                   ) -> ForwardOutput:
-    """Log-probabilities (and entropy) of every response token under `model`.
-
-    With a plain linear LM head they come from the hidden states in chunks of at most
-    `logits_chunk_bytes` of logits (lm_head.py); `None`, or another head, takes the full logits.
-    `entropy_grad=False` computes the entropy without gradient (for metrics only);
-    `share_prompts` computes a prompt shared by several samples once (packed_sdpa, packed only).
-    """
+    """Log-probabilities (and entropy) of every response token under `model`: from the hidden states
+    in chunks of at most `logits_chunk_bytes` of logits with a plain linear LM head (lm_head.py),
+    else (or with None) from the full logits. `entropy_grad=False`: entropy without gradient
+    (metrics only); `share_prompts`: a prompt shared by several samples computed once (packed_sdpa
+    only)."""
     labels = field_values(batch["responses"]).to(_model_device(model))
     lengths = field_lengths(batch["responses"])
     head = plain_linear_head(model) if logits_chunk_bytes is not None else None

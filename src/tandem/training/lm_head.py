@@ -25,11 +25,8 @@ def chunk_tokens(vocab_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int
 
 
 def plain_linear_head(model: torch.nn.Module) -> torch.nn.Linear | None:
-    """The model's LM head if logits = head(decoder hidden states) exactly, else None.
-
-    None for heads with softcapping or logit scaling, and for FSDP-sharded heads (their weights
-    are gathered only inside the root module's own forward).
-    """
+    """The model's LM head if logits = head(decoder hidden states) exactly, else None (softcapping,
+    logit scaling, or FSDP-sharded weights that only the root module's forward gathers)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear) or hasattr(head.weight, "to_local") or not hasattr(model, "get_decoder"):
         return None

@@ -1,12 +1,8 @@
-"""What each process does in one cross-process sync: the sender (training ranks) and the
-receivers (an engine: anything with stage_weights / commit_weights). The trainer's
-cross-process sync (tandem.fleet.weight_sync) drives them in the seed's order.
-
-Every blocking part of a sync (rendezvous, transfer, the FSDP gathers) runs in a fresh thread
-that exits when the sync ends: the caller's event loop keeps answering (a server still reports
-its version, a stuck transfer can be cancelled), and the torch work of the sync never leaves a
-second OpenMP team behind in a rollout process (docs/engine.md, "One OpenMP team per process").
-"""
+"""What each process does in one cross-process sync: the sender (training ranks) and the receivers
+(an engine: anything with stage_weights / commit_weights), driven by tandem.fleet.weight_sync. Every
+blocking part (rendezvous, transfer, the FSDP gathers) runs in a fresh thread that exits when the
+sync ends: the caller's event loop keeps answering, and no second OpenMP team stays behind in a
+rollout process (docs/engine.md, "One OpenMP team per process")."""
 
 from __future__ import annotations
 
