@@ -165,10 +165,9 @@ class HybridWorker(RolloutServer):
         return [parameter._version for parameter in self.actor.model.parameters()]
 
     async def load_actor_weights(self, version: int) -> None:
-        """Load the actor's weights into this process's engine through the naive checkpoint
-        engine and stamp `version` (the engine's weights must be awake). The first sync of a
-        fresh run (version 0, actor and engine loaded from the same files, nothing changed
-        since) has nothing to copy and is skipped."""
+        """Load the actor's weights into this process's (awake) engine through the naive checkpoint
+        engine and stamp `version`; the first sync of a fresh run (version 0, both loaded from the
+        same files, unchanged since) has nothing to copy and is skipped."""
         unchanged = self._engine_matches_actor_at == self._actor_versions()
         if not (version == 0 and unchanged):
             await self.checkpoint_engine.sync(self.actor.export_weights(), self, version)
@@ -212,10 +211,9 @@ class HybridWorker(RolloutServer):
         return self._sync_engine
 
     async def send_weights(self, plan: SyncPlan) -> dict[str, float]:
-        """Every training rank, concurrently with the receivers: the full tensors of the
-        (FSDP2-sharded) actor are gathered one at a time; rank 0 sends them through the engine
-        of build_sync_plan, the other ranks only take part in the gathers. A plan that sends
-        what encode_weights_ahead prepared reads no weights. Returns seconds per phase."""
+        """Every training rank, concurrently with the receivers: the (FSDP2-sharded) actor's full
+        tensors are gathered one at a time and rank 0 sends them through build_sync_plan's engine (a
+        plan encoded ahead reads no weights). Returns seconds per phase."""
         engine = self._sync_engine if self.rank == 0 else None
         if self.rank == 0 and engine is None:
             raise RuntimeError("send_weights on rank 0 before build_sync_plan")

@@ -56,11 +56,10 @@ async def run_in_fresh_thread(function: Callable[[], T], name: str) -> T:
 async def receive_into(backend: Any, plan: SyncPlan, rank: int, who: str,
                        engine_kwargs: dict[str, Any] | None = None,
                        progress: dict[str, Any] | None = None) -> dict[str, float]:
-    """Join `plan` as receiver `rank`: rendezvous, stage the whole stream (checked) in the
-    backend (double-buffered: check the inactive slot the sender wrote), finalize, then swap it
-    in (flip) and stamp plan.version. Any failure leaves the backend on
-    its previous complete version and raises WeightSyncError. Returns seconds per phase;
-    progress["tensors_received"] counts the stream as it arrives."""
+    """Join `plan` as receiver `rank`: rendezvous, stage the whole stream, checked (double-buffered:
+    the inactive slot the sender wrote), finalize, then swap it in and stamp plan.version; a failure
+    raises WeightSyncError with the backend on its previous version. Returns seconds per phase;
+    progress["tensors_received"] counts the stream."""
     progress = {} if progress is None else progress
     progress["tensors_received"] = 0
 
