@@ -83,7 +83,9 @@ class RolloutReplica:
     async def init_hybrid(self, hosts: Sequence[Any]) -> None:
         """Start the engine inside existing workers: local RolloutServer objects (the driver
         process) or Ray handles of actors whose class subclasses RolloutServer."""
-        self._check_hosts(hosts)
+        if len(hosts) != self.world_size:
+            raise ValueError(f"replica {self.replica_rank}: got {len(hosts)} hybrid worker(s) for "
+                             f"a footprint of {self.world_size}")
         self._begin(ReplicaLayout.HYBRID)
         # The workers already own their devices and threads: nothing is placed or pinned.
         await self._start([hosts[0]], torch_threads=None)
@@ -120,11 +122,6 @@ class RolloutReplica:
                                f"{self.layout.value}")
         self.layout = layout
 
-    def _check_hosts(self, hosts: Sequence[Any]) -> None:
-        if len(hosts) != self.world_size:
-            raise ValueError(f"replica {self.replica_rank}: got {len(hosts)} hybrid worker(s) for "
-                             f"a footprint of {self.world_size}")
-
     def _place_server(self, group: PlacementGroup, bundle_index: int,
                       resources: dict[str, float]) -> Any:
         return RolloutServerActor.options(**in_bundle(group, bundle_index, resources)).remote(
@@ -151,11 +148,6 @@ class RolloutReplica:
         if not self.servers:
             raise RuntimeError(f"replica {self.replica_rank} is not initialised")
         return self.servers[0]
-
-    @property
-    def address(self) -> str:
-        """node_ip:pid of the main server."""
-        return self.infos[0].address
 
     @property
     def is_remote(self) -> bool:

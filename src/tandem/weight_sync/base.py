@@ -115,6 +115,3 @@ class CheckpointEngine(ABC):
 
     def close(self) -> None:
         """Release what outlives one sync (nothing by default)."""
-
-    def _peer_of(self, rank: int) -> str:
-        return "sender" if rank == 0 else f"receiver {rank}"

@@ -138,7 +138,7 @@ class ShmCheckpointEngine(CheckpointEngine):
         count = 0
         for index, bucket in enumerate(tensor_buckets(named_tensors, self.plan.bucket_bytes)):
             if index >= N_BUFFERS:
-                wait_keys(self._store, {f"consumed/{index - N_BUFFERS}/{r}": self._peer_of(r)
+                wait_keys(self._store, {f"consumed/{index - N_BUFFERS}/{r}": f"receiver {r}"
                                         for r in receivers}, self.plan.timeout_s, "send")
             chunks = fill_bucket(self._buffers[index % N_BUFFERS], bucket)
             if self.device == "cuda":
