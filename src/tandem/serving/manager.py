@@ -73,7 +73,8 @@ class ServerManager:
         if remote and not ray.is_initialized():
             raise RuntimeError(f"the {layout.value} layout starts Ray actors: call ray.init() "
                                "first")
-        manager = cls(config, options, layout, LoadBalancerActor.remote() if remote else LoadBalancer())
+        balancer = LoadBalancerActor.remote() if remote else LoadBalancer()
+        manager = cls(config, options, layout, balancer)
         if layout is ReplicaLayout.HYBRID:
             inits = [r.init_hybrid(hosts[r.replica_rank * world_size:][:world_size])
                      for r in replicas]
