@@ -1,23 +1,17 @@
-"""tandem's fused CPU kernels (csrc/cpu_kernels.cpp), compiled on first use.
+"""tandem's fused CPU kernels (csrc/cpu_kernels.cpp), compiled on first use (docs/engine.md,
+"Fused CPU kernels").
 
-They replace the chains of small torch ops of the native engine's CPU fp32 step: decode
-attention reading the paged K/V in place, RMSNorm (with the residual add fused), rotary
-embedding fused with the KV-cache write, and silu(gate) * up; and the two passes of the weight
-handoff's write into a slot (copy, then checksum) with one (`copy_and_sum`, `sum_words`:
-weight_sync/slots.py). `load()` builds them once per machine with torch's
-extension builder (g++ and ninja, 5-25 s; cached in `$TORCH_EXTENSIONS_DIR` or
-`~/.cache/torch_extensions`, in a folder named after a hash of the source, flags, torch
-version and location, and the CPU's instruction-set flags, since `-march=native` code may not
-run elsewhere) and registers them as `torch.ops.tandem_cpu.*`. The source is compiled from a
-copy in that folder, so checkouts at different paths share one build instead of rebuilding in
-turn; once a build has succeeded (the `READY` file) later processes load the library directly,
-without the builder (~1 s less start-up). Concurrent processes share one build
-(torch's lock file); a lock older than `STALE_LOCK_S` is left by a build that died and is
-removed, and a build that takes longer than `BUILD_TIMEOUT_S` is given up on, so a start never
-hangs on it.
-
-If they cannot be built (no compiler), tandem logs why, once, and runs the same computation with
-torch ops (the path CUDA and bf16 always take); `TANDEM_CPU_KERNELS=0` chooses that path.
+They replace the chains of small torch ops of the native engine's CPU fp32 step (decode
+attention reading the paged K/V in place, RMSNorm with the residual add fused, rotary fused with
+the KV-cache write, silu(gate) * up) and the two passes of a weight-slot write with one
+(`copy_and_sum`, `sum_words`: weight_sync/slots.py). `load()` builds them once per machine with
+torch's extension builder into a folder named after a hash of the source, flags, torch and the
+CPU's instruction sets, and registers them as `torch.ops.tandem_cpu.*`; once a build succeeded
+(`READY`) later processes load the library without the builder. A lock older than
+`STALE_LOCK_S` (a build that died) is removed and a build past `BUILD_TIMEOUT_S` is given up on,
+so a start never hangs on it. Without a compiler tandem logs why, once, and runs the same
+computation with torch ops (the path CUDA and bf16 always take); `TANDEM_CPU_KERNELS=0` chooses
+that path.
 """
 
 from __future__ import annotations

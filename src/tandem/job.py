@@ -48,8 +48,7 @@ class Trainer:
                 from tandem.config.load import ConfigError
 
                 raise ConfigError(str(error)) from None
-        self.command = "train"
-        check_job(config, self.command, self.rewards, self.tools)
+        check_job(config, "train", self.rewards, self.tools)
 
     @property
     def output_dir(self) -> Path:

@@ -20,12 +20,9 @@ MAX_TOP_K = (1 << 31) - 1  # no vocabulary is larger; the engine also checks its
 
 @dataclass
 class TokenOutput:
-    """Tokens one generate call produced, one logprob per token, and the weight version(s).
-
-    extra_fields["global_steps"] is the weight version that produced the tokens; results that
-    span a weight update (resumed requests) also carry "min_global_steps" / "max_global_steps".
-    extra_fields["version_runs"] (see `version_runs`) gives the version of every token, in order.
-    """
+    """Tokens one generate call produced, one logprob per token, and extra_fields: "global_steps"
+    (the weight version that produced them), "min_global_steps" / "max_global_steps" for results
+    spanning a weight update, and "version_runs" (`version_runs`: every token's version)."""
 
     token_ids: list[int]
     log_probs: list[float] | None
@@ -96,13 +93,10 @@ class WeightPatch:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One generate call, the record every layer passes on (client -> server -> backend).
-
-    `request_id` is the caller's id (sticky routing); `sampling` the unified sampling dict
-    (SamplingParams.from_dict validates it). `multi_modal_data` (e.g. {"image": [...]}) and
-    `adapter` (a LoRA adapter name) are carried for backends that take them; one that does not
-    refuses a request setting them (BaseRollout.check_request).
-    """
+    """One generate call, the record every layer passes on (client -> server -> backend): the
+    caller's `request_id` (sticky routing), prompt ids and the unified `sampling` dict;
+    `multi_modal_data` and `adapter` go to backends that take them, and one that does not refuses
+    them (BaseRollout.check_request)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -135,12 +129,9 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """The unified sampling dict, validated. Backends translate it into their own API.
-
-    temperature 0 (or below TEMPERATURE_FLOOR) means greedy; top_k -1 and top_p 1 disable those
-    filters; max_tokens is the token budget of this call; logprobs asks for one sampled-token
-    logprob per token. Wrong types are rejected, never coerced.
-    """
+    """The unified sampling dict, validated (wrong types are rejected, never coerced); backends
+    translate it into their own API. temperature 0 (or below TEMPERATURE_FLOOR) is greedy; top_k -1
+    and top_p 1 disable those filters; max_tokens is this call's token budget."""
 
     temperature: float = 1.0
     top_p: float = 1.0

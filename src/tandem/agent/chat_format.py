@@ -1,11 +1,8 @@
-"""Chat messages -> token ids through an HF tokenizer's chat template, without re-tokenizing.
-
-The prompt is rendered once. A later tool turn is rendered as a *delta*: the template is applied
-to a fixed dummy conversation with and without the tool messages, and the tokens after the
-assistant's end-of-turn token are taken. So boundary tokens the template puts between turns
-("\\n", separators, the next "<|im_start|>assistant\\n") land in the stream exactly as the
-template would write them, and the model's own tokens are never decoded and encoded again.
-Special tokens come from the template only: text in the messages is tokenized as text
+"""Chat messages -> token ids through an HF tokenizer's chat template, without re-tokenizing
+(docs/agent_loops.md, "The token stream"). The prompt is rendered once; a later tool turn is
+the *delta* the template adds after the assistant's end-of-turn token in a fixed dummy
+conversation, so boundary tokens land exactly as the template writes them and the model's own
+tokens are never decoded and encoded again. Special tokens come from the template only
 (agent/special_tokens.py), so a tool result cannot forge a turn.
 """
 
@@ -57,12 +54,9 @@ class ChatFormat:
 
     def tool_turn_ids(self, tool_messages: Sequence[dict[str, Any]], after_stop_token: bool
                       ) -> list[int]:
-        """Tokens that follow a finished assistant turn: its closing boundary, the rendered
-        tool messages and the next generation prompt.
-
-        after_stop_token: the model's tokens already end with the end-of-turn token, so the
-        delta starts after it; otherwise the delta includes it.
-        """
+        """Tokens that follow a finished assistant turn: its closing boundary (the end-of-turn token
+        too, unless after_stop_token: the model's tokens already end with it), the rendered tool
+        messages and the next generation prompt."""
         history = self._history
         full = self._render([*_DUMMY_HISTORY, *tool_messages], None, add_generation_prompt=True)
         if full[:len(history)] != history:

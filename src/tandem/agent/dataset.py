@@ -1,12 +1,8 @@
 """Prompt datasets: rows of raw chat messages plus metadata, from JSONL or parquet files or HF
-`datasets` (a save_to_disk directory, or data files); nothing tokenized.
-
-Columns read (seed §6.1): the prompt messages (data.prompt_key, default "prompt"), data_source,
-ground_truth (or reward_model.ground_truth), reward_model, extra_info, tools_kwargs and
-interaction_kwargs (top level, or inside extra_info), and two per-row overrides: rollout_n
-(sessions for this prompt) and do_sample (False: greedy in training). Every column stays in
-`raw`. Each row handed out gets a fresh uid, the key GRPO groups its n trajectories by.
-Every error names the file and the row (or line).
+`datasets`; nothing tokenized. The columns read and the per-row overrides (rollout_n,
+do_sample) are in docs/agent_loops.md, "Dataset rows"; every column stays in `raw`. Each row
+handed out gets a fresh uid, the key GRPO groups its n trajectories by. Every error names the
+file and the row (or line).
 """
 
 from __future__ import annotations

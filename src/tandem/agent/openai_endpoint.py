@@ -1,14 +1,11 @@
 """An OpenAI-compatible chat endpoint over the rollout servers (FastAPI + uvicorn).
 
-POST /v1/chat/completions and GET /v1/models. Calls go through a ChatRecorder (rendering with
-the model's chat template, tool-call parsing, token-exact session recording) and its
-TokenClient (the serving client: balancer, sticky on the session id). The session id is the
-`X-Session-Id` header, else the request's `user` field, else a fresh id per call.
-
-Untrusted input stops at the door: a body over the size limit is a 413, malformed JSON, deep
-nesting, lone surrogates and out-of-range fields are a 400 naming the field (http_guard.py);
-parsing and rendering run off the event loop; a client that disconnects cancels its
-generation. Only a call that passes validation creates a session.
+POST /v1/chat/completions and GET /v1/models, through a ChatRecorder and its TokenClient
+(sticky on the session id: the `X-Session-Id` header, else `user`, else a fresh id per call).
+Every request is untrusted (docs/serving.md, "The OpenAI-compatible endpoint's limits"): bad
+bodies are a 400 or 413 naming the field (http_guard.py), parsing and rendering run off the
+event loop, a client that disconnects cancels its generation, and only a call that passes
+validation creates a session.
 """
 
 from __future__ import annotations

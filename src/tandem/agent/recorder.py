@@ -1,12 +1,8 @@
-"""Token-exact recording of OpenAI-style chat sessions (the endpoint's side of `openai_agent`).
-
-A session is a sequence of chat-completion calls sharing one session id. Each call either
-*extends* a branch (its messages are that branch's conversation, the assistant reply we returned,
-then only new tool/user messages): the new prompt is the branch's prompt + every token so far +
-the template's delta for the new messages, exactly as the built-in tool loop appends it, so
-sampled tokens are never decoded and encoded again. Any other call *forks*: a new branch renders
-the messages from scratch, and `forks` counts it. Every branch becomes one Trajectory (sampled
-tokens mask 1 + logprobs, everything else mask 0 + 0.0).
+"""Token-exact recording of OpenAI-style chat sessions (the endpoint's side of `openai_agent`;
+docs/agent_loops.md, "Bring your own agent"). A call *extends* a branch when its messages are
+that branch's conversation, the reply we returned, then only new tool/user messages: the new
+prompt is the branch's tokens + the template's delta, as the tool loop appends it. Any other
+call *forks* a new branch (`forks` counts it). Every branch becomes one Trajectory.
 """
 
 from __future__ import annotations
@@ -284,13 +280,10 @@ class ChatRecorder:
 
     async def complete(self, key: str, messages: list[dict[str, Any]], tools: list[dict] | None,
                        request: dict[str, Any]) -> list[Completion]:
-        """Run one chat call of session `key`: n choices, each recorded on its branch.
-
-        request: n, max_tokens, temperature, top_p, seed and stop (a list of strings).
-        Rendering runs in a thread; the session changes only once the call has its replies
-        (a failed or cancelled call leaves it as it was, a new session is not kept), except
-        that messages overflowing the token budget are recorded as the branch's end.
-        """
+        """Run one chat call of session `key` (request: n, max_tokens, temperature, top_p, seed,
+        stop): n choices, each recorded on its branch. Rendering runs in a thread; the session
+        changes only once the call has its replies (a failed or cancelled call leaves it as it was),
+        except that messages overflowing the token budget are recorded as the branch's end."""
         normalized = [normalize(message) for message in messages]
         if not normalized:
             raise RequestError(400, "messages must not be empty", param="messages")

@@ -14,11 +14,8 @@ from tandem.types import TokenOutput, expand_version_runs
 @dataclass
 class ResponseBuilder:
     """Appends policy tokens (mask 1, sampled logprob, the weight version that sampled it) and
-    context tokens (mask 0, logprob 0.0, version -1).
-
-    expect_log_probs: the sampling dict asked for logprobs, so a missing one is an error; when
-    False the policy tokens get logprob 0.0 too (nothing may read rollout_log_probs then).
-    """
+    context tokens (mask 0, logprob 0.0, version -1). With expect_log_probs a missing logprob is an
+    error; without, policy tokens get 0.0 too (nothing may read rollout_log_probs then)."""
 
     prompt_ids: list[int]
     expect_log_probs: bool = True

@@ -1,13 +1,9 @@
 """Dataset rows -> n agent-loop sessions each -> Trajectories (seed §6.2).
 
-Each prompt gets n independent sessions (rollout.n in training, rollout.val_kwargs.n in
-validation, row.rollout_n overrides both), all sharing the row's uid; at most
-rollout.agent_concurrency sessions are in flight at once across all prompts. The request id
-of a session ("<uid>-<session_id>") is the same on every turn, so routing stays sticky.
-
-A session that raises (a broken tool, a client error, a reward function that throws) fails
-alone: it is left out of the result and recorded in `failures`, so its group trains on the
-sessions that finished; only a call in which every session fails raises (AllSessionsFailed).
+Each prompt gets n sessions sharing its uid (rollout.n, val_kwargs.n, or the row's rollout_n),
+at most rollout.agent_concurrency in flight across all prompts; a session's request id is the
+same on every turn, so routing stays sticky. A session that raises fails alone: it is left out
+and recorded in `failures`; only a call in which every session fails raises (AllSessionsFailed).
 """
 
 from __future__ import annotations

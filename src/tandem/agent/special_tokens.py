@@ -1,12 +1,9 @@
 """Special tokens come from the chat template only: text written by users, tools or API callers
 is tokenized as text, so a tool result holding "<|im_end|>\\n<|im_start|>user" cannot forge a turn.
 
-Every string of the messages (and tool schemas) that holds a special token's text is replaced by
-a placeholder before the template renders; the placeholders mark where caller text lies in the
-rendered string. The template's own special tokens split that string into runs, as the tokenizer
-itself splits on special tokens, and each run is encoded with `split_special_tokens=True`, so the
-caller's special-token text becomes ordinary text tokens. Without such text in any string the
-rendering is exactly `apply_chat_template(tokenize=True)`.
+Strings of the messages (and tool schemas) holding a special token's text are replaced by
+placeholders while the template renders; the template's own special tokens then split the
+rendered string into runs, each encoded with `split_special_tokens=True` (docs/agent_loops.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""The tool-calling loop: model turns (mask 1) interleaved with tool turns (mask 0, logprob 0.0).
-
-The prompt is rendered once with the tool schemas. Each model turn's tokens are appended as
-sampled; if it calls tools, their results are rendered as the template's tool messages and the
-delta tokens (closing boundary + tool messages + next generation prompt) are appended. The
-stream sent to the engine is always prompt + everything appended so far, never re-tokenized.
-
-stop_reason of the trajectory: "completed" (a turn without tool calls), "length" (response
-budget spent), "aborted" (an aborted result), "max_assistant_turns" or "max_user_turns".
-At most rollout.multi_turn.max_tool_calls_per_turn calls of a turn run (the rest get one error
-message), and each call gets rollout.multi_turn.tool_timeout_seconds, enforced here.
+"""The tool-calling loop: model turns (mask 1) interleaved with tool turns (mask 0, logprob 0.0;
+docs/agent_loops.md). The prompt is rendered once with the tool schemas; each model turn's
+tokens are appended as sampled and, if it calls tools, the template's delta for their results.
+The engine always gets the prompt + everything appended so far, never re-tokenized. At most
+rollout.multi_turn.max_tool_calls_per_turn calls of a turn run (the rest get one error
+message), each within rollout.multi_turn.tool_timeout_seconds, enforced here.
 """
 
 from __future__ import annotations

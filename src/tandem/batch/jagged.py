@@ -17,7 +17,6 @@ from tandem.batch.trajectory import Trajectory
 
 TOKEN_FIELDS = ("prompts", "responses", "input_ids", "position_ids", "response_mask", "loss_mask",
                 "rollout_log_probs", "response_versions")
-RESPONSE_FIELDS = ("responses", "response_mask", "loss_mask", "rollout_log_probs", "response_versions")
 NON_TENSOR_FIELDS = ("uid", "data_source", "stop_reason", "ground_truth", "reward_extra", "metadata")
 
 
@@ -83,12 +82,8 @@ def _stack_or_nest(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def trajectories_to_batch(trajectories: Sequence[Trajectory]) -> TensorDict:
-    """Build the jagged batch. Token ids, positions, masks and response_versions are int64;
-    logprobs float32.
-
-    `reward` [B] float32 is present only when every trajectory has one; a batch with some
-    rewards missing is an error (compute rewards for all or none).
-    """
+    """Build the jagged batch: token ids, positions, masks and response_versions int64, logprobs
+    float32; `reward` [B] float32 only when every trajectory has one (some missing is an error)."""
     if not trajectories:
         raise ValueError("trajectories_to_batch: got no trajectories; a batch needs at least one")
     columns: dict[str, list[torch.Tensor]] = {name: [] for name in TOKEN_FIELDS}

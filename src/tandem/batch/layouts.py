@@ -1,12 +1,8 @@
-"""The batch's other layouts: packed (remove padding) and dense (padded), the exact inverses,
-and the next-token-shifted response slice of full-sequence outputs (seed §7.3-§7.5).
-
-packed: every valid token of the batch in one row [1, T], positions restarting at 0 for each
-sequence, and `cu_seqlens` marking where each sequence starts. dense: prompts left-padded to
-[B, P], responses right-padded to [B, R], so every response starts at column P of input_ids.
-shared prompts: packed, with each distinct prompt once before all its responses, and the
-per-sample attention rows (`AttentionRows`) that let each response see its prompt.
-"""
+"""The batch's other layouts (seed §7.3-§7.5; docs/batches.md): packed (remove padding: every valid
+token in one row [1, T], positions restarting at 0 per sequence, `cu_seqlens`), dense (prompts
+left-padded to [B, P], responses right-padded to [B, R]), their exact inverses, shared prompts (each
+prompt once before its responses, with the `AttentionRows` that let each response see it), and the
+next-token-shifted response slice of full-sequence outputs."""
 
 from __future__ import annotations
 
@@ -22,11 +18,8 @@ RESPONSE_ALIGNED = ("response_mask", "loss_mask", "rollout_log_probs")
 
 
 def response_positions(sequence_ends: torch.Tensor, response_lengths: torch.Tensor) -> torch.Tensor:
-    """Flat indices [sum R_i] of the outputs that predict each response token.
-
-    A sequence ending (exclusive) at flat index `end` with R response tokens has them predicted
-    by positions end-R-1 .. end-2: the logits at t score the token at t+1.
-    """
+    """Flat indices [sum R_i] of the outputs that predict each response token: a sequence ending
+    (exclusive) at flat index `end` with R response tokens has them at end-R-1 .. end-2."""
     response_lengths = response_lengths.long()
     return ragged_ranges(sequence_ends.long() - response_lengths - 1, response_lengths)
 

@@ -30,11 +30,9 @@ def padding_trajectory(eos_token_id: int, weight_version: int = 0, with_reward: 
 
 
 def pad_to_multiple(batch: TensorDict, multiple: int, eos_token_id: int) -> TensorDict:
-    """Append padding samples until the sample count divides by `multiple`.
-
-    Extra fields computed after batching are padded with zeros: [B] scalars, response-aligned
-    fields (length R_i) with one 0, whole-sequence fields (length P_i+R_i) with two 0s.
-    """
+    """Append padding samples until the sample count divides by `multiple`. Fields computed after
+    batching are padded with zeros: [B] scalars, response-aligned fields with one 0, whole-sequence
+    fields with two."""
     if multiple < 1:
         raise ValueError(f"pad_to_multiple: multiple={multiple} must be >= 1 "
                          "(lcm of the data-parallel size and the mini-batch size)")

@@ -1,15 +1,12 @@
-"""How many devices one rollout replica occupies, how many replicas a pool holds, and which
-fleet layouts are built (checked at load time, so what the config accepts is what runs).
+"""How many devices one rollout replica occupies, how many replicas a pool holds, and which fleet
+layouts are built, checked at load time (docs/serving.md, "Footprint and replica count").
 
-Layout: with rollout devices of their own (rollout.nnodes x rollout.n_gpus_per_node > 0, any
-trainer mode) the rollout runs as STANDALONE replicas; without, inside the training workers
-(HYBRID; not for separate_async, whose rollout never stops for training). Each standalone
-replica reserves its devices wherever Ray finds them: nothing spreads replicas over nodes, so
-rollout.nnodes is 0 (hybrid) or 1 and rollout.n_gpus_per_node counts the pool's devices.
-
-world_size = TP: data-parallel engine ranks, pipeline parallelism and prefill/decode
-disaggregation are refused until a backend runs them (their fields stay in the schema so a
-config naming them gets this error, not an unknown-key one).
+With rollout devices of their own (rollout.nnodes x rollout.n_gpus_per_node > 0, any trainer mode)
+the rollout runs as STANDALONE replicas; without, inside the training workers (HYBRID; not for
+separate_async). Nothing spreads replicas over nodes, so rollout.nnodes is 0 or 1. world_size = TP:
+data-parallel ranks, pipeline parallelism and prefill/decode disaggregation are refused until a
+backend runs them (their fields stay in the schema so that naming them gets this error, not an
+unknown-key one).
 """
 
 from __future__ import annotations
@@ -29,8 +26,6 @@ def replica_world_size(config: RolloutConfig) -> int:
 
 def replica_count(total_devices: int, world_size: int) -> int:
     """Replicas that fit in total_devices; zero is an error naming both numbers."""
-    if world_size < 1:
-        raise ValueError(f"replica world_size must be >= 1, not {world_size}")
     count = total_devices // world_size
     if count == 0:
         raise ConfigError(f"rollout: {total_devices} device(s) cannot hold one replica of "

@@ -1,12 +1,8 @@
 """The rollout fleet of one run: Ray, placement, the training workers, the rollout servers, the
-client each mode uses and the one weight-sync seam, behind the calls a mode's phase order names.
-
-Layout, chosen once from the config (config/footprint.py): without rollout devices of their
-own the engines live in the training workers (HYBRID; weights move in-process); with them
-(rollout.nnodes x rollout.n_gpus_per_node > 0) the rollout is STANDALONE replicas, synced
-across processes (and hosts) by a checkpoint engine. Every mode runs on either layout (except
-separate_async, which needs standalone replicas); the mode only decides the order of the calls.
-"""
+client each mode uses and the one weight-sync seam, behind the calls a mode's phase order names. The
+layout is chosen once from the config (config/footprint.py): HYBRID, the engines inside the training
+workers, or STANDALONE replicas when the rollout has devices of its own; the mode only decides the
+order of the calls."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """One device of the HYBRID layout: the training engines and a rollout engine in one process.
 
-The worker *is* a rollout server (the balancer routes generate calls to it) and also holds the
-actor (and the reference / critic when the config needs them). Weight sync into its own engine
-is therefore in-process: the `naive` checkpoint engine hands the actor's (name, tensor) stream
-to the rollout engine (load_actor_weights, driven by fleet.weight_sync.InProcessSync). For rollout
-servers in their own processes the worker is the sending side of a sync (encode_weights_ahead,
-build_sync_plan, send_weights) driven by fleet.weight_sync.CrossProcessSync. With trainer.n_devices > 1
-the workers form a torch.distributed group and the actor is sharded with FSDP2; each worker
-still hosts a full rollout engine (one replica per worker).
+The worker *is* a rollout server (the balancer routes generate calls to it) and holds the actor (and
+the reference / critic the config needs). It loads the actor's weights into its own engine
+in-process (load_actor_weights, for InProcessSync) and is the sending side of a sync into servers of
+their own (encode_weights_ahead, build_sync_plan, send_weights, for CrossProcessSync). With
+trainer.n_devices > 1 the workers shard the actor with FSDP2; each still hosts a full rollout
+engine.
 """
 
 from __future__ import annotations
@@ -167,10 +165,9 @@ class HybridWorker(RolloutServer):
         return [parameter._version for parameter in self.actor.model.parameters()]
 
     async def load_actor_weights(self, version: int) -> None:
-        """Load the actor's weights into this process's engine through the naive checkpoint
-        engine and stamp `version` (the engine's weights must be awake). The first sync of a
-        fresh run (version 0, actor and engine loaded from the same files, nothing changed
-        since) has nothing to copy and is skipped."""
+        """Load the actor's weights into this process's (awake) engine through the naive checkpoint
+        engine and stamp `version`; the first sync of a fresh run (version 0, both loaded from the
+        same files, unchanged since) has nothing to copy and is skipped."""
         unchanged = self._engine_matches_actor_at == self._actor_versions()
         if not (version == 0 and unchanged):
             await self.checkpoint_engine.sync(self.actor.export_weights(), self, version)
@@ -214,10 +211,9 @@ class HybridWorker(RolloutServer):
         return self._sync_engine
 
     async def send_weights(self, plan: SyncPlan) -> dict[str, float]:
-        """Every training rank, concurrently with the receivers: the full tensors of the
-        (FSDP2-sharded) actor are gathered one at a time; rank 0 sends them through the engine
-        of build_sync_plan, the other ranks only take part in the gathers. A plan that sends
-        what encode_weights_ahead prepared reads no weights. Returns seconds per phase."""
+        """Every training rank, concurrently with the receivers: the (FSDP2-sharded) actor's full
+        tensors are gathered one at a time and rank 0 sends them through build_sync_plan's engine (a
+        plan encoded ahead reads no weights). Returns seconds per phase."""
         engine = self._sync_engine if self.rank == 0 else None
         if self.rank == 0 and engine is None:
             raise RuntimeError("send_weights on rank 0 before build_sync_plan")
@@ -233,8 +229,6 @@ class HybridWorker(RolloutServer):
         self.actor.save_checkpoint(f"{directory}/actor", extra)
         if self.rank == 0:
             from transformers import AutoTokenizer
-
-            from tandem.models.tiny import resolve_model_path
 
             tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(self.config.model.path))
             tokenizer.save_pretrained(f"{directory}/actor")

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import ray
 from ray.util.placement_group import PlacementGroup
 
+from tandem.config.footprint import reward_devices, rollout_devices
 from tandem.config.schema import TandemConfig
 from tandem.serving import placement as serving_placement
 
@@ -40,17 +41,16 @@ def ray_init_kwargs(config: TandemConfig) -> dict[str, Any]:
     # worker_niceness 0: Ray's default (15) starves the workers on a busy machine.
     # address "local": a cluster of its own, never the last one `ray start` left on this machine
     return {"address": "local",
-            "num_cpus": max(os.cpu_count() or 1, config.trainer.n_devices + standalone_rollout_devices(config)
-                            + reward_cpus(config)),
+            "num_cpus": max(os.cpu_count() or 1, config.trainer.n_devices
+                            + rollout_devices(config) + reward_devices(config)),
             "include_dashboard": False, "logging_level": logging.WARNING,
             "log_to_driver": True, "_system_config": {"worker_niceness": 0}}
 
 
 def init_ray(config: TandemConfig) -> None:
-    """Unless Ray is up already: join the configured cluster as it is, or start a local one with Ray's own choice of token
-    authentication (on since Ray 2.59 unless RAY_AUTH_MODE says otherwise) without Ray's notice
-    that it chose it, which it logs on every start (docs/trainer.md, "Ray's token
-    authentication")."""
+    """Unless Ray is up already: join the configured cluster as it is, or start a local one with
+    Ray's own choice of token authentication, without the notice Ray logs about it on every start
+    (docs/trainer.md, "Ray's token authentication")."""
     if ray.is_initialized():
         return
     kwargs = ray_init_kwargs(config)
@@ -95,31 +95,13 @@ def without_token_auth_notice() -> Iterator[None]:
         notice.removeFilter(keep)
 
 
-def standalone_rollout_devices(config: TandemConfig) -> int:
-    """Devices of the standalone rollout replicas (0: the engines live in the workers)."""
-    from tandem.config.footprint import rollout_devices
-
-    return rollout_devices(config)
-
-
-def reward_cpus(config: TandemConfig) -> int:
-    """CPUs the reward pools reserve (on cuda each reward device also holds one CPU)."""
-    from tandem.config.footprint import reward_devices
-
-    return reward_devices(config)
-
-
 def torch_threads(config: TandemConfig, cores: int | None = None) -> tuple[int, int]:
-    """(torch threads of each training worker, of each standalone rollout server).
-
-    A set value (actor.torch_threads, rollout.torch_threads) is used as is; 0 ("auto") gives
-    each such process an even share of the cores of this machine (`cores`) that the set values
-    leave. The processes that compute at the same time share: with standalone replicas the
-    training workers and the standalone servers; otherwise only the training workers, whose own
-    rollout engine alternates with training in the same process.
-    """
+    """(torch threads of each training worker, of each standalone rollout server): a set value
+    (actor.torch_threads, rollout.torch_threads) is used as is; 0 ("auto") gives each process that
+    computes at the same time (the workers, and the standalone servers if any) an even share of the
+    `cores` the set values leave."""
     cores = cores or len(os.sched_getaffinity(0))
-    workers, servers = config.trainer.n_devices, standalone_rollout_devices(config)
+    workers, servers = config.trainer.n_devices, rollout_devices(config)
     actor, rollout = config.actor.torch_threads, config.rollout.torch_threads
     unset = (0 if actor else workers) + (0 if rollout or not servers else servers)
     share = max(1, (cores - workers * actor - servers * rollout) // max(unset, 1))
@@ -131,7 +113,7 @@ def log_torch_threads(config: TandemConfig, hybrid: list[dict[str, int]], manage
     training threads; every standalone server's engine thread); warn when the processes
     computing at the same time ask for more threads than this machine has cores."""
     training = [threads["training"] for threads in hybrid]
-    separate = standalone_rollout_devices(config) > 0
+    separate = rollout_devices(config) > 0
     if separate:
         engines = [info.torch_threads for replica in manager.replicas.values() for info in replica.infos]
     else:

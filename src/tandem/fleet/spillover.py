@@ -1,23 +1,12 @@
-"""separate_async spillover (beyond the seed): while the trainer waits for data, the training
-workers' own (hybrid) engines join the balancer next to the standalone replicas, and leave
-before the next update.
+"""separate_async spillover (beyond the seed; docs/trainer.md, "Spillover"): while the trainer
+waits for data, the training workers' own (hybrid) engines join the balancer next to the
+standalone replicas, and leave before the next update.
 
-The fit loop joins right after a sync (and before the first step), before the bound admits the
-new version's groups: requests already generating stick to their servers, so only groups that
-start while the engines are in the balancer can be routed to them.
-
-join: wake the workers' engines -> sync the actor's weights into them in-process (version =
-the trainer's step) -> add them to the balancer. leave: remove them from the balancer with
-abort (their running requests come back "aborted" and the resumable client continues them on
-the standalone servers) -> count the tokens they returned (their own counters) -> sleep them
-(free their memory for training). The actor's weights must be the served version, so the fit
-loop keeps them only until the first mini-batch update after a sync. Every call is bounded:
-verbs (through the fleet's fan-out, ServerManager.control) by trainer.timeout_s, the sync by
-rollout.checkpoint_engine.timeout_s.
-
-The fleet's own seam is the cross-process sync of the standalone replicas; these engines live
-inside the training workers and must be loaded before they join the balancer, so they get the
-in-process seam (InProcessSync), built once here.
+The fit loop joins right after a sync, before the bound admits the new version's groups: a
+request sticks to its server, so only groups that start while the engines are in the balancer
+run there. Leaving removes them with abort (the resumable client continues their requests on
+the standalone servers) and puts them to sleep. These engines live inside the training workers
+and must be loaded before they join, so they get the in-process seam (InProcessSync).
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
-"""The fleet's one weight-sync seam: the actor's weights -> every rollout engine of a layout,
-as `await sync(version) -> SyncReport`, with two implementations chosen once by layout:
+"""The fleet's one weight-sync seam: the actor's weights -> every rollout engine of a layout, as
+`await sync(version) -> SyncReport`, with two implementations chosen once by layout:
 
 - HYBRID: `InProcessSync`: every training worker loads its actor's weights into the engine in
-  its own process (the `naive` checkpoint engine hands the stream over, no copy in between), all
-  workers at once, each within the deadline. Waking the engine's memory first is the mode's
-  business (its phase order shows it).
-- COLOCATED / STANDALONE: `CrossProcessSync` through a checkpoint engine of tandem.weight_sync,
-  in the seed's order (§10.3):
-
-      [encode ahead] -> abort unfinished requests -> release the KV cache (weights stay)
-      -> build topology -> actor send || every server receive + load -> finalize
-      -> resume KV cache -> resume generation
-
-  Encoding ahead (delta: finding what changed since the servers' version) runs while generation
-  still goes on, so it is no part of the pause (`sync/encode_s`, beside `sync/pause_s`). The
-  resumable client keeps the tokens of aborted requests and asks again once generation resumes.
-  With shm and engines that serve from two weight slots (double-buffered handoff,
-  weight_sync/slots.py) nothing is aborted or released: the actor writes every engine's inactive
-  slot while generation goes on, and each engine flips between two steps; the pause is the flip.
-  The verbs to the servers go through the fleet's one fan-out (ServerManager.control).
-  Every wait has the deadline rollout.checkpoint_engine.timeout_s; a server that is dead or stuck
-  before the transfer is left out of it (`SyncReport.left_out`), a failure during it raises
-  WeightSyncError naming the phase and the peer. Either way every server that took part resumes
-  generating, each on its last complete version (loads are all or nothing).
+  its own process (the `naive` checkpoint engine, no copy), all at once, each within the
+  deadline; waking the engine's memory first is the mode's business.
+- COLOCATED / STANDALONE: `CrossProcessSync` through a checkpoint engine, in the seed's order
+  (§10.3, `CrossProcessSync.sync`): encode ahead (delta, while generation goes on), abort,
+  release the KV cache, build topology, send || receive + load, resume KV cache and generation.
+  With shm into engines that serve from two weight slots nothing is aborted: the actor writes
+  each inactive slot and the engine flips. A server dead or stuck before the transfer is left
+  out (`SyncReport.left_out`); a failure during it raises WeightSyncError naming the phase and
+  the peer; either way every server resumes on its last complete version. Every wait has the
+  deadline rollout.checkpoint_engine.timeout_s.
 
 `choose_transport` resolves rollout.checkpoint_engine.backend=auto once the fleet knows where
 every server runs: shm when all share the sender's host, else nccl on CUDA, gloo on CPU.

@@ -1,20 +1,10 @@
-"""The reward of each trajectory, from the functions users already write.
-
-- verl's `compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict`
-  (reward.custom_function, or `Trainer(reward_fn=...)`): scores every row, whatever its
-  data_source; a dict gives the score under "score" and the rest as details (e.g. "acc").
-- TRL's batched `fn(prompts, completions, **columns) -> list[float | None]` (reward.reward_funcs,
-  or `Trainer(reward_funcs=[...])`): prompts and completions are chat messages, columns are the
-  dataset's other columns (one list each) plus completion_ids; None counts as 0.
-- Neither given: tandem's registry by data_source (tandem.rewards.registry), weighted by
-  reward.rule_weight (0 leaves it out).
-- Served (RewardScorer.add, by the fleet): a reward model or LLM judge (rewards/served.py),
-  each weighted by its own reward.model.weight / reward.judge.weight.
-
-Async functions are awaited, others run in a thread; each call is bounded by
-reward.timeout_seconds. Several functions add up with reward.weights. A function that raises
-or times out fails only its samples: reward 0, reward_extra["reward_failed"] = 1.0 (a batched
-call that raises is retried one sample at a time to find which).
+"""The reward of each trajectory, from the functions users already write (docs/api.md,
+"Rewards"): verl's per-sample `compute_score(data_source, solution_str, ground_truth,
+extra_info=None)`, TRL's batched `fn(prompts, completions, **columns)`, else tandem's registry
+by data_source (weighted by reward.rule_weight), plus served reward models and judges
+(RewardScorer.add). They add up with their weights. Each call is bounded by
+reward.timeout_seconds; a function that raises or times out fails only its samples: reward 0,
+reward_extra["reward_failed"] = 1.0 (a batched call that raises is retried one sample at a time).
 """
 
 from __future__ import annotations
@@ -277,7 +267,6 @@ def _name(fn: Callable) -> str:
 
 
 def _callable(fn: Any, field: str) -> Callable:
-
     if not callable(fn):
         raise ConfigError(f"{field}: {fn!r} is not callable; give a function")
     return fn

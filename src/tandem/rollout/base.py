@@ -141,11 +141,9 @@ class BaseRollout(ABC):
     @abstractmethod
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              version: int, partial: bool = False) -> None:
-        """Load HF-named tensors, invalidate the prefix cache, stamp `version` on tokens; all or
-        nothing: a stream that raises or holds a bad tensor leaves the previous version. The
-        version is an integer never below the served one; the stream is not empty and holds
-        every weight unless `partial` (an update that changes some weights only, e.g. an
-        adapter's; a delta sync sends every weight and is not partial)."""
+        """Load HF-named tensors, invalidate the prefix cache and stamp `version` (an integer, never
+        below the served one) on later tokens; all or nothing. The stream holds every weight unless
+        `partial` (an adapter's update; a delta sync is not partial)."""
 
     def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Any:
         """Receive and check a whole stream without touching the engine (may run in another

@@ -66,11 +66,8 @@ class LoadBalancer:
         self._handles[server_id] = handle
 
     def remove_server(self, server_id: str) -> None:
-        """Stop routing to a server; sticky entries pointing at it are dropped.
-
-        Its requests in flight are not touched: they finish on that server, and their releases
-        are counted down in `removed_in_flight`.
-        """
+        """Stop routing to a server and drop its sticky entries; its requests in flight finish there
+        (their releases count down `removed_in_flight`)."""
         if server_id not in self._loads:
             raise KeyError(f"server {server_id!r} is not registered; registered: "
                            f"{list(self._loads)}")

@@ -108,11 +108,9 @@ def _release(balancer: Any, server_id: str) -> asyncio.Future:
 
 
 class ServerClient:
-    """generate(GenerateRequest) -> TokenOutput through the balancer.
-
-    `balancer` is a LoadBalancer (local) or its Ray actor; `servers` maps server ids to local
-    RolloutServer objects or Ray handles (ids missing here are looked up in the balancer).
-    """
+    """generate(GenerateRequest) -> TokenOutput through the balancer (a LoadBalancer or its Ray
+    actor); `servers` maps server ids to local RolloutServers or Ray handles (an id missing there
+    is asked of the balancer)."""
 
     def __init__(self, balancer: Any, servers: dict[str, Any] | None = None,
                  timeout_s: float | None = None,
@@ -124,12 +122,8 @@ class ServerClient:
         self.stall_timeout_s = stall_timeout_s  # None: never probe the server
 
     async def generate(self, request: GenerateRequest) -> TokenOutput:
-        """Generate once with a fresh backend id on the server `route` picks (a dead or stalled
-        one is left and the request runs again from the same prompt on another: that server
-        returned no token, so none is lost or repeated).
-        extra_fields gets min_global_steps / max_global_steps (both = global_steps) unless set,
-        and version_runs (TokenOutput.version_runs: one run of global_steps unless set).
-        """
+        """Generate once, with a fresh backend id, on the server `route` picks; extra_fields gets
+        min_global_steps / max_global_steps (= global_steps unless set) and version_runs."""
         output = await route(self.balancer, request.request_id,
                              lambda server_id: self._generate_on(server_id, request), "server")
         steps = output.extra_fields["global_steps"]

@@ -56,15 +56,11 @@ class ServerManager:
                      layout: ReplicaLayout | str, *, hosts: Sequence[Any] | None = None,
                      placement_group: PlacementGroup | None = None,
                      bundle_indices: Sequence[int] | None = None,
-                     total_devices: int | None = None,
-                     max_sticky_entries: int = 100_000) -> "ServerManager":
-        """Create every replica for `layout` and register it with a fresh balancer.
-
-        HYBRID: `hosts` are the workers (one per device) that will host engines: local
-        RolloutServer objects or Ray handles of RolloutServer subclasses. COLOCATED:
-        `placement_group` (and optionally `bundle_indices`, one per device) of another role.
-        STANDALONE: `total_devices`, default rollout.nnodes x rollout.n_gpus_per_node.
-        """
+                     total_devices: int | None = None) -> "ServerManager":
+        """Create every replica for `layout` and register it with a fresh balancer: HYBRID in
+        `hosts` (the workers, local or Ray handles, one per device), COLOCATED on `bundle_indices`
+        (default: all) of another role's `placement_group`, STANDALONE on `total_devices` (default:
+        rollout.nnodes x rollout.n_gpus_per_node)."""
         layout = ReplicaLayout(layout)
         world_size = replica_world_size(config)
         if layout is ReplicaLayout.COLOCATED and placement_group is not None:
@@ -77,8 +73,7 @@ class ServerManager:
         if remote and not ray.is_initialized():
             raise RuntimeError(f"the {layout.value} layout starts Ray actors: call ray.init() "
                                "first")
-        balancer = (LoadBalancerActor.remote(max_sticky_entries) if remote
-                    else LoadBalancer(max_sticky_entries))
+        balancer = LoadBalancerActor.remote() if remote else LoadBalancer()
         manager = cls(config, options, layout, balancer)
         if layout is ReplicaLayout.HYBRID:
             inits = [r.init_hybrid(hosts[r.replica_rank * world_size:][:world_size])
@@ -171,15 +166,12 @@ class ServerManager:
     async def control(self, verb: str, *args: Any, replicas: Iterable[RolloutReplica] | None = None,
                       timeout_s: float | None = None,
                       on_error: Literal["raise", "leave_out"] = "raise") -> Answers:
-        """`verb` (serving.server.CONTROL_VERBS) on every server of `replicas` (default: the
-        fleet's) at once, each call within timeout_s (default: the replica's
-        options.control_timeout_s; past it a ControlTimeout names verb and server).
-
-        on_error="raise": a replica of the fleet whose actor died leaves it (and the balancer)
-        and is left out, so a dead server never blocks the trainer; any other error is raised
-        once every call has returned, with a note naming the server. on_error="leave_out": every
-        replica that failed is left out with its error and the fleet stays as it is (the caller
-        decides, e.g. the weight sync names the phase)."""
+        """`verb` (CONTROL_VERBS) on every server of `replicas` (default: the fleet's) at once, each
+        call within timeout_s (default: options.control_timeout_s; past it a ControlTimeout).
+        on_error="raise": a replica of the fleet whose actor died leaves it and is left out; any
+        other error is raised, noting the server, once every call returned. "leave_out": every
+        failed replica is left out with its error and the fleet stays as it is (docs/serving.md,
+        "Control calls")."""
         if verb not in CONTROL_VERBS:
             raise ValueError(f"unknown control verb {verb!r}; one of {', '.join(CONTROL_VERBS)}")
         targets = list(self.replicas.values() if replicas is None else replicas)

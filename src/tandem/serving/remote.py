@@ -24,11 +24,8 @@ def is_actor(target: Any) -> bool:
 
 
 def submit(target: Any, method: str, *args: Any) -> Any:
-    """Start the call now and return something awaitable (an ObjectRef, a coroutine or a value).
-
-    For an actor the task is submitted before this returns, so it runs even if the caller is
-    cancelled before awaiting it.
-    """
+    """Start the call now (an actor's task is submitted before this returns, so it runs even if the
+    caller is cancelled) and return something awaitable: an ObjectRef, a coroutine or a value."""
     if is_actor(target):
         return getattr(target, method).remote(*args)
     return getattr(target, method)(*args)
@@ -36,10 +33,8 @@ def submit(target: Any, method: str, *args: Any) -> Any:
 
 async def resolve(pending: Any, timeout_s: float | None = None, what: str = "call",
                   cancel_remote: bool = True) -> Any:
-    """Await what submit() returned; raise TimeoutError after timeout_s.
-
-    With cancel_remote, a timeout or the caller's cancellation also cancels the remote task.
-    """
+    """Await what submit() returned; NoAnswerError after timeout_s. With cancel_remote, a timeout or
+    the caller's cancellation also cancels the remote task."""
     if isinstance(pending, ray.ObjectRef):
         future = asyncio.wrap_future(pending.future())
     elif inspect.isawaitable(pending):

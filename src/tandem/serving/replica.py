@@ -1,13 +1,8 @@
-"""A rollout replica: the server(s) serving one model copy, placed by layout (seed §3.3, §5).
-
-HYBRID: the engine lives inside workers that already exist (training workers, or the driver
-process itself); no new process, no new devices. COLOCATED: a new server process placed on
-bundles of an existing Ray placement group (devices shared with another role). STANDALONE: a
-new server process on a placement group of its own devices: one bundle holding the whole
-footprint (TP devices), so the engine's own workers see every device it was told about. Every
-replica here spans one node and runs one server, its main server; verbs reach its servers
-through ServerManager.control, the one fan-out.
-"""
+"""A rollout replica: the server serving one model copy, placed by layout (seed §3.3, §5;
+docs/serving.md, "Layouts"): HYBRID inside workers that already exist (no new process or devices),
+COLOCATED as a new process on bundles of another role's placement group, STANDALONE as a new process
+on one bundle of its own holding the whole footprint (TP devices). Verbs reach its servers through
+ServerManager.control."""
 
 from __future__ import annotations
 
@@ -88,7 +83,9 @@ class RolloutReplica:
     async def init_hybrid(self, hosts: Sequence[Any]) -> None:
         """Start the engine inside existing workers: local RolloutServer objects (the driver
         process) or Ray handles of actors whose class subclasses RolloutServer."""
-        self._check_hosts(hosts)
+        if len(hosts) != self.world_size:
+            raise ValueError(f"replica {self.replica_rank}: got {len(hosts)} hybrid worker(s) for "
+                             f"a footprint of {self.world_size}")
         self._begin(ReplicaLayout.HYBRID)
         # The workers already own their devices and threads: nothing is placed or pinned.
         await self._start([hosts[0]], torch_threads=None)
@@ -125,11 +122,6 @@ class RolloutReplica:
                                f"{self.layout.value}")
         self.layout = layout
 
-    def _check_hosts(self, hosts: Sequence[Any]) -> None:
-        if len(hosts) != self.world_size:
-            raise ValueError(f"replica {self.replica_rank}: got {len(hosts)} hybrid worker(s) for "
-                             f"a footprint of {self.world_size}")
-
     def _place_server(self, group: PlacementGroup, bundle_index: int,
                       resources: dict[str, float]) -> Any:
         return RolloutServerActor.options(**in_bundle(group, bundle_index, resources)).remote(
@@ -156,11 +148,6 @@ class RolloutReplica:
         if not self.servers:
             raise RuntimeError(f"replica {self.replica_rank} is not initialised")
         return self.servers[0]
-
-    @property
-    def address(self) -> str:
-        """node_ip:pid of the main server."""
-        return self.infos[0].address
 
     @property
     def is_remote(self) -> bool:

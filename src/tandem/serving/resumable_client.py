@@ -36,12 +36,10 @@ class ResumableClient:
         self.max_aborts_without_progress = max_aborts_without_progress
 
     async def generate(self, request: GenerateRequest) -> TokenOutput:
-        """Generate up to max_tokens in total across aborts; the caller's dict is not mutated.
-
-        extra_fields: global_steps (last version), min_global_steps / max_global_steps (first
-        and last versions that produced tokens), version_runs (every segment's runs, joined in
-        token order: TokenOutput.version_runs), resumes (how many times it asked again).
-        """
+        """Generate up to max_tokens in total across aborts (the caller's dict is not mutated);
+        extra_fields: global_steps (the last version), min_global_steps / max_global_steps,
+        version_runs (every segment's, in token order) and resumes (how many times it asked
+        again)."""
         request_id = request.request_id
         budget = SamplingParams.from_dict(request.sampling).max_tokens
         params = dict(request.sampling)

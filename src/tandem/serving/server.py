@@ -1,15 +1,10 @@
 """The rollout server: one process hosting one backend engine (any registered BaseRollout).
 
 `RolloutServer` is a plain class with async methods; `RolloutServerActor` is the same class as a
-Ray async actor (calls run concurrently on the actor's event loop). A training worker of the
-hybrid layout may subclass RolloutServer so that its own process hosts the engine.
-
-Generation gate: while the server is paused (abort_all_requests() until resume_generation()) or
-asleep (sleep()/release_kv_cache() until wake_up()/resume_kv_cache()), a new generate() call
-WAITS until generation is open again, up to `pause_timeout_s`, then raises TimeoutError. An
-aborted request therefore re-asks at once and simply waits: the resumable client never spins.
-The one exception is a server taken out of the balancer (abort_all_requests(reroute=True)):
-calls that still reach it come back "aborted" with no tokens at once, so they re-route.
+Ray async actor. A hybrid training worker subclasses it so that its own process hosts the engine.
+While the server is paused or asleep a new generate() waits until generation is open again (up
+to `pause_timeout_s`), so an aborted request re-asks at once and simply waits; a server taken
+out of the balancer answers "aborted" at once instead (docs/serving.md, "The generation gate").
 """
 
 from __future__ import annotations
@@ -189,17 +184,10 @@ class RolloutServer:
             raise RuntimeError(f"server {self.server_id!r}: {action} while {self._generating} "
                                "request(s) are generating; call abort_all_requests() first")
 
-    async def abort(self, request_id: str) -> None:
-        """Abort one backend request; its caller gets the partial tokens with "aborted"."""
-        await self.backend.abort(request_id)
-
     async def abort_all_requests(self, reroute: bool = False) -> int:
-        """Pause generation and abort every running request; returns how many were running.
-
-        Returns only after every aborted call has come back, so weights may change afterwards.
-        With reroute (the server left the balancer), later calls are answered "aborted" at once
-        instead of waiting, until resume_generation().
-        """
+        """Pause generation and abort every running request; returns how many were running, once
+        every aborted call has come back. With reroute (the server left the balancer) later calls
+        are answered "aborted" at once, until resume_generation()."""
         backend = self.backend
         self._paused = True
         self._rerouting = self._rerouting or reroute

@@ -1,14 +1,9 @@
-"""Run untrusted Python in a separate process that only the kernel's isolation holds.
-
-Two layers, neither of which Python state inside the sandbox can undo (docs/agent_loops.md has
-the table of guarantee, mechanism and test):
-- bubblewrap (sandbox_bwrap.py): fresh user, PID, IPC, network, UTS and mount namespaces; a new
-  root with a read-only view of the interpreter's runtime and a size-capped private tmpfs as
-  the only writable place; no capabilities; its own PID 1, which the host kills to end the run;
-- inside it (sandbox_boot.py): rlimits, then a seccomp filter (sandbox_seccomp.py) for what the
-  namespaces do not cover; an optional audit hook only words the common refusals.
-strict=True (default) refuses to run without the seccomp filter; nothing runs without bubblewrap.
-"""
+"""Run untrusted Python in a separate process that only the kernel's isolation holds
+(docs/agent_loops.md, "Tools", has the table of guarantee, mechanism and test): bubblewrap's
+namespaces, a read-only view of the interpreter's runtime and a size-capped private tmpfs
+(sandbox_bwrap.py); inside them rlimits and a seccomp filter (sandbox_boot.py, sandbox_seccomp.py),
+which Python state in the sandbox cannot undo. strict=True (default) refuses to run without the
+seccomp filter; nothing runs without bubblewrap."""
 
 from __future__ import annotations
 

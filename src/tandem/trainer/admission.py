@@ -1,13 +1,9 @@
-"""Staleness bounded at admission (trainer.async_rollout.on_stale=wait), as a pure schedule.
-
-Every weight version trains `per_version` prompt groups (data.train_batch_size). A group admitted
-at head version h (the version its generation starts at) must train at a version <= its
-deadline h + max_staleness. The schedule admits a group, and lets the trainer take one, only
-if afterwards every admitted, untrained group can still get a slot by its deadline
-(earliest-deadline-first is then feasible). So generation runs at most max_staleness versions
-ahead of training, no finished group ever goes stale, and none is dropped for its length: a
-long group that is about to expire is taken first, and the trainer waits for it if it must.
-"""
+"""Staleness bounded at admission (trainer.async_rollout.on_stale=wait), as a pure schedule
+(docs/trainer.md, "Staleness bound, at admission"). Every weight version trains `per_version` prompt
+groups; a group admitted at head version h must train by its deadline h + max_staleness. A group is
+admitted, or taken by the trainer, only if afterwards every admitted, untrained group can still get
+a slot by its deadline (earliest-deadline-first is then feasible), so none goes stale and none is
+dropped for its length."""
 
 from __future__ import annotations
 
@@ -25,11 +21,6 @@ class AdmissionSchedule:
         self.version = version  # the version the trainer is taking groups for
         self.slots_left = per_version  # groups it still takes at `version`
         self.due: Counter[int] = Counter()  # deadline version -> untrained groups
-
-    @property
-    def untrained(self) -> int:
-        """Admitted groups not taken yet (generating or finished)."""
-        return sum(self.due.values())
 
     def deadline(self, head: int) -> int:
         """The last version a group whose generation started at `head` may train at."""

@@ -1,19 +1,10 @@
 """trainer_mode=colocate_async: generation never waits for a batch boundary, but stops for each
-update on the same devices (seed §12.2).
+update on the same devices (seed §12.2; docs/trainer.md).
 
-A producer keeps prompt groups generating in the background into the rollout buffer. The phase
-order of each step is `fit_colocate_async` below: take a batch of finished groups (oldest
-head first) -> abort unfinished requests -> sleep the rollout -> reward -> old_log_prob ->
-ref_log_prob -> values -> advantages -> update -> wake weights -> sync -> wake KV cache -> the
-buffer admits groups at the new version -> resume generation. Under on_stale=wait the producer
-starts a group only if it can train within max_staleness versions of its head. The resumable
-client finishes the aborted requests with the new weights: their tokens so far are kept, the
-budget shrinks, no token is generated twice, and each trajectory records the first and last
-weight versions it used.
-
-Resume: a resumed run restarts generation from the checkpointed version with an empty buffer
-(groups that were generating or waiting at the checkpoint are drawn again from the dataset
-order of the checkpointed step).
+A producer keeps prompt groups generating into the rollout buffer; `fit_colocate_async` below is
+a step's phase order. The resumable client finishes the requests aborted before the update with
+the new weights (their tokens kept, none generated twice). A resumed run restarts generation
+from the checkpointed version with an empty buffer (groups in flight then are drawn again).
 """
 
 from __future__ import annotations

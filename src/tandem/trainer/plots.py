@@ -53,11 +53,9 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def plot_run(output_dir: str | Path) -> list[Path]:
-    """Write reward.png, logprob_gap.png, timeline.png (and staleness.png for the async modes)
-    next to metrics.jsonl; return their paths ([] with a warning without matplotlib). The
-    timeline stacks each step's phases (timeline_segments), labels a sync's bytes moved, and
-    draws served-reward scoring that overlapped generation (time/reward_overlapped) as a hatched
-    bar from the step's start."""
+    """Write reward.png, logprob_gap.png, timeline.png (and staleness.png for the async modes) next
+    to metrics.jsonl and return their paths ([] with a warning without matplotlib). The timeline
+    also labels a sync's bytes and hatches reward scoring that overlapped generation."""
     try:
         import matplotlib
     except ImportError:

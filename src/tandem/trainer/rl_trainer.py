@@ -55,7 +55,6 @@ class RLTrainer:
         self.startup = StartupClock()  # process start -> first token (time/startup)
         self.startup.mark("trainer")
         self.config = config
-        self.evaluation_only = evaluation_only
         self.model_path = resolve_model_path(config.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.rewards = rewards or RewardScorer.from_config(config.reward, prompt_key=config.data.prompt_key)

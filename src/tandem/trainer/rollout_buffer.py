@@ -1,16 +1,9 @@
-"""The rollout buffer of the async modes (the seed's TransferQueue role, §6.1).
-
-Agent loops put whole prompt groups (all n sessions of one prompt) into it as they finish; the
-trainer takes groups for an update. Its capacity counts groups queued *or still generating*:
-the producer reserves a slot before it submits a prompt, so a full buffer holds submission
-back (back-pressure) and at most `capacity` groups are ever in flight or waiting.
-
-Staleness: a group's lag is (trainer version - its head version, the oldest weight version of
-any of its tokens). on_stale=wait (the default) bounds it at admission (trainer/admission.py):
-a group starts only if it can train within max_staleness versions of its head, the trainer takes
-the groups closest to expiry first, and no finished group is ever dropped. on_stale=drop |
-regenerate keep the older rule: anything may start, and a group over the bound when taken is
-dropped or drawn again, which biases updates against long answers (they span the most syncs).
+"""The rollout buffer of the async modes (the seed's TransferQueue role, §6.1; docs/trainer.md,
+"Rollout buffer"): whole prompt groups in as they finish, groups for an update out. Its capacity
+counts groups queued *or still generating* (the producer reserves a slot before it submits a
+prompt), so a full buffer holds submission back. on_stale=wait bounds staleness at admission
+(trainer/admission.py), dropping nothing; on_stale=drop | regenerate discard or redraw a group
+over the bound when it is taken, which biases updates against long answers.
 """
 
 from __future__ import annotations
@@ -167,14 +160,10 @@ class RolloutBuffer:
         return None
 
     async def take(self, count: int, version: int) -> tuple[list[RolloutGroup], list[RolloutGroup], dict[str, float]]:
-        """Wait for `count` groups within max_staleness of trainer version `version`.
-
-        Returns (taken, stale, metrics): `stale` are groups over the bound (on_stale=drop |
-        regenerate only), already counted as dropped or regenerated (the caller resubmits the
-        latter's rows). on_stale=wait takes the oldest heads first and never has stale groups.
-        Metrics include the group lags and the taken groups' token lags
-        (step_metrics.token_lag_metrics).
-        """
+        """Wait for `count` groups within max_staleness of trainer version `version`; returns
+        (taken, stale, metrics). `stale` (on_stale=drop | regenerate only) are over the bound and
+        already counted as dropped or regenerated; on_stale=wait takes the oldest heads first and
+        has none."""
         if count > self.capacity:
             raise ValueError(f"taking {count} groups from a buffer of capacity {self.capacity} "
                              "would wait forever; raise the capacity")

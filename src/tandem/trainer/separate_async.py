@@ -1,23 +1,11 @@
 """trainer_mode=separate_async: STANDALONE rollout replicas on devices of their own keep
-generating while the actor trains on the hybrid workers (seed §12.3).
+generating while the actor trains on the hybrid workers (seed §12.3; docs/trainer.md).
 
-A producer keeps prompt groups generating into the rollout buffer without pause. Each step, in
-`fit_separate_async` below: parameter_sync_step times {take one mini-batch of finished groups
-(oldest head first) -> reward -> old_log_prob -> ref_log_prob -> values -> advantages ->
-update (one optimizer step per epoch)} -> sync the actor's weights into every standalone server
-through the checkpoint engine (CrossProcessSync: abort -> release KV -> transfer -> resume KV ->
-resume generation; the servers never sleep, so nothing is woken) -> the buffer admits groups
-at the new version. Under on_stale=wait the producer starts a group only if it can train within
-max_staleness versions of its head (trainer/admission.py). The resumable client finishes
-the requests a sync aborted with the new weights (no token generated twice). The servers stop
-only for the sync and when back-pressure holds the producer (the buffer is full). With
-trainer.separate_async.spillover the training workers' engines join right after a sync (and before
-the first step) when fewer than spill_below_groups finished groups wait, so the groups the new
-version admits spread over them too, and leave once the step's first mini-batch is taken
-(fleet/spillover.py).
-
-Resume: as colocate_async, a resumed run restarts generation from the checkpointed version with
-an empty buffer.
+A producer keeps prompt groups generating into the rollout buffer without pause;
+`fit_separate_async` below is a step's phase order: parameter_sync_step mini-batch updates, then
+one weight sync through the checkpoint engine (the servers never sleep, so nothing is woken).
+With trainer.separate_async.spillover the training workers' engines generate too while the
+trainer waits (fleet/spillover.py). Resume is as in colocate_async.
 """
 
 from __future__ import annotations

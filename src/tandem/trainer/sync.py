@@ -1,11 +1,7 @@
-"""trainer_mode=sync: generation and training take turns (seed §12.1).
-
-The phase order is `fit_sync` below: at start, resume and sync the actor's weights into the
-rollout (memory woken around it); each step: generate -> sleep the rollout -> reward ->
-old_log_prob -> ref_log_prob -> values -> advantages -> update -> wake weights -> sync -> wake
-KV cache -> metrics, validation, checkpoint. On the hybrid layout sleep and wake free the
-devices for training; standalone replicas (rollout devices of their own) keep their memory. A
-step whose sessions all fail is skipped (RLTrainer.skip_step): no update, a warning and a metric.
+"""trainer_mode=sync: generation and training take turns (seed §12.1); `fit_sync` below is the
+phase order (docs/trainer.md). On the hybrid layout sleep and wake free the devices for
+training; standalone replicas keep their memory. A step whose sessions all fail is skipped
+(RLTrainer.skip_step): no update, a warning and a metric.
 """
 
 from __future__ import annotations

@@ -57,8 +57,6 @@ class TrainingEngine:
             raise ValueError(f"TrainingEngine role={role!r}: use one of {ROLES}")
         if role == "reference" and optim is not None:
             raise ValueError("TrainingEngine role='reference' is frozen: pass optim=None")
-        if on_nonfinite_loss not in ("skip", "stop"):
-            raise ValueError(f"on_nonfinite_loss={on_nonfinite_loss!r}: use 'skip' or 'stop'")
         self.role, self.max_token_len, self.use_remove_padding = role, max_token_len, use_remove_padding
         self.on_nonfinite_loss, self.share_prompts = on_nonfinite_loss, share_prompts
         self.save_merged = bool(lora is not None and lora.rank and lora.save_merged)
@@ -173,11 +171,9 @@ class TrainingEngine:
                              calculate_entropy: bool = False, max_token_len: int | None = None,
                              on_policy: list[tuple[torch.Tensor, ForwardOutput]] | None = None
                              ) -> dict[str, float]:
-        """Zero the gradients, then forward + backward every micro-batch of this mini-batch.
-
-        With `on_policy` (a list to fill), each micro-batch's old_log_probs are its own forward's
-        log-probs, detached (ratio exactly 1); (index group, detached outputs) pairs are appended.
-        """
+        """Zero the gradients, then forward + backward every micro-batch of this mini-batch. With
+        `on_policy` (a list to fill) each micro-batch's old_log_probs are its own forward's,
+        detached (ratio exactly 1), and (index group, detached outputs) pairs are appended."""
         if self.optimizer is None:
             raise ValueError(f"the {self.role} engine is frozen (no optimizer); it cannot train")
         self.model.train()
@@ -258,11 +254,9 @@ class TrainingEngine:
 
     def update(self, batch: TensorDict, loss_fn: LossFn, mini_batch_size: int, epochs: int = 1,
                temperature: float = 1.0, calculate_entropy: bool = False) -> dict[str, float]:
-        """`epochs` passes over this rank's batch in order, one optimizer step per mini-batch.
-
-        mini_batch_size counts trajectories over all ranks (ppo_mini_batch_size x rollout.n);
-        each rank takes mini_batch_size / dp_size of its own shard. Returns metric means.
-        """
+        """`epochs` passes over this rank's batch in order, one optimizer step per mini-batch of
+        mini_batch_size trajectories over all ranks (this rank takes 1/dp_size of it); returns
+        metric means."""
         if mini_batch_size % self.dp_size:
             raise ValueError(f"mini_batch_size={mini_batch_size} does not split over {self.dp_size} "
                              "data-parallel ranks; choose a multiple of actor.fsdp_size")
@@ -286,11 +280,9 @@ class TrainingEngine:
 
     def update_on_policy(self, batch: TensorDict, loss_fn: LossFn, temperature: float = 1.0,
                          calculate_entropy: bool = False) -> tuple[dict[str, float], ForwardOutput]:
-        """One optimizer step on this rank's whole batch (one epoch, one mini-batch) whose
-        old_log_probs come from the step's own forward instead of a separate compute_log_prob.
-
-        Returns the metrics and those old log-probs with the entropy, detached, in batch order.
-        """
+        """One optimizer step on this rank's whole batch whose old_log_probs come from that step's
+        own forward; returns the metrics and those log-probs with the entropy, detached, in batch
+        order."""
         if "old_log_probs" in batch.keys():
             raise ValueError("update_on_policy computes old_log_probs itself; this batch already "
                              "has them: call update() instead")

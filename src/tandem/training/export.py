@@ -31,10 +31,8 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 
 def iter_full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(hf_name, full tensor), one tensor at a time (peak extra memory: the largest tensor).
-
-    Unsharded tensors are yielded without a copy: copy them before the next optimizer step.
-    """
+    """(hf_name, full tensor), one tensor at a time (peak extra memory: the largest tensor);
+    unsharded tensors come without a copy, so copy them before the next optimizer step."""
     for name, tensor in named_weights(model):
         yield name, (tensor.full_tensor() if _is_dtensor(tensor) else tensor).detach()
 

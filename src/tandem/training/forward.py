@@ -1,24 +1,14 @@
-"""Forward passes over a jagged batch, returning outputs only where they score response tokens.
+"""Forward passes over a jagged batch, returning outputs only where they score response tokens
+(docs/training.md, "Forward passes").
 
 Packed (remove padding): all valid tokens in one row [1, T] with positions restarting at 0 per
-sequence, no attention mask and no KV cache. transformers 5 then derives the sequence ids from
-the position resets and builds a block-diagonal causal mask (sdpa / eager; its flash-attention
-path reads the same resets), so attention never crosses sequences. With a cache object
-present it does not, hence `use_cache=False` (tests/test_training_forward.py holds this).
-The sequence boundaries also go to the attention as `cu_seq_lens_q/k`: the training engine's
-`packed_sdpa` attention (packed_attention.py) attends per sequence with them (as
-`attention_rows`, computed once per forward) instead of over the whole masked row.
-
-Shared prompts (`share_prompts`, packed_sdpa only): GRPO's n samples of a prompt carry the same
-prompt tokens; the packed row then holds each prompt once, followed by every response of its
-group (layouts.SharedPromptBatch), and attention shows each response its prompt. The decoder's
-work drops by (n-1)/n of the prompt tokens; outputs equal the plain packed ones up to float
-rounding, gradients included.
-
-Padded: the dense layout (prompts left-padded, responses right-padded) with an attention mask;
-every response then starts at column P, so one column range serves the whole batch.
-
-Actor log-probs come from the decoder's hidden states through the LM head in chunks
+sequence, no attention mask and `use_cache=False` (with a cache object transformers 5 stops
+deriving the block-diagonal mask from the position resets, and sequences attend to each other).
+The boundaries also go to the attention as `cu_seq_lens_q/k` (as `attention_rows`, computed once
+per forward), with which `packed_sdpa` (packed_attention.py) attends per sequence. Shared
+prompts (`share_prompts`, packed_sdpa only): each prompt once, followed by every response of its
+group (layouts.SharedPromptBatch). Padded: prompts left-padded, responses right-padded, with an
+attention mask. Actor log-probs come from the hidden states through the LM head in chunks
 (lm_head.py) when the head is a plain linear map; otherwise from the model's full logits.
 """
 
@@ -70,11 +60,8 @@ class ForwardOutput:
 
 def response_head_outputs(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool,
                           output_key: str = "logits", share_prompts: bool = True) -> torch.Tensor:
-    """Run `model` and return its `output_key` at the positions predicting response tokens.
-
-    `model(input_ids, position_ids, attention_mask, use_cache, logits_to_keep)` is the HF causal
-    LM call (ValueModel mirrors it). Returns [sum R_i, ...] in batch order.
-    """
+    """Run `model` (the HF causal LM call, which ValueModel mirrors) and return its `output_key` at
+    the positions predicting response tokens: [sum R_i, ...] in batch order."""
     def run(positions: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
         return getattr(model(**inputs, use_cache=False, logits_to_keep=positions), output_key)
 
@@ -145,13 +132,11 @@ def actor_forward(model: torch.nn.Module, batch: TensorDict, use_remove_padding:
                   temperature: float = 1.0, calculate_entropy: bool = False, entropy_grad: bool = True,
                   logits_chunk_bytes: int | None = DEFAULT_CHUNK_BYTES, share_prompts: bool = True
                   ) -> ForwardOutput:
-    """Log-probabilities (and entropy) of every response token under `model`.
-
-    With a plain linear LM head they come from the hidden states in chunks of at most
-    `logits_chunk_bytes` of logits (lm_head.py); `None`, or another head, takes the full logits.
-    `entropy_grad=False` computes the entropy without gradient (for metrics only);
-    `share_prompts` computes a prompt shared by several samples once (packed_sdpa, packed only).
-    """
+    """Log-probabilities (and entropy) of every response token under `model`: from the hidden states
+    in chunks of at most `logits_chunk_bytes` of logits with a plain linear LM head (lm_head.py),
+    else (or with None) from the full logits. `entropy_grad=False`: entropy without gradient
+    (metrics only); `share_prompts`: a prompt shared by several samples computed once (packed_sdpa
+    only)."""
     labels = field_values(batch["responses"]).to(_model_device(model))
     lengths = field_lengths(batch["responses"])
     head = plain_linear_head(model) if logits_chunk_bytes is not None else None

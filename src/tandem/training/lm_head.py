@@ -25,11 +25,8 @@ def chunk_tokens(vocab_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int
 
 
 def plain_linear_head(model: torch.nn.Module) -> torch.nn.Linear | None:
-    """The model's LM head if logits = head(decoder hidden states) exactly, else None.
-
-    None for heads with softcapping or logit scaling, and for FSDP-sharded heads (their weights
-    are gathered only inside the root module's own forward).
-    """
+    """The model's LM head if logits = head(decoder hidden states) exactly, else None (softcapping,
+    logit scaling, or FSDP-sharded weights that only the root module's forward gathers)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear) or hasattr(head.weight, "to_local") or not hasattr(model, "get_decoder"):
         return None
@@ -54,12 +51,10 @@ def _chunk(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bia
 def chunked_log_probs(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
                       temperature: float = 1.0, entropy: str = "none",
                       tokens_per_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(head(hidden) / temperature)[label] and the entropy, chunk by chunk.
-
-    hidden [N, H], labels [N] -> log_probs [N] float32 and entropy [N] (None when entropy="none";
-    "detached": computed without gradient, e.g. for metrics; "grad": differentiable).
-    Gradients reach `hidden` and the head's parameters through every chunk.
-    """
+    """log softmax(head(hidden) / temperature)[label] and the entropy, chunk by chunk: hidden [N,
+    H], labels [N] -> log_probs [N] float32 and entropy [N] (None with entropy="none"; "detached":
+    no gradient, for metrics; "grad": differentiable). Gradients reach `hidden` and the head through
+    every chunk."""
     if entropy not in ("none", "detached", "grad"):
         raise ValueError(f"chunked_log_probs entropy={entropy!r}: use none, detached or grad")
     size = tokens_per_chunk or chunk_tokens(head.out_features)

@@ -9,17 +9,11 @@ from tandem.batch.layouts import group_members
 
 def split_by_token_budget(lengths: torch.Tensor, max_tokens: int,
                           prompt_groups: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Group sample indices so each group's total length <= max_tokens, in few groups.
-
-    First-fit over samples sorted longest first; indices inside a group are ascending.
-    With `prompt_groups` [B] (samples with the same prompt share an id, layouts.prompt_groups),
-    the samples of a prompt are one unit, kept in one micro-batch where they fit (a unit over
-    the budget splits into several), so that the shared-prompt forward computes the prompt once.
-    Units still cost every sample's whole length: the decoder then computes fewer tokens than
-    the budget, but attention lays each sample out with its prompt (layouts.AttentionRows),
-    so its activations, and the memory the budget bounds, do not shrink.
-    lengths [B] -> list of LongTensor index groups.
-    """
+    """Group sample indices so each group's total length <= max_tokens, in few groups: first-fit
+    over samples sorted longest first, indices ascending inside a group. With `prompt_groups` [B]
+    the samples of a prompt are one unit, kept in one micro-batch where they fit, each sample still
+    costing its whole length (docs/training.md, "Shared prompts"). lengths [B] -> list of LongTensor
+    index groups."""
     lengths = torch.as_tensor(lengths, dtype=torch.long)
     if lengths.numel() == 0:
         return []

@@ -14,8 +14,6 @@ def build_optimizer(parameters: Iterable[torch.nn.Parameter], optim: OptimConfig
     """AdamW over the trainable parameters with the config's lr, betas and weight decay; torch's
     fused kernel for plain CPU/CUDA tensors (on CPU its default is one tensor at a time, ~4x
     slower on a 135M model), the default implementation for FSDP2's sharded DTensors."""
-    if len(optim.betas) != 2:
-        raise ValueError(f"optim.betas={optim.betas}: give exactly two values, e.g. [0.9, 0.999]")
     trainable = [p for p in parameters if p.requires_grad]
     fused = bool(trainable) and all(not hasattr(p, "to_local") and p.device.type in ("cpu", "cuda")
                                     and p.is_floating_point() for p in trainable)

@@ -1,40 +1,20 @@
 """The checkpoint-engine interface: one weight sync is
-prepare -> build_topology -> init_process_group -> send || receive -> finalize.
+prepare -> build_topology -> init_process_group -> send || receive -> finalize
+(docs/weight_sync.md, "Protocol").
 
-Contract between the transports (this package) and the trainer's cross-process sync that drives them:
-
-- Before generation pauses, the trainer may call `encode_ahead(named_tensors, version)` on the
-  sender (engines with `encodes_ahead`, i.e. delta); a plan with `encoded_ahead` then sends
-  that preparation and no training rank reads the weights in send_weights.
-- The sending process (training rank 0) calls `build_topology(n_receivers, version,
-  receiver_versions)` and hands the returned picklable `SyncPlan` to every receiver; each
-  receiver builds its own engine (same name, same kwargs plus receiver-only ones such as
-  `current_weights` / `current_version` for delta) and every participant calls
+- Before generation pauses the trainer may call `encode_ahead(named_tensors, version)` on the
+  sender (engines with `encodes_ahead`: delta); a plan with `encoded_ahead` then sends that
+  preparation and no training rank reads the weights in send_weights.
+- Rank 0 makes the picklable `SyncPlan` (build_topology); each receiver builds its own engine
+  (same name and kwargs, plus receiver-only ones for delta); every participant calls
   `init_process_group(plan, rank)` concurrently (rank 0 sends, ranks 1..n receive).
-- Rank 0 awaits `send_weights(named_tensors)`; every receiver iterates `receive_weights()`,
-  which yields full `(name, tensor)` pairs (delta: a `types.WeightPatch` instead, owned by the
-  consumer, for a name the receiver's `patches_in_place` accepts). A yielded tensor may be a
-  view of a transfer buffer: it is valid only until the iterator is advanced, so the consumer
-  copies it (into staging or the parameters) before asking for the next one. The iterator
-  ends (StopIteration) only once the sender has confirmed that every receiver has the whole
-  stream; if it raises instead, the receiver must not load what it got (staging is discarded,
-  the old version stays).
-- Every participant calls `finalize()` afterwards, on success and on failure alike; it is
-  idempotent and frees the sync process group and per-sync state. Buffers worth keeping between
-  syncs (shm's shared buckets) stay until `close()`, which the owner calls when done with the
-  engine (also run at collection / interpreter exit).
-- Every blocking wait is bounded by `timeout_s` and a failure raises `WeightSyncError` naming
-  the phase and, where known, the peer. The sync process group is created per sync from its own
-  TCPStore (never the default/training group) and destroyed in `finalize`.
-- `naive` keeps its in-process `sync(named_tensors, rollout, version)` path.
-
-Additions to /work/wt/SYNC_INTERFACE.md as built: `WeightSyncError(phase, peer, message)`
-pickles intact; `close()` (release what outlives a sync: shm buffers, delta's kept copy);
-the commit handshake above (a receiver loads only after its iterator ends normally);
-senders expose `bytes_sent` (payload bytes of the last sync); engine kwargs: gloo/nccl
-`master_addr`, shm `device` ("cpu" | "cuda"), `shm_dir`; delta `transport`, `dtype`,
-`max_sparse_ratio`, receivers `current_weights`, `current_version`, `current_values`,
-`patches_in_place` (others go to the transport).
+- `receive_weights()` yields `(name, tensor)` pairs (delta: a `types.WeightPatch` where the
+  receiver `patches_in_place`). A yielded tensor may be a view of a transfer buffer, valid only
+  until the iterator advances. The iterator ends only once the sender confirmed that every
+  receiver has the whole stream; if it raises, the receiver loads nothing.
+- `finalize()` follows every sync, failed or not (idempotent); `close()` frees what outlives a
+  sync (shm's buffers, delta's kept copy). Every wait is bounded by `timeout_s`; a failure
+  raises `WeightSyncError` naming the phase and, where known, the peer.
 """
 
 from __future__ import annotations
@@ -92,11 +72,6 @@ class CheckpointEngine(ABC):
         if engine_kwargs:
             raise ValueError(f"{type(self).__name__} does not take engine_kwargs "
                              f"{sorted(engine_kwargs)} (rollout.checkpoint_engine.engine_kwargs)")
-        if bucket_megabytes < 1:
-            raise ValueError(f"bucket_megabytes must be >= 1, got {bucket_megabytes} "
-                             "(rollout.checkpoint_engine.update_weights_bucket_megabytes)")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s} (checkpoint_engine.timeout_s)")
         self.bucket_bytes = bucket_megabytes << 20
         self.timeout_s = float(timeout_s)
         self.plan: SyncPlan | None = None
@@ -140,6 +115,3 @@ class CheckpointEngine(ABC):
 
     def close(self) -> None:
         """Release what outlives one sync (nothing by default)."""
-
-    def _peer_of(self, rank: int) -> str:
-        return "sender" if rank == 0 else f"receiver {rank}"

@@ -1,14 +1,8 @@
-"""`gloo` / `nccl`: rank 0 broadcasts the stream to every receiver in fixed-size buckets.
-
-Each bucket travels as three broadcasts: a (header bytes, bucket bytes) size pair, the pickled
-chunk metadata, then the bucket itself; a zero header ends the stream, after which the store's
-done/commit handshake (control.py) confirms that every receiver has everything. The sender keeps two
-buffers and issues the broadcasts asynchronously, so packing bucket k+1 overlaps sending bucket
-k. The process group is made per sync from the sender's own TCPStore, served on `master_addr`
-(the sender's node IP, which the trainer passes; loopback by default), with gloo listening on
-the interface that routes to the sender (`ProcessGroupGloo` / `ProcessGroupNCCL` built
-directly, so the default, training group of the process is never touched) and destroyed in
-`finalize`.
+"""`gloo` / `nccl`: rank 0 broadcasts the stream to every receiver in fixed-size buckets
+(docs/weight_sync.md, "gloo / nccl"): per bucket a size pair, the pickled chunk list, then the
+bytes, from two buffers so that packing bucket k+1 overlaps sending bucket k; a zero header
+ends the stream. The group is built per sync on the sender's TCPStore (`master_addr`), never
+the process's default (training) group, and destroyed in `finalize`.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
-"""`delta`: only the elements that changed since the receivers' version travel.
+"""`delta`: only the elements that changed since the receivers' version travel
+(docs/weight_sync.md, "delta").
 
-The sender keeps a copy of the weights it last synced (at the rollout dtype, `dtype` kwarg) and
-the version they are. When every receiver reports that version, each tensor goes as the changed
-elements (flat indices + values) if that is under `max_sparse_ratio` of its dense bytes, else
-dense. Any receiver on another version (or unknown versions) makes the sync a full one. Elements
-are compared bit for bit at the rollout dtype, so an fp32 update too small to change a bf16
-weight sends nothing. The bytes ride on an inner transport (`transport`: shm or gloo).
-
-`encode_ahead(stream, version)` does the compare before generation pauses; the sync of that
-version then sends the prepared records without reading the weights again. Until a sync
-succeeds the kept copy is pending (trusted by no plan): a failed sync, or a prepared encoding
-that its sync cannot use (another version, a receiver not on the version it was made against),
-makes the next sync full.
-
-What a receiver checks for a sparse tensor: it already reported the base version (the trust
-that lets a delta be sent at all); then 64-bit sums (`byte_sum`) of the new values and of its
-own values at the changed positions, against the sender's. The second proves it holds the base
-at every changed position, not elsewhere: a receiver whose weights drifted only at unchanged
-positions keeps its drift. A receiver that patches in place (`patches_in_place(name)`: the
-native engine, for model weights) reads only those positions (`current_values`) and gets a
-`WeightPatch` that its engine applies at commit, so its cost is O(changes) (native packed
-linears: O(that weight), re-packed at staging). Any other receiver gets a patched copy of
-`current_weights(name)` and also checks the sum of that whole result.
+The sender keeps a copy of what it last synced, at the rollout dtype (`dtype` kwarg; compared
+bit for bit), and its version. When every receiver reports that version, each tensor goes as
+its changed flat indices + values if that is under `max_sparse_ratio` of its dense bytes, else
+dense; otherwise the whole sync is dense. From `encode_ahead` (the compare, before generation
+pauses) or a send until that sync succeeds the copy is pending, trusted by no plan. A receiver
+checks 64-bit sums (`byte_sum`) of the new values and of its own values at the changed
+positions; one that `patches_in_place(name)` gets a `WeightPatch` (O(changes)), any other a
+patched copy of `current_weights(name)`, checked whole. The bytes ride on an inner transport.
 
 Wire names: "<name>\\x00dense", or "<name>\\x00index", "<name>\\x00value", "<name>\\x00sum" (int64
 [3]: old values at the index, new values, the whole new tensor).
@@ -84,12 +71,6 @@ class DeltaCheckpointEngine(CheckpointEngine):
                  patches_in_place: Callable[[str], bool] | None = None,
                  **transport_kwargs) -> None:
         super().__init__(bucket_megabytes, timeout_s)
-        if transport not in ("shm", "gloo", "nccl"):
-            raise ValueError(f"delta transport must be shm, gloo or nccl, got {transport!r} "
-                             "(engine_kwargs.transport)")
-        if transport_kwargs.get("double_buffer"):
-            raise ValueError("delta patches the receivers' current weights and cannot write a "
-                             "weight slot: drop engine_kwargs.double_buffer with backend delta")
         if transport == "shm":
             transport_kwargs["double_buffer"] = False
         self.inner = get_checkpoint_engine_class(transport)(bucket_megabytes, timeout_s,

@@ -1,12 +1,8 @@
-"""What each process does in one cross-process sync: the sender (training ranks) and the
-receivers (an engine: anything with stage_weights / commit_weights). The trainer's
-cross-process sync (tandem.fleet.weight_sync) drives them in the seed's order.
-
-Every blocking part of a sync (rendezvous, transfer, the FSDP gathers) runs in a fresh thread
-that exits when the sync ends: the caller's event loop keeps answering (a server still reports
-its version, a stuck transfer can be cancelled), and the torch work of the sync never leaves a
-second OpenMP team behind in a rollout process (docs/engine.md, "One OpenMP team per process").
-"""
+"""What each process does in one cross-process sync: the sender (training ranks) and the receivers
+(an engine: anything with stage_weights / commit_weights), driven by tandem.fleet.weight_sync. Every
+blocking part (rendezvous, transfer, the FSDP gathers) runs in a fresh thread that exits when the
+sync ends: the caller's event loop keeps answering, and no second OpenMP team stays behind in a
+rollout process (docs/engine.md, "One OpenMP team per process")."""
 
 from __future__ import annotations
 
@@ -60,11 +56,10 @@ async def run_in_fresh_thread(function: Callable[[], T], name: str) -> T:
 async def receive_into(backend: Any, plan: SyncPlan, rank: int, who: str,
                        engine_kwargs: dict[str, Any] | None = None,
                        progress: dict[str, Any] | None = None) -> dict[str, float]:
-    """Join `plan` as receiver `rank`: rendezvous, stage the whole stream (checked) in the
-    backend (double-buffered: check the inactive slot the sender wrote), finalize, then swap it
-    in (flip) and stamp plan.version. Any failure leaves the backend on
-    its previous complete version and raises WeightSyncError. Returns seconds per phase;
-    progress["tensors_received"] counts the stream as it arrives."""
+    """Join `plan` as receiver `rank`: rendezvous, stage the whole stream, checked (double-buffered:
+    the inactive slot the sender wrote), finalize, then swap it in and stamp plan.version; a failure
+    raises WeightSyncError with the backend on its previous version. Returns seconds per phase;
+    progress["tensors_received"] counts the stream."""
     progress = {} if progress is None else progress
     progress["tensors_received"] = 0
 

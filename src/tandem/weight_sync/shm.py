@@ -1,22 +1,15 @@
-"""`shm`: same host, separate processes; buckets move through two shared buffers.
+"""`shm`: same host, separate processes; buckets move through two shared buffers
+(docs/weight_sync.md, "shm").
 
-CPU: two files in /dev/shm (`tandem-sync-<sender pid>-...`) that every participant maps
-(`torch.from_file(shared=True)`). CUDA: two device buffers whose CUDA IPC handles travel in the
-plan. Either way a tensor is copied once into shared memory by the sender and once out by the
-receiver's consumer (the receiver yields views of the shared buffer, valid until its iterator
-advances). The buffers outlive a sync (fresh pages would cost a page fault and zeroing per 4 KiB
-every sync): the sender keeps them until `close()` or its exit, receivers keep their mappings
-for the next sync, and a new sender removes files left by senders that died.
+CPU: two files in /dev/shm (`tandem-sync-<sender pid>-...`) that every participant maps; CUDA:
+two device buffers whose IPC handles travel in the plan. The sender copies each byte in once and
+the receiver's consumer once out (receivers yield views of the buffer). The buffers outlive a
+sync (fresh pages cost a fault and zeroing) until `close()`; a new sender removes the files of
+senders that died. Control goes through the sender's TCPStore: `ready/k` holds bucket k's chunk
+list (empty: the end), `consumed/k/rank` frees its buffer for bucket k+2, `done`/`commit` end it.
 
-With `double_buffer` (engine kwarg; None: wherever every receiver offers weight slots) and
-receivers that map their weights in two shared slots (slots.py), the ring is not used: the
-sender writes each receiver's inactive slot directly (slot_transfer.py), one copy in all.
-
-Control goes through the sender's TCPStore (on `master_addr`, loopback unless given): `ready/k`
-holds bucket k's pickled chunk list (an empty value ends the stream); each receiver sets
-`consumed/k/rank` when its consumer has moved past bucket k, which frees that buffer for bucket
-k+2; at the end each receiver sets `done/rank` and its iterator finishes only once the sender
-has seen all of them and set `commit`.
+With `double_buffer` and receivers that map their weights in two shared slots (slots.py), the
+sender writes each receiver's inactive slot directly instead (slot_transfer.py).
 """
 
 from __future__ import annotations
@@ -52,12 +45,6 @@ class ShmCheckpointEngine(CheckpointEngine):
                  device: str = "cpu", shm_dir: str = "/dev/shm", master_addr: str = "127.0.0.1",
                  double_buffer: bool | None = None, **engine_kwargs) -> None:
         super().__init__(bucket_megabytes, timeout_s, **engine_kwargs)
-        if double_buffer not in (None, True, False):
-            raise ValueError(f"shm double_buffer must be true, false or unset, got "
-                             f"{double_buffer!r} (engine_kwargs.double_buffer)")
-        if double_buffer and device != "cpu":
-            raise ValueError("shm double_buffer maps weight slots in /dev/shm: CPU engines only; "
-                             "set engine_kwargs.double_buffer false with device cuda")
         self.double_buffer = double_buffer
         self.master_addr = master_addr  # where the sender's control store listens
         if device not in ("cpu", "cuda"):
@@ -151,7 +138,7 @@ class ShmCheckpointEngine(CheckpointEngine):
         count = 0
         for index, bucket in enumerate(tensor_buckets(named_tensors, self.plan.bucket_bytes)):
             if index >= N_BUFFERS:
-                wait_keys(self._store, {f"consumed/{index - N_BUFFERS}/{r}": self._peer_of(r)
+                wait_keys(self._store, {f"consumed/{index - N_BUFFERS}/{r}": f"receiver {r}"
                                         for r in receivers}, self.plan.timeout_s, "send")
             chunks = fill_bucket(self._buffers[index % N_BUFFERS], bucket)
             if self.device == "cuda":

@@ -1,11 +1,10 @@
 """The shm transport's double-buffered mode: the sender writes each receiver's inactive weight
 slot (slots.py) directly, cast to the slot's dtype in the same pass, and announces the written
 tensors with their checksums in groups of about ANNOUNCE_BYTES (at most `bucket_bytes`;
-`ready/<rank>/<k>`, an empty value ends the stream), so the receiver checks one small group
-behind the writer instead of a whole bucket after it. A receiver checks each announced tensor's checksum in its slot and
-yields it (a view of the inactive slot); its iterator ends only after every weight of its
-layout arrived and the sender committed (control.py's done/commit handshake), so a sender that
-dies part-way leaves nothing the engine would flip to.
+`ready/<rank>/<k>`, an empty value ends the stream), so the receiver checks each group just
+behind the writer. A receiver yields views of its inactive slot; its iterator ends only after
+every weight of its layout arrived and the sender committed (control.py), so a sender that dies
+part-way leaves nothing the engine would flip to.
 """
 
 from __future__ import annotations

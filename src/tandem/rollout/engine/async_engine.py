@@ -1,13 +1,11 @@
 """The engine loop: requests in, TokenOutputs out; the backend contract (BaseRollout).
 
-A background asyncio task repeats schedule -> forward + sample -> record tokens, yielding to
-the event loop between steps, and within a long step between decoder layers, so the loop keeps
-serving calls. Steps run on the event loop's own thread, never in a helper thread: a second
-thread doing torch work keeps a second OpenMP thread team alive, and once a process's OpenMP
-threads outnumber its cores libgomp stops spin-waiting between parallel regions, which made
-every step ~1.6x slower here (docs/engine.md, "Performance notes"). Control calls take the same
-lock as a step, so they never run in the middle of one: sleep/wake live in memory.py, weight
-updates in weight_staging.py, the double-buffered slots in slot_weights.py.
+A background asyncio task repeats schedule -> forward + sample -> record tokens, yielding to the
+event loop between steps and, within a long step, between decoder layers, so the loop keeps serving
+calls. Steps run on the event loop's own thread, never in a helper thread (docs/engine.md, "One
+OpenMP team per process"). Control calls take the same lock as a step, so they never run in the
+middle of one: sleep/wake live in memory.py, weight updates in weight_staging.py, the
+double-buffered slots in slot_weights.py.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """Attention over the paged KV cache, for a step that mixes prompt chunks and decode tokens.
 
-The step's tokens are flat, group after group (groups of similar query length and context, see
-`model_runner.attention_buckets`; decode tokens form one group). Before attention each layer
-writes the new keys/values into their cache slots (`write_kv`, or the fused CPU kernel
-`rotary_write_kv`). Then per group:
-- `DecodeGroup` (CPU fp32 with the fused kernels, `cpu_kernels.py`): the decode tokens attend
-  in one kernel call that reads each sequence's blocks in place;
-- `AttentionGroup`: the group's blocks are gathered (one `index_select` into a buffer reused by
-  every layer of the step) and one batched scaled-dot-product attention runs;
-- `CascadeGroup` (decode on the torch path): shared prefixes are read once per family.
-(A dense per-sequence copy of the decode K/V kept across steps, to skip the gather, measured no
-faster on CPU: the gather is a memcpy of what attention reads anyway.)
+The step's tokens are flat, group after group (`model_runner.attention_buckets`; decode tokens form
+one group). Each layer first writes the new keys/values into their cache slots (`write_kv`, or the
+fused CPU kernel `rotary_write_kv`). Then per group: `DecodeGroup` (CPU fp32 with the fused
+kernels): one kernel call reads each sequence's blocks in place; `AttentionGroup`: the group's
+blocks are gathered into a buffer every layer of the step reuses and one batched SDPA runs;
+`CascadeGroup` (decode on the torch path): shared prefixes are read once per family.
 
-Cache layout per layer: [kv_heads, num_blocks, block_size, head_dim]. Gathering a group's
-block tables along dim 1 gives [kv_heads, B, context, head_dim] contiguous, so each (kv head,
-sequence) pair is one attention "batch" entry whose query heads are the G = heads / kv_heads
-heads sharing that kv head: no repeat of K/V for grouped-query attention.
+Cache layout per layer: [kv_heads, num_blocks, block_size, head_dim]. Gathering a group's block
+tables along dim 1 gives [kv_heads, B, context, head_dim] contiguous, so each (kv head, sequence)
+pair is one attention "batch" entry whose query heads are the G = heads / kv_heads heads sharing
+that kv head: no repeat of K/V for grouped-query attention.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""Serving a LoRA adapter: merge it into a working copy of the targeted linears, base kept.
-
-An adapter stream (rollout/adapter_stream.py's wire format) is staged as whole merged
-weights `W_base + B @ A` (float32 sums, then the engine dtype, packed where the linear is),
-so it swaps in through the engine's usual all-or-nothing commit and decoding runs at full
-speed. The base of every module ever merged is kept on the host (`LoraState.base`), so the
-next adapter merges against the base, never against the last merge, and a module the new
-adapter leaves out returns to its base weight. Why merge, not LoRA in the linears:
-docs/engine.md, "LoRA".
-"""
+"""Serving a LoRA adapter: merge it into a working copy of the targeted linears, base kept
+(docs/engine.md, "LoRA"). An adapter stream is staged as whole merged weights `W_base + B @ A`
+(float32 sums, then the engine dtype, packed where the linear is), so it swaps in through the
+engine's all-or-nothing commit and decodes at full speed. The base of every module ever merged is
+kept on the host (`LoraState.base`): the next adapter merges against it, never against the last
+merge, and a module it leaves out returns to its base."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
-"""Next-token sampling for a batch of sequences, each with its own sampling parameters.
-
-Processing order: repetition penalty, temperature, top-k, top-p; then greedy rows (temperature
-0 or below types.TEMPERATURE_FLOOR, whose logits are not divided) take the
-argmax and the others sample by inverse CDF (one uniform per row: ~20x cheaper on CPU than
-drawing a noise value per vocabulary entry); a seeded request draws its uniform from its own
-generator, the rest share the engine's.
-The returned logprob is the sampled token's under the raw model distribution
-(logprobs_mode "raw") or under the processed one ("processed"; greedy rows use temperature 1).
-"""
+"""Next-token sampling for a batch of sequences, each with its own sampling parameters: repetition
+penalty, temperature, top-k, top-p; then greedy rows (below types.TEMPERATURE_FLOOR, logits not
+divided) take the argmax and the others sample by inverse CDF with one uniform per row (~20x cheaper
+on CPU than a noise value per vocabulary entry), a seeded request from its own generator. The
+logprob is the sampled token's under the raw model distribution (logprobs_mode "raw") or the
+processed one ("processed"; greedy rows at temperature 1)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
-"""The native engine's weights in two shared-memory slots (the double-buffered handoff).
+"""The native engine's weights in two shared-memory slots (the double-buffered handoff;
+docs/weight_sync.md).
 
-The server gives the engine two sets of views, one per slot (weight_sync/slots.py owns the
-files); `map_into` copies the served weights into the active slot once and makes every dense
-parameter a view of it. A sync writes the other slot while steps go on; `stage_from_slot`
-checks it (names, finiteness) and packs what the forward needs packed, off the event loop;
-`flip` then re-points the parameters between two steps (WeightUpdates.commit_weights calls it).
-`SlotServing` is that handoff's part of AsyncEngine's API (the engine mixes it in).
-
-Packed linears (CPU fp32, oneDNN) cannot run on a slot: their weight lives only in oneDNN's
-blocked layout, which no sender writes. For them the slot holds the dense weight the sender
-wrote, and staging packs it from the slot into a new packed tensor while generation continues;
-the flip swaps the packed tensors. Memory: those linears are held three times (two dense slots
-and the packed copy), every other weight twice.
+`map_into` copies the served weights into the active slot once and makes every dense parameter a
+view of it. A sync writes the other slot while steps go on; `stage_from_slot` checks it and packs
+what the forward needs packed (oneDNN linears have no dense weight to serve from a slot), off the
+event loop; `flip` then re-points the parameters between two steps. `SlotServing` is that part of
+AsyncEngine's API (the engine mixes it in).
 """
 
 from __future__ import annotations
