@@ -242,7 +242,6 @@ def test_served_judge_follows_its_greedy_verdicts_and_survives_a_killed_replica(
       "reward.judge.prompt_template=rate {prompt}"], "reward.judge.prompt_template"),
     (["reward.judge.enable=true", "reward.judge.path=tiny:qwen2",
       "reward.judge.verdict_pattern=SCORE"], "reward.judge.verdict_pattern"),
-    (["reward.rule_weight=0"], "reward.rule_weight"),
 ])
 def test_served_reward_config_is_refused_at_load_naming_the_field(overrides, field):
     from tandem.config.choices import ConfigError
@@ -254,6 +253,23 @@ def test_served_reward_config_is_refused_at_load_naming_the_field(overrides, fie
         load_config(overrides=[*base, *overrides])
     if field.endswith("n_devices"):
         assert "n_devices >= 1" in str(error.value)  # the fix: a pool of its own
+
+
+def test_no_reward_at_all_is_refused_before_ray_but_a_python_reward_fn_counts(tmp_path):
+    from tandem import Trainer
+    from tandem.config.choices import ConfigError
+    from tandem.config.load import load_config
+    from tandem.demo.tasks import make_datasets
+    from tandem.preflight import check_job
+
+    train, _ = make_datasets(tmp_path / "data", 4, 2, seed=0)
+    overrides = ["model.path=tiny:qwen2", f"data.train_files=[{train}]",
+                 "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "reward.rule_weight=0",
+                 f"trainer.output_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match=r"reward\.rule_weight: is 0 .*Trainer\(reward_fn"):
+        check_job(load_config(overrides=overrides))
+    trainer = Trainer({}, reward_fn=lambda *args, **kwargs: 1.0, overrides=overrides)
+    assert len(trainer.rewards.functions) == 1  # the user's function alone, no rule reward
 
 
 def test_served_reward_config_accepted_in_separate_async_with_its_own_pool():

@@ -40,9 +40,4 @@ def served_reward_problem(config: TandemConfig) -> str | None:
         if groups < 1:
             return ("reward.judge.verdict_pattern: has no group; wrap the verdict's number in "
                     "parentheses, e.g. SCORE:\\s*(\\d+)")
-    has_user = bool(reward.custom_function.path or reward.reward_funcs)
-    if not (has_user or reward.rule_weight or reward.model.enable or judge.enable):
-        return ("reward.rule_weight: is 0 and no other reward is given, so every sample would "
-                "score nothing; raise it, give reward.custom_function / reward.reward_funcs, or "
-                "enable reward.model / reward.judge")
     return None

@@ -36,6 +36,12 @@ def check_job(config: TandemConfig, command: str = "train", rewards: RewardScore
         raise ConfigError(f"trainer.output_dir: {output} is a file; a run writes its metrics, "
                           "checkpoints and config into a directory there. Choose another path")
     rewards = rewards or RewardScorer.from_config(config.reward, prompt_key=config.data.prompt_key)
+    if not (rewards.functions or config.reward.model.enable or config.reward.judge.enable):
+        # here, not in config/: Trainer(reward_fn=...) gives functions the config cannot see
+        raise ConfigError("reward.rule_weight: is 0 and no other reward is given, so every "
+                          "sample would score nothing; raise it, give reward.custom_function / "
+                          "reward.reward_funcs or Trainer(reward_fn=...), or enable "
+                          "reward.model / reward.judge")
     check_row = ((lambda row: reward_input_problem(row.data_source, row.ground_truth))
                  if rewards.uses_registry else None)
     splits = ["train"] + (["val"] if config.data.val_files else [])
