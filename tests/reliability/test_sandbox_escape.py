@@ -22,7 +22,7 @@ import pytest
 from sandbox_attack import LAYERS, OrphansComeHere, attack, missing_isolation, sandbox_with
 
 from tandem.tools.python_sandbox import PythonSandbox, SandboxLimits
-from tandem.tools.sandbox_bwrap import SANDBOX_DIR
+from tandem.tools.sandbox_bwrap import SANDBOX_DIR, SANDBOX_UID_BASE
 
 HOST_DIR = Path(__file__).resolve().parent  # a host folder outside the sandbox's view
 MISSING_ISOLATION = missing_isolation()
@@ -179,7 +179,10 @@ for path in ({str(hidden)!r}, os.__file__):
     finally:
         hidden.unlink()
     assert result.ok, result.stderr
-    assert lines == [" ".join(["ENOENT"] * 5), " ".join(["EROFS"] * 5)]
+    # the sandbox's own uid (host root started it) owns nothing: truncate's permission check
+    # (EACCES) comes before the read-only one
+    truncate = "EACCES" if sandbox.command.host_root else "EROFS"
+    assert lines == [" ".join(["ENOENT"] * 5), " ".join(["EROFS"] * 4 + [truncate])]
     assert after == before
 
 
@@ -268,7 +271,7 @@ print(attempt(lambda: os.memfd_create("fill") and "a memfd"))
 """)
     assert result.ok, result.stderr
     assert lines[0] == "True ENOSPC"
-    assert set(json.loads(lines[1])) <= {"EROFS", "ENOENT"}
+    assert set(json.loads(lines[1])) <= {"EROFS", "ENOENT", "EACCES"}  # EACCES: not its folder
     if sandbox.seccomp:
         assert lines[2] == "EPERM"
     for folder in (tempfile.gettempdir(), "/", "/dev/shm", "/var/tmp"):
@@ -295,9 +298,11 @@ for pid in ({victim.pid}, {os.getpid()}, os.getppid(), 0, -1):
         victim.wait()
     assert result.ok, result.stderr
     # without seccomp: host pids do not exist in the PID namespace; its PID 1 is bubblewrap's
-    # init (which ignores the signal), the group is the code alone, and -1 finds no one else
+    # init (which ignores the signal), the group is the code alone, and -1 finds no one else;
+    # as the sandbox's own uid (host root started it) its parent, that init, is not its own
+    group = "EPERM" if sandbox.command.host_root else "allowed None"
     assert lines == ["allowed None True"] + [_refused(sandbox, "ESRCH")] * 2 \
-        + [_refused(sandbox, "allowed None")] * 2 + [_refused(sandbox, "ESRCH")]
+        + [_refused(sandbox, group), _refused(sandbox, "allowed None"), _refused(sandbox, "ESRCH")]
 
 
 async def test_host_files_outside_the_view_are_unreadable(sandbox):
@@ -317,6 +322,56 @@ print(json.dumps(sorted(os.listdir("/"))))
     assert result.ok, result.stderr
     assert lines[:6] == ["ENOENT"] * 6 and "hunter2" not in result.stdout
     assert set(json.loads(lines[6])) == _toward_view("/", sandbox.view)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the host-root case: run as root, as CI does")
+async def test_root_only_files_in_the_view_are_unreadable_and_the_code_owns_nothing(sandbox):
+    """Started by root, the code runs as a sandbox uid of its own, not as host root mapped
+    into a user namespace: a root-only (0600) file inside the read-only view cannot be read,
+    no capability can be regained, and each run has another uid (its own per-user limits)."""
+    folder = next((path for path in sandbox.view if os.path.isdir(path)
+                   and path.startswith("/usr/")), None)
+    assert folder is not None, sandbox.view
+    canary = Path(folder) / f".escape-canary-{uuid.uuid4().hex}"
+    canary.write_text("root-only")
+    canary.chmod(0o600)
+    try:
+        result, lines = await attack(sandbox, f"""
+print(attempt(lambda: open({str(canary)!r}).read()))
+print(os.getuid(), os.getgid(), os.getgroups())
+print(attempt(lambda: os.setuid(0)), attempt(lambda: os.setgroups([0])),
+      attempt(lambda: os.chown({str(canary)!r}, os.getuid(), -1)))
+""")
+        second, _ = await attack(sandbox, "print(os.getuid())")
+    finally:
+        canary.unlink()
+    assert result.ok, result.stderr
+    uid = int(lines[1].split()[0])
+    assert lines[0] == "EACCES" and "root-only" not in result.stdout
+    assert lines[1] == f"{uid} {uid} []" and uid >= SANDBOX_UID_BASE
+    assert lines[2] == "EPERM EPERM EROFS"  # chown: the read-only view answers first
+    assert int(second.stdout.split()[-1]) != uid  # the next run: another uid
+
+
+async def test_file_event_watches_are_refused_or_the_sandboxes_own(sandbox):
+    """inotify on the view would report the host's reads of the same files, and its instances
+    count per user: seccomp refuses inotify and fanotify; without it the instances count against
+    the run's own uid (host root started it) or the host user's own limit, never root's."""
+    result, lines = await attack(sandbox, """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def call(function, *args):
+    value = function(*args)
+    return errno.errorcode[ctypes.get_errno()] if value < 0 else "allowed"
+print(call(libc.inotify_init1, 0), call(libc.fanotify_init, 0, 0), os.getuid())
+""")
+    assert result.ok, result.stderr
+    inotify, fanotify, uid = lines[0].split()
+    if sandbox.seccomp:
+        assert (inotify, fanotify) == ("EPERM", "EPERM")
+    else:  # fanotify needs CAP_SYS_ADMIN, which the code does not have
+        assert (inotify, fanotify) == ("allowed", "EPERM")
+    assert int(uid) != 0 if os.geteuid() == 0 else int(uid) == os.geteuid()
 
 
 async def test_no_network_to_the_host_or_beyond(sandbox):

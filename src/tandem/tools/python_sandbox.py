@@ -8,6 +8,7 @@ seccomp filter; nothing runs without bubblewrap."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -18,8 +19,9 @@ import weakref
 from dataclasses import dataclass, field
 
 from tandem.tools.sandbox_boot import EXIT_SETUP_FAILED, REPORT_PREFIX
-from tandem.tools.sandbox_bwrap import (END_SECONDS, INSTALL_HINT, WORK_DIR,
-                                        BubblewrapCommand, code_file, end_run, find_bubblewrap,
+from tandem.tools.sandbox_bwrap import (END_SECONDS, INSTALL_HINT, SANDBOX_UID_BASE,
+                                        SANDBOX_UID_COUNT, WORK_DIR, BubblewrapCommand,
+                                        code_file, end_run, find_bubblewrap,
                                         open_namespace_init, runtime_view)
 
 
@@ -81,7 +83,8 @@ class PythonSandbox:
         self.seccomp = seccomp
         self.max_concurrent = max_concurrent or max(2, os.cpu_count() or 2)
         executable, view = runtime_view(python)
-        self.command = BubblewrapCommand(bwrap, executable, tuple(view), limits.work_bytes)
+        self.command = BubblewrapCommand(bwrap, executable, tuple(view), limits.work_bytes,
+                                         host_root=os.geteuid() == 0)
         self.view = self.command.view  # the host paths the code can read (and nothing else)
         self._settings = json.dumps({
             "strict": strict, "python_guards": python_guards, "seccomp": seccomp,
@@ -89,6 +92,7 @@ class PythonSandbox:
             "file_bytes": limits.file_bytes, "open_files": limits.open_files})
         # One semaphore per event loop: asyncio primitives must not cross loops.
         self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._runs = itertools.count()  # each run its own sandbox uid (per-user kernel limits)
 
     @staticmethod
     def _environment() -> dict[str, str]:
@@ -107,6 +111,9 @@ class PythonSandbox:
         isolation, stderr = _split_report(done.stderr.decode("utf-8", "replace"))
         _check_setup(self.strict, done.returncode, isolation, stderr)
         return {**self.command.report(), **isolation}
+
+    def _next_uid(self) -> int:
+        return SANDBOX_UID_BASE + next(self._runs) % SANDBOX_UID_COUNT
 
     def _semaphore(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -141,7 +148,7 @@ class PythonSandbox:
         info_read, info_write = os.pipe()
         try:
             process = await asyncio.create_subprocess_exec(
-                *self.command.argv(code_fd, self._settings, info_write),
+                *self.command.argv(code_fd, self._settings, info_write, self._next_uid()),
                 env=self._environment(), stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 start_new_session=True, pass_fds=(code_fd, info_write))

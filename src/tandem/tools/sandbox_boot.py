@@ -1,10 +1,12 @@
 """The inner side of the Python sandbox: set the limits and the seccomp filter, then run main.py.
 
-Run as `python -I -B /sandbox/boot/sandbox_boot.py SETTINGS_JSON` inside bubblewrap
-(sandbox_bwrap.py), with cwd = the private tmpfs holding main.py. Self-contained on purpose (stdlib only, no tandem
-import, its one sibling loaded by path): it must work in any interpreter. Resource limits, then
-the seccomp filter (sandbox_seccomp.py), then an optional Python audit hook that only words
-the errors better. The first stderr line reports which of these layers hold.
+Run as `python -I -B /sandbox/boot/sandbox_boot.py SETTINGS_JSON UID` inside bubblewrap
+(sandbox_bwrap.py), with cwd = the private tmpfs holding main.py. Self-contained on purpose
+(stdlib only, no tandem import, its one sibling loaded by path): it must work in any
+interpreter. When UID is a number (bubblewrap started by host root, no user namespace), first
+become that unprivileged uid with no groups, no capabilities and no way back; then resource
+limits, the seccomp filter (sandbox_seccomp.py), and an optional Python audit hook that only
+words the errors better. The first stderr line reports which of these layers hold.
 """
 
 import ctypes
@@ -27,6 +29,54 @@ BLOCKED_EVENTS = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork
 BLOCKED_CTYPES_EVENTS = ("ctypes.call_function", "ctypes.dlsym", "ctypes.dlsym/handle",
                          "ctypes.cdata", "ctypes.cdata/buffer", "ctypes.string_at",
                          "ctypes.wstring_at", "ctypes.set_errno", "ctypes.set_exception")
+
+
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_READ, PR_CAPBSET_DROP = 38, 23, 24
+CAPABILITY_VERSION_3, CAPABILITY_SLOTS = 0x20080522, 64  # no /proc in the view: ask the kernel
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+def _capabilities_held(libc) -> list[str]:
+    """Which of this process's capability sets are not empty (bounding set included)."""
+    header, data = _CapHeader(CAPABILITY_VERSION_3, 0), (_CapData * 2)()
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    held = [name for name in ("effective", "permitted") if any(getattr(d, name) for d in data)]
+    if any(libc.prctl(PR_CAPBSET_READ, cap, 0, 0, 0) == 1 for cap in range(CAPABILITY_SLOTS)):
+        held.append("bounding")
+    return held
+
+
+def become(uid: int) -> str:
+    """Drop from host root to `uid` (and gid `uid`): no supplementary groups, an empty
+    capability bounding set, no_new_privs (no setuid program gives root back); raise OSError
+    when any of it did not hold, or the runtime is not readable as that uid."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    for capability in range(CAPABILITY_SLOTS):  # past the kernel's last one: EINVAL, nothing held
+        libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # every uid non-zero: the kernel clears the capabilities
+    held = _capabilities_held(libc)
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (uid, uid, uid) \
+            or os.getgroups() or held:
+        raise OSError(f"still uid {os.getresuid()}, gid {os.getresgid()}, groups "
+                      f"{os.getgroups()}, capabilities {held}")
+    runtime = os.path.dirname(os.__file__)
+    if not os.access(runtime, os.R_OK | os.X_OK):
+        raise OSError(f"the interpreter's runtime {runtime} is not readable by an unprivileged "
+                      "user (the sandbox's uid): make it world-readable (chmod -R o+rX)")
+    return f"uid {uid}, no groups, no capabilities, no_new_privs"
 
 
 def set_limits(memory_bytes: int, cpu_seconds: int, file_bytes: int, open_files: int) -> str:
@@ -83,10 +133,17 @@ def _seccomp_layer(wanted: bool) -> str:
 def main() -> None:
     settings = json.loads(sys.argv[1])
     sys.dont_write_bytecode = True
+    user = "the host user, in a user namespace"
+    if sys.argv[2] != "-":
+        try:
+            user = become(int(sys.argv[2]))
+        except OSError as error:  # never run the code as host root
+            sys.stderr.write(REPORT_PREFIX + json.dumps({"user": f"unavailable: {error}"}) + "\n")
+            sys.exit(EXIT_SETUP_FAILED)
     work_dir = os.getcwd()
     with open(os.path.join(work_dir, "main.py"), "rb") as handle:
         source = handle.read()  # bytes: invalid UTF-8 is the code's SyntaxError, not ours
-    report = {"limits": set_limits(settings["memory_bytes"], settings["cpu_seconds"],
+    report = {"user": user, "limits": set_limits(settings["memory_bytes"], settings["cpu_seconds"],
                                    settings["file_bytes"], settings["open_files"]),
               "seccomp": _seccomp_layer(settings["seccomp"])}
     if settings["strict"] and report["seccomp"].startswith("unavailable"):

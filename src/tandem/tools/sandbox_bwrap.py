@@ -1,12 +1,16 @@
 """The sandbox's outer layer: a bubblewrap command line (namespaces and a read-only view).
 
-bubblewrap (`bwrap`, the Debian/Ubuntu/Fedora package `bubblewrap`) gives the run fresh user,
-PID, IPC, network, UTS and mount namespaces, pivots into a new root that holds only read-only
-binds of the interpreter's runtime, four device nodes and a size-capped private tmpfs at
-WORK_DIR, drops every capability, and runs its own PID 1 (never the code): killing that init
-kills every process of the run, and it dies by itself when bwrap or bwrap's parent dies.
+bubblewrap (`bwrap`, the Debian/Ubuntu/Fedora package `bubblewrap`) gives the run fresh PID,
+IPC, network, UTS and mount namespaces, pivots into a new root that holds only read-only binds of
+the interpreter's runtime, four device nodes and a size-capped private tmpfs at WORK_DIR, and
+runs its own PID 1 (never the code): killing that init kills every process of the run, and it
+dies by itself when bwrap or bwrap's parent dies. The code never runs as a host user that owns
+anything: started by an ordinary user, bwrap adds a user namespace and drops every capability
+(the code is that user, mapped); started by root, a user namespace would map the code to host
+root, who owns every root-only file of the view, so the bootstrap instead switches to a uid of
+its own (SANDBOX_UID_BASE + a rotating offset, no capabilities, no groups) before any code runs,
+which also gives each run its own per-user kernel limits.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +29,13 @@ BOOT_FILES = ("sandbox_boot.py", "sandbox_seccomp.py")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
 LIBRARY_DIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib")
 NAMESPACES = ("user", "pid", "ipc", "net", "uts", "mount")
+# bwrap started by root: no user namespace; the bootstrap drops to a uid of its own with what
+# these capabilities allow, then holds none
+ROOT_NAMESPACE_FLAGS = ("--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts",
+                        "--unshare-cgroup-try")
+BOOT_CAPABILITIES = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
+SANDBOX_UID_BASE = 2_100_000_000  # far above distributions' and containers' uid ranges
+SANDBOX_UID_COUNT = 1 << 16
 END_SECONDS = 10.0  # for bubblewrap to name its init, and for the run to end once it is killed
 INSTALL_HINT = ("install it with `apt-get install -y bubblewrap` (`make test` does; other "
                 "distributions call the package bubblewrap too)")
@@ -89,40 +100,61 @@ def runtime_view(python: str) -> tuple[str, list[str]]:
     return runtime["executable"], view
 
 
+def _parents(view: tuple[str, ...]) -> list[str]:
+    """The folders above the view's paths, outermost first: bwrap would copy their host modes
+    (/root is 0700), hiding the runtime from the sandbox's unprivileged uid."""
+    parents = {str(parent) for path in view for parent in Path(path).parents if str(parent) != "/"}
+    return sorted(parents, key=lambda path: (path.count("/"), path))
+
+
 @dataclass(frozen=True)
 class BubblewrapCommand:
-    """Everything but the per-run file descriptors; `argv` adds those."""
+    """Everything but the per-run file descriptors and uid; `argv` adds those."""
 
     bwrap: str
     python: str
     view: tuple[str, ...]
     work_bytes: int
+    host_root: bool = False  # started by root: the bootstrap drops to a sandbox uid
 
-    def argv(self, code_fd: int, settings: str, info_fd: int | None = None) -> list[str]:
+    def argv(self, code_fd: int, settings: str, info_fd: int | None = None,
+             uid: int = SANDBOX_UID_BASE) -> list[str]:
         """bwrap options then the bootstrap; code_fd holds main.py, info_fd gets the init's
-        host pid (bubblewrap's {"child-pid": N})."""
+        host pid (bubblewrap's {"child-pid": N}); uid is the run's own when host_root."""
         boot = Path(__file__).parent
-        argv = [self.bwrap, "--unshare-all", "--unshare-user", "--die-with-parent",
-                "--new-session", "--cap-drop", "ALL"]
+        argv = [self.bwrap, "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        if self.host_root:
+            argv += list(ROOT_NAMESPACE_FLAGS)
+            for capability in BOOT_CAPABILITIES:
+                argv += ["--cap-add", capability]
+        else:
+            argv += ["--unshare-all", "--unshare-user"]
         if info_fd is not None:
             argv += ["--info-fd", str(info_fd)]
+        for folder in [*_parents(self.view + DEVICES), SANDBOX_DIR, BOOT_DIR]:
+            argv += ["--perms", "0755", "--dir", folder]
         for path in self.view:
             argv += ["--ro-bind", path, path]
         for name in BOOT_FILES:
             argv += ["--ro-bind", str(boot / name), f"{BOOT_DIR}/{name}"]
         for device in DEVICES:
             argv += ["--dev-bind-try", device, device]
-        argv += ["--size", str(self.work_bytes), "--tmpfs", WORK_DIR,
+        argv += ["--size", str(self.work_bytes), "--perms", "1777", "--tmpfs", WORK_DIR,
                  "--perms", "0644", "--file", str(code_fd), f"{WORK_DIR}/main.py",
                  "--chdir", WORK_DIR, "--remount-ro", "/"]
-        return argv + ["--", self.python, "-I", "-B", f"{BOOT_DIR}/sandbox_boot.py", settings]
+        run_as = str(uid) if self.host_root else "-"
+        return argv + ["--", self.python, "-I", "-B", f"{BOOT_DIR}/sandbox_boot.py", settings,
+                       run_as]
 
     def report(self) -> dict[str, str]:
         """The isolation bubblewrap was asked for, for SandboxResult.isolation."""
-        return {"namespaces": "+".join(NAMESPACES) + f" ({self.bwrap})",
+        namespaces = NAMESPACES[1:] if self.host_root else NAMESPACES
+        user = (f"a sandbox uid from {SANDBOX_UID_BASE} (host root started it)" if self.host_root
+                else "the host user, in a user namespace")
+        return {"namespaces": "+".join(namespaces) + f" ({self.bwrap})",
                 "view": "read-only " + ",".join(self.view),
                 "work_dir": f"private tmpfs {WORK_DIR}, {self.work_bytes >> 20} MiB",
-                "capabilities": "all dropped"}
+                "capabilities": "all dropped", "user": user}
 
 
 def code_file(code: str) -> int:

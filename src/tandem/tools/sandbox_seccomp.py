@@ -45,6 +45,10 @@ DENIED_SYSCALLS = {
     "mq_notify": 244, "mq_getsetattr": 245, "memfd_create": 319, "memfd_secret": 447,
     # device nodes, file handles (open_by_handle_at walks around path checks)
     "mknod": 133, "mknodat": 259, "name_to_handle_at": 303, "open_by_handle_at": 304,
+    # file-event watches: a watch on the read-only view reports the host's own reads of the
+    # same files, and their instances count against a per-user limit
+    "inotify_init": 253, "inotify_add_watch": 254, "inotify_init1": 294,
+    "fanotify_init": 300, "fanotify_mark": 301,
     # kernel-wide state
     "bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "keyctl": 250, "add_key": 248,
     "request_key": 249, "kexec_load": 246, "kexec_file_load": 320, "init_module": 175,
