@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from tandem.config.schema import DataConfig
+from tandem.extras import install_command
 
 
 @dataclass
@@ -75,8 +76,9 @@ def _datasets(entry: str) -> Any:
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"dataset {entry!r} needs the HF datasets package: pip install "
-                         "'tandem-rl[datasets]' (or give .jsonl / .parquet files)") from None
+        raise ValueError(f"dataset {entry!r} needs the HF datasets package: "
+                         f"{install_command('datasets', 'datasets')} (or give .jsonl / .parquet "
+                         "files)") from None
     datasets.disable_progress_bars()
     return datasets
 

@@ -359,7 +359,7 @@ class TrainerConfig:
     on_nonfinite_loss: str = "skip"  # skip: drop that optimizer step | stop: raise; NaN/inf loss
     seed: int = 0
     # console (one line per step and validation), jsonl (metrics.jsonl, always written),
-    # tensorboard, wandb, mlflow (each needs its package: pip install tandem-rl[wandb] ...)
+    # tensorboard, wandb, mlflow (each needs its package; the preflight names the install)
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     project_name: str = "tandem"  # wandb project / MLflow experiment
     experiment_name: str = ""  # wandb run / MLflow run name; "": output_dir's last part

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 from tandem.config.choices import LOGGER_PACKAGES, ConfigError, unknown_value
+from tandem.extras import install_command
 from tandem.config.schema import TandemConfig
 from tandem.rollout.registry import rollout_backend_names
 from tandem.tools.registry import ToolRegistry, tool_class
@@ -34,4 +35,4 @@ def check_names(config: TandemConfig, tools: ToolRegistry | None = None) -> None
         package = LOGGER_PACKAGES[name]
         if package is not None and importlib.util.find_spec(package) is None:
             raise ConfigError(f"trainer.loggers: lists {name!r}, but the {package} package is not "
-                              f"installed; pip install 'tandem-rl[{name}]' or drop {name!r}")
+                              f"installed; {install_command(name, package)} or drop {name!r}")

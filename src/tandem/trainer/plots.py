@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from tandem.extras import install_command
 from tandem.trainer.metrics import read_metrics
 
 TIMELINE_PHASES = ("generate", "wait_rollout", "spill_join", "spill_leave", "abort", "sleep", "reward",
@@ -59,8 +60,9 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     try:
         import matplotlib
     except ImportError:
-        logging.getLogger(__name__).warning("no plots: matplotlib is not installed (pip install "
-                                            "'tandem-rl[plots]'); metrics.jsonl has every value")
+        logging.getLogger(__name__).warning("no plots: matplotlib is not installed (%s); "
+                                            "metrics.jsonl has every value",
+                                            install_command("plots", "matplotlib"))
         return []
 
     matplotlib.use("Agg")
