@@ -187,6 +187,7 @@ class PromptDataset:
             raise ValueError("PromptDataset needs at least one file (data.train_files / "
                              "data.val_files)")
         self.rows: list[DatasetRow] = []
+        self.origins: list[str] = []  # "file: row N" of each row, for messages
         for path in files:
             for number, record in enumerate(read_records(path)):
                 row = row_from_record(record, len(self.rows), prompt_key, where=f"{path}: row")
@@ -194,6 +195,7 @@ class PromptDataset:
                 if problem:
                     raise ValueError(f"{path}: row {number}: {problem}")
                 self.rows.append(row)
+                self.origins.append(f"{path}: row {number}")
         if not self.rows:
             raise ValueError(f"dataset files {list(map(str, files))} hold no rows")
 
@@ -209,6 +211,13 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def drop(self, positions: Sequence[int]) -> None:
+        """Remove the rows at these positions (e.g. prompts too long for the run)."""
+        gone = set(positions)
+        kept = [i for i in range(len(self.rows)) if i not in gone]
+        self.rows = [self.rows[i] for i in kept]
+        self.origins = [self.origins[i] for i in kept]
 
     def __getitem__(self, index: int) -> DatasetRow:
         """A copy of row `index` with a new uid (the same prompt drawn twice is two groups)."""

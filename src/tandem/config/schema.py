@@ -214,6 +214,9 @@ class DataConfig:
     train_batch_size: int = 8  # prompts per step
     shuffle: bool = True
     seed: int = 0
+    # rows whose rendered prompt (chat template + tool schemas) exceeds rollout.prompt_length:
+    # false refuses the job before Ray starts naming the first; true drops them (verl's name)
+    filter_overlong_prompts: bool = False
 
 
 @dataclass

@@ -9,8 +9,10 @@ import logging
 from pathlib import Path
 
 from tandem.agent.dataset import PromptDataset
+from tandem.agent.prompt_fit import describe, loop_tool_schemas, overlong_rows, tokenizer_chat_format
 from tandem.config.choices import ConfigError
 from tandem.config.schema import TandemConfig
+from tandem.models.tiny import resolve_model_path
 from tandem.preflight.model_files import (check_model, checkpoint_model_problem, hf_config,
                                           latest_checkpoint)
 from tandem.preflight.model_fit import check_model_fit
@@ -45,17 +47,45 @@ def check_job(config: TandemConfig, command: str = "train", rewards: RewardScore
     check_row = ((lambda row: reward_input_problem(row.data_source, row.ground_truth))
                  if rewards.uses_registry else None)
     splits = ["train"] + (["val"] if config.data.val_files else [])
+    datasets = {}
     for split in splits:
         try:
-            rows = PromptDataset.from_config(config.data, split, check_row=check_row)
+            datasets[split] = PromptDataset.from_config(config.data, split, check_row=check_row)
         except (ValueError, FileNotFoundError) as error:
             raise ConfigError(f"data.{split}_files: {error}") from None
-        if split == "train" and command == "train" and len(rows) < config.data.train_batch_size:
-            raise ConfigError(f"data.train_batch_size: is {config.data.train_batch_size}, more "
-                              f"than the {len(rows)} rows of data.train_files; lower it or add "
-                              "rows")
     _check_tools(config, tools)
+    _check_prompt_lengths(config, datasets, tools)  # last: it loads the tokenizer (transformers)
+    rows = datasets["train"]
+    if command == "train" and len(rows) < config.data.train_batch_size:
+        raise ConfigError(f"data.train_batch_size: is {config.data.train_batch_size}, more "
+                          f"than the {len(rows)} rows of data.train_files"
+                          + (" that fit rollout.prompt_length" if config.data.filter_overlong_prompts
+                             else "") + "; lower it or add rows")
     _check_resume(config, command)
+
+
+def _check_prompt_lengths(config: TandemConfig, datasets: dict[str, PromptDataset],
+                          tools: ToolRegistry | None) -> None:
+    """Every row rendered as the loop renders it; a row longer than rollout.prompt_length is a
+    ConfigError, or with data.filter_overlong_prompts it is dropped (logged), unless none fit."""
+    schemas = loop_tool_schemas(config.rollout, tools)
+    if schemas is None:  # the OpenAI-agent loop: its harness renders the prompts
+        return
+    chat_format = tokenizer_chat_format(str(resolve_model_path(config.model.path)))
+    limit = config.rollout.prompt_length
+    for split, dataset in datasets.items():
+        found = overlong_rows(dataset, chat_format, schemas, limit)
+        if not found:
+            continue
+        what = describe(dataset, found, split, limit)
+        if not config.data.filter_overlong_prompts:
+            raise ConfigError(f"rollout.prompt_length: {what}; raise rollout.prompt_length or set "
+                              "data.filter_overlong_prompts=true to train on the rows that fit")
+        if len(found) == len(dataset):
+            raise ConfigError(f"rollout.prompt_length: {what}, so none is left to train on; raise "
+                              "rollout.prompt_length")
+        logger.warning("data.filter_overlong_prompts: dropping %s", what)
+        dataset.drop([position for position, _ in found])
 
 
 def _check_tools(config: TandemConfig, tools: ToolRegistry | None) -> None:

@@ -14,7 +14,9 @@ from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from tandem import algorithms
+from tandem.agent.chat_format import ChatFormat
 from tandem.agent.dataset import DatasetRow, PromptDataset
+from tandem.agent.prompt_fit import drop_overlong, loop_tool_schemas
 from tandem.agent.runner import AgentLoopRunner, AllSessionsFailed
 from tandem.batch.balance import balance_batch
 from tandem.batch.jagged import field_lengths, field_values, make_field, trajectories_to_batch
@@ -42,6 +44,10 @@ logger = logging.getLogger(__name__)
 ValidationHook = Callable[[int, dict[str, float]], None]
 
 
+class NoStepTrained(RuntimeError):
+    """A run ended without one model update."""
+
+
 class RLTrainer:
     """Holds the fleet and the data of one run; `step` is the actor's weight version."""
 
@@ -63,6 +69,8 @@ class RLTrainer:
         self.tools = tools
         self.train_data = PromptDataset.from_config(config.data, "train")
         self.val_data = PromptDataset.from_config(config.data, "val") if config.data.val_files else None
+        if config.data.filter_overlong_prompts:
+            self._drop_overlong_prompts()
         self.steps_per_epoch = len(self.train_data) // config.data.train_batch_size
         if self.steps_per_epoch < 1:
             raise ValueError(f"data.train_batch_size={config.data.train_batch_size} is larger than "
@@ -79,6 +87,8 @@ class RLTrainer:
         self.kl_controller = algorithms.kl_controller_from_config(config.algorithm.kl_ctrl)
         self.step = 0
         self.skipped_steps = 0  # steps whose sessions all failed (skip_step)
+        self.first_skip: str | None = None  # why the first skipped step was skipped
+        self.updates = 0  # steps of this process that updated the model
         self.fleet = Fleet(config, self.model_path, self.startup)
         self.runner: AgentLoopRunner | None = None
         self.reward_worker: RewardWorker | None = None  # agent_loop placement with a served reward
@@ -132,6 +142,24 @@ class RLTrainer:
         trajectories = config.data.train_batch_size * config.rollout.n
         per_step = -(-trajectories // self.mini_batch_trajectories())
         return max(1, config.trainer.total_steps * per_step * epochs)
+
+    def check_trained(self) -> None:
+        """NoStepTrained when this run skipped steps and updated the model in none (every
+        session of every step failed): it must not end like a finished run."""
+        if self.skipped_steps and not self.updates:
+            raise NoStepTrained(
+                f"no step trained: all {self.skipped_steps} step(s) of this run were skipped "
+                f"because every session failed; the first: {self.first_skip}. Nothing was "
+                "trained or saved")
+
+    def _drop_overlong_prompts(self) -> None:
+        """data.filter_overlong_prompts: rows the loop would render longer than
+        rollout.prompt_length leave both datasets (the preflight logged them)."""
+        schemas = loop_tool_schemas(self.config.rollout, self.tools)
+        chat_format = ChatFormat(self.tokenizer)
+        for dataset in (self.train_data, self.val_data):
+            if dataset is not None:
+                drop_overlong(dataset, chat_format, schemas, self.config.rollout.prompt_length)
 
     # ---- data and generation -----------------------------------------------------------
 
@@ -234,6 +262,7 @@ class RLTrainer:
     async def update(self, batch: TensorDict) -> dict[str, float]:
         """Critic then actor updates on every worker's shard. The mini-batch size is global (the
         engine takes its 1/n_devices share); metrics are already reduced over workers."""
+        self.updates += 1
         size = self.mini_batch_trajectories()
         metrics: dict[str, float] = {}
         if self.config.critic.enable:
@@ -300,6 +329,7 @@ class RLTrainer:
         moves on (the same weights are synced under it, so engines and trainer agree), and the
         step logs rollout/skipped_steps and rollout/failed_sessions."""
         logger.warning("step %d skipped: %s", self.step, error)
+        self.first_skip = self.first_skip or f"step {self.step + 1}: {error}"
         self.skipped_steps += 1
         self.step += 1
         await self.sync_weights()
