@@ -13,7 +13,7 @@ from tandem.agent.prompt_fit import loop_tool_schemas, overlong_rows
 from tandem.config.choices import ConfigError
 from tandem.config.load import load_config
 from tandem.demo.tasks import make_datasets, write_jsonl
-from tandem.preflight import check_job
+from tandem.preflight import check_job, check_prompts
 
 
 def job(tmp_path, *extra, long_rows=2):
@@ -54,8 +54,9 @@ def test_rows_are_measured_as_the_tool_loop_renders_them(tmp_path):
 
 def test_an_overlong_prompt_is_refused_before_ray_naming_the_row_and_length(tmp_path):
     config = job(tmp_path)
+    check_job(config)  # the torch-free checks pass; the prompts are the tokenizer's business
     with pytest.raises(ConfigError) as error:
-        check_job(config)
+        check_prompts(config)
     message = str(error.value)
     assert message.startswith("rollout.prompt_length: 2 of the 8 rows of data.train_files")
     assert f"{config.data.train_files[0]}: row 0) at " in message
@@ -63,13 +64,35 @@ def test_an_overlong_prompt_is_refused_before_ray_naming_the_row_and_length(tmp_
 
 
 def test_with_the_filter_the_preflight_keeps_the_rows_that_fit_unless_none_does(tmp_path, caplog):
-    check_job(job(tmp_path, "data.filter_overlong_prompts=true"))
+    check_prompts(job(tmp_path, "data.filter_overlong_prompts=true"))
     assert "dropping 2 of the 8 rows of data.train_files" in caplog.text
-    with pytest.raises(ConfigError, match=r"8 of the 8 rows .* none is left to train on"):
-        check_job(job(tmp_path, "data.filter_overlong_prompts=true", long_rows=8))
+    with pytest.raises(ConfigError, match=r"8 of the 8 rows .* none is left"):
+        check_prompts(job(tmp_path, "data.filter_overlong_prompts=true", long_rows=8))
     with pytest.raises(ConfigError, match=r"data\.train_batch_size: is 8, more than the 6 rows "
                                           r"of data\.train_files that fit"):
-        check_job(job(tmp_path, "data.filter_overlong_prompts=true", "data.train_batch_size=8"))
+        check_prompts(job(tmp_path, "data.filter_overlong_prompts=true", "data.train_batch_size=8"))
+
+
+def test_the_python_api_and_the_cli_check_the_prompts_before_ray(tmp_path):
+    import subprocess
+    import sys
+
+    import ray
+
+    from tandem import Trainer
+
+    config = job(tmp_path)
+    with pytest.raises(ConfigError, match=r"^rollout\.prompt_length: 2 of the 8 rows"):
+        Trainer(config)
+    assert not ray.is_initialized()
+    from tandem.config.load import to_yaml
+
+    (tmp_path / "job.yaml").write_text(to_yaml(config))
+    done = subprocess.run([sys.executable, "-m", "tandem.cli", "train", str(tmp_path / "job.yaml")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "rollout.prompt_length: 2 of the 8 rows of data.train_files" in done.stderr
+    assert "Started a local Ray instance" not in done.stderr
 
 
 def test_with_the_filter_the_run_trains_on_the_rows_that_fit(tmp_path, ray_cluster):

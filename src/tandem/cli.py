@@ -40,7 +40,10 @@ def _train(config_path: str, overrides: list[str]) -> None:
 
 
 def _eval(config_path: str, overrides: list[str]) -> None:
+    from tandem.preflight import check_prompts
+
     config = checked_config(config_path, overrides, "eval")
+    check_prompts(config, command="eval")  # loads the tokenizer: after the torch-free checks
     from tandem.quiet import quiet_libraries
 
     quiet_libraries()

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from tandem.config.load import load_config
 from tandem.config.schema import TandemConfig
-from tandem.preflight import check_job
+from tandem.preflight import check_job, check_prompts
 from tandem.rewards.scorer import RewardScorer
 from tandem.tools.registry import Tool, ToolRegistry, build_tool_registry
 
@@ -49,6 +49,7 @@ class Trainer:
 
                 raise ConfigError(str(error)) from None
         check_job(config, "train", self.rewards, self.tools)
+        check_prompts(config, self.tools)
 
     @property
     def output_dir(self) -> Path:

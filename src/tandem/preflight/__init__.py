@@ -21,7 +21,8 @@ from tandem.rewards.registry import reward_input_problem
 from tandem.rewards.scorer import RewardScorer
 from tandem.tools.registry import ToolRegistry
 
-__all__ = ["check_job", "check_model", "check_model_fit", "check_names", "has_checkpoint"]
+__all__ = ["check_job", "check_model", "check_model_fit", "check_names", "check_prompts",
+           "has_checkpoint"]
 
 logger = logging.getLogger("tandem")
 
@@ -47,33 +48,31 @@ def check_job(config: TandemConfig, command: str = "train", rewards: RewardScore
     check_row = ((lambda row: reward_input_problem(row.data_source, row.ground_truth))
                  if rewards.uses_registry else None)
     splits = ["train"] + (["val"] if config.data.val_files else [])
-    datasets = {}
     for split in splits:
         try:
-            datasets[split] = PromptDataset.from_config(config.data, split, check_row=check_row)
+            rows = PromptDataset.from_config(config.data, split, check_row=check_row)
         except (ValueError, FileNotFoundError) as error:
             raise ConfigError(f"data.{split}_files: {error}") from None
+        if split == "train" and command == "train" and len(rows) < config.data.train_batch_size:
+            raise ConfigError(f"data.train_batch_size: is {config.data.train_batch_size}, more "
+                              f"than the {len(rows)} rows of data.train_files; lower it or add "
+                              "rows")
     _check_tools(config, tools)
-    _check_prompt_lengths(config, datasets, tools)  # last: it loads the tokenizer (transformers)
-    rows = datasets["train"]
-    if command == "train" and len(rows) < config.data.train_batch_size:
-        raise ConfigError(f"data.train_batch_size: is {config.data.train_batch_size}, more "
-                          f"than the {len(rows)} rows of data.train_files"
-                          + (" that fit rollout.prompt_length" if config.data.filter_overlong_prompts
-                             else "") + "; lower it or add rows")
     _check_resume(config, command)
 
 
-def _check_prompt_lengths(config: TandemConfig, datasets: dict[str, PromptDataset],
-                          tools: ToolRegistry | None) -> None:
-    """Every row rendered as the loop renders it; a row longer than rollout.prompt_length is a
-    ConfigError, or with data.filter_overlong_prompts it is dropped (logged), unless none fit."""
+def check_prompts(config: TandemConfig, tools: ToolRegistry | None = None,
+                  command: str = "train") -> None:
+    """Every dataset row rendered as the loop renders it (it loads the tokenizer, so it runs
+    after check_job, still before Ray): a row longer than rollout.prompt_length is a
+    ConfigError, or with data.filter_overlong_prompts it is dropped (logged) unless too few fit."""
     schemas = loop_tool_schemas(config.rollout, tools)
     if schemas is None:  # the OpenAI-agent loop: its harness renders the prompts
         return
     chat_format = tokenizer_chat_format(str(resolve_model_path(config.model.path)))
     limit = config.rollout.prompt_length
-    for split, dataset in datasets.items():
+    for split in ["train"] + (["val"] if config.data.val_files else []):
+        dataset = PromptDataset.from_config(config.data, split)
         found = overlong_rows(dataset, chat_format, schemas, limit)
         if not found:
             continue
@@ -81,11 +80,15 @@ def _check_prompt_lengths(config: TandemConfig, datasets: dict[str, PromptDatase
         if not config.data.filter_overlong_prompts:
             raise ConfigError(f"rollout.prompt_length: {what}; raise rollout.prompt_length or set "
                               "data.filter_overlong_prompts=true to train on the rows that fit")
-        if len(found) == len(dataset):
-            raise ConfigError(f"rollout.prompt_length: {what}, so none is left to train on; raise "
+        left = len(dataset) - len(found)
+        if not left:
+            raise ConfigError(f"rollout.prompt_length: {what}, so none is left; raise "
                               "rollout.prompt_length")
+        if split == "train" and command == "train" and left < config.data.train_batch_size:
+            raise ConfigError(f"data.train_batch_size: is {config.data.train_batch_size}, more "
+                              f"than the {left} rows of data.train_files that fit "
+                              "rollout.prompt_length; lower it, or raise rollout.prompt_length")
         logger.warning("data.filter_overlong_prompts: dropping %s", what)
-        dataset.drop([position for position, _ in found])
 
 
 def _check_tools(config: TandemConfig, tools: ToolRegistry | None) -> None:
