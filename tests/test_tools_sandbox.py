@@ -148,13 +148,14 @@ print(attempt(lambda: os.execv('/bin/ls', ['ls'])))
     result = await bare.run(code)
     assert result.ok, result.stderr
     # not in the view (ENOENT), a read-only bind (EROFS; EACCES first for the sandbox's own uid,
-    # which owns nothing there); seccomp refuses socket() and execve. /tmp is in the view only as
-    # the read-only parent of a runtime that lives under it (a checkout in /tmp): then creating a
-    # file there is refused (EROFS, or EACCES for the sandbox uid) instead of ENOENT
+    # which owns nothing there, when the file exists); seccomp refuses socket() and execve. /tmp
+    # is in the view only as the read-only parent of a runtime that lives under it (a checkout in
+    # /tmp): then creating a file there is EROFS (the mount is checked before the folder's
+    # permissions) instead of ENOENT
     _, view = runtime_view(sys.executable)
     own_uid = bare.command.host_root
     read_only = "EACCES" if own_uid else "EROFS"
-    tmp_write = read_only if any(path.startswith("/tmp/") for path in view) else "ENOENT"
+    tmp_write = "EROFS" if any(path.startswith("/tmp/") for path in view) else "ENOENT"
     assert result.stdout.split() == ["ENOENT", tmp_write, read_only, "EPERM", "EPERM", "EPERM"]
     assert not os.path.exists("/tmp/tandem-escape.txt")
     namespaces = "pid+ipc+net+uts+mount" if own_uid else "user+pid+ipc+net+uts+mount"
