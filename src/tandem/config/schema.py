@@ -349,6 +349,17 @@ class AsyncRolloutConfig:
 
 
 @dataclass
+class DebugConfig:
+    """Rollout record and replay (slime's --save/--load-debug-rollout-data, --debug-rollout-only
+    / --debug-train-only): train a step again on the trajectories another run generated."""
+
+    save_rollouts: str = ""  # a folder: each step's scored trajectories go to step_<k>.pt there
+    load_rollouts: str = ""  # a folder save_rollouts wrote: train_only reads the steps from it
+    rollout_only: bool = False  # generate, score and save; no update, no weight sync
+    train_only: bool = False  # no generation: every step trains on load_rollouts' trajectories
+
+
+@dataclass
 class TrainerConfig:
     """The outer loop: mode, steps, validation, checkpoints, logging."""
 
@@ -378,6 +389,7 @@ class TrainerConfig:
     worker_timeout_s: float = 1800.0
     ray_address: str = ""  # join this Ray cluster ("auto", "ip:6379"); "" = $RAY_ADDRESS or start one
     placement_strategy: str = "PACK"  # training workers' bundles: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    debug: DebugConfig = field(default_factory=DebugConfig)  # sync mode only
 
 
 @dataclass

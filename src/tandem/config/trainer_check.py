@@ -14,7 +14,28 @@ def trainer_problem(config: TandemConfig) -> str | None:
         problem = _separate_async_problem(config)
     else:
         problem = _other_mode_problem(config)
-    return problem or _buffer_problem(config)
+    return problem or _buffer_problem(config) or _debug_problem(config)
+
+
+def _debug_problem(config: TandemConfig) -> str | None:
+    """trainer.debug: record and replay run in the sync loop, each switch with its folder."""
+    debug = config.trainer.debug
+    if not changed_fields(debug):
+        return None
+    if config.trainer.trainer_mode != "sync":
+        return (f"trainer.debug: rollout record and replay run in trainer.trainer_mode=sync only "
+                f"(the async modes generate while training); set the mode to sync")
+    if debug.rollout_only and debug.train_only:
+        return ("trainer.debug.rollout_only: and train_only are both true, so a step would do "
+                "nothing; keep one")
+    if debug.rollout_only and not debug.save_rollouts:
+        return ("trainer.debug.rollout_only: generates trajectories only to save them; set "
+                "trainer.debug.save_rollouts to a folder")
+    if debug.train_only != bool(debug.load_rollouts):
+        return ("trainer.debug.train_only: trains on the trajectories of trainer.debug."
+                "load_rollouts instead of generating; set both (the folder and train_only=true) "
+                "or neither")
+    return None
 
 
 def _separate_async_problem(config: TandemConfig) -> str | None:

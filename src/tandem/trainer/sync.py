@@ -1,7 +1,8 @@
 """trainer_mode=sync: generation and training take turns (seed §12.1); `fit_sync` below is the
 phase order (docs/trainer.md). On the hybrid layout sleep and wake free the devices for
 training; standalone replicas keep their memory. A step whose sessions all fail is skipped
-(RLTrainer.skip_step): no update, a warning and a metric.
+(RLTrainer.skip_step): no update, a warning and a metric. trainer.debug records each step's
+scored trajectories, or replays recorded ones in place of generation (docs/trainer.md).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from tandem.agent.runner import AllSessionsFailed
 from tandem.progress import progress_bar
 from tandem.trainer.metrics import PhaseTimer
 from tandem.trainer.rl_trainer import RLTrainer, ValidationHook
+from tandem.trainer.rollout_files import load_rollouts, save_rollouts
 
 
 async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = None) -> dict[str, float]:
@@ -25,29 +27,38 @@ async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = No
     validation = await trainer.validate_first(on_validation)
     bar = progress_bar(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
                        initial=trainer.step, total=config.total_steps, disable=not config.progress)
+    debug = config.debug  # rollout record and replay (trainer/rollout_files.py)
     for _ in bar:
         timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{trainer.algorithm_name} [{phase}]"))
         try:
             with timer.phase("generate"):
-                trajectories = await trainer.generate(trainer.train_rows(trainer.step), trainer.step)
+                trajectories = (load_rollouts(debug.load_rollouts, trainer.step + 1)
+                                if debug.train_only else
+                                await trainer.generate(trainer.train_rows(trainer.step), trainer.step))
         except AllSessionsFailed as error:
             await trainer.skip_step(error)
             continue
-        with timer.phase("sleep"):
-            await fleet.sleep_rollout()
+        if not debug.rollout_only:
+            with timer.phase("sleep"):
+                await fleet.sleep_rollout()
         with timer.phase("reward"):
-            await trainer.compute_rewards(trajectories)
+            if not debug.train_only:  # replayed trajectories keep the rewards they were saved with
+                await trainer.compute_rewards(trajectories)
+        if debug.save_rollouts:
+            save_rollouts(debug.save_rollouts, trainer.step + 1, trajectories)
         batch = trainer.make_batch(trajectories)
-        with timer.phase("old_log_prob"):
-            await trainer.compute_old_log_probs(batch)
-        with timer.phase("ref_log_prob"):
-            await trainer.compute_ref_log_probs(batch)
-        with timer.phase("values"):
-            await trainer.compute_values(batch)
-        with timer.phase("advantages"):
-            metrics = trainer.compute_advantages(batch)
-        with timer.phase("update"):
-            metrics.update(await trainer.update(batch))
+        metrics: dict[str, float] = {}
+        if not debug.rollout_only:  # record only: the same weights go on under the next version
+            with timer.phase("old_log_prob"):
+                await trainer.compute_old_log_probs(batch)
+            with timer.phase("ref_log_prob"):
+                await trainer.compute_ref_log_probs(batch)
+            with timer.phase("values"):
+                await trainer.compute_values(batch)
+            with timer.phase("advantages"):
+                metrics = trainer.compute_advantages(batch)
+            with timer.phase("update"):
+                metrics.update(await trainer.update(batch))
         trainer.step += 1
         with timer.phase("sync"):
             await fleet.wake_rollout(["weights"])
