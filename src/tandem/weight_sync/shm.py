@@ -15,6 +15,7 @@ sender writes each receiver's inactive slot directly instead (slot_transfer.py).
 from __future__ import annotations
 
 import asyncio
+import errno
 import glob
 import os
 import pickle
@@ -26,7 +27,7 @@ from typing import Iterator
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from tandem.weight_layout import bucket_size
+from tandem.weight_layout import bucket_size, shm_room
 from tandem.weight_sync.base import CheckpointEngine, NamedTensors, SyncPlan, WeightSyncError
 from tandem.weight_sync.bucketing import Unpacker, fill_bucket, tensor_buckets
 from tandem.weight_sync.control import (await_commit, commit, put, rendezvous, serve_store, take,
@@ -53,6 +54,7 @@ class ShmCheckpointEngine(CheckpointEngine):
         self._store = None
         self._buffers: list[torch.Tensor] = []
         self._paths: list[str] = []
+        self._reserved = [0] * N_BUFFERS  # bytes of each buffer file backed by shm_dir's pages
         self.bytes_sent = 0  # bucket bytes written into shared memory in the last sync
 
     def build_topology(self, n_receivers: int, version: int,
@@ -140,6 +142,7 @@ class ShmCheckpointEngine(CheckpointEngine):
             if index >= N_BUFFERS:
                 wait_keys(self._store, {f"consumed/{index - N_BUFFERS}/{r}": f"receiver {r}"
                                         for r in receivers}, self.plan.timeout_s, "send")
+            self._reserve(index % N_BUFFERS, bucket_size([chunk for chunk, _ in bucket]))
             chunks = fill_bucket(self._buffers[index % N_BUFFERS], bucket)
             if self.device == "cuda":
                 torch.cuda.current_stream().synchronize()
@@ -148,6 +151,28 @@ class ShmCheckpointEngine(CheckpointEngine):
             count = index + 1
         put(self._store, f"ready/{count}", b"", "send")
         commit(self._store, self.plan.n_receivers, self.plan.timeout_s)
+
+    def _reserve(self, buffer: int, nbytes: int) -> None:
+        """Back the first nbytes of a CPU buffer's file before writing them (the files are
+        sparse): a shm_dir too small is this error at the first sync, not a SIGBUS mid-write."""
+        if self.device == "cuda" or nbytes <= self._reserved[buffer]:
+            return
+        what = f"the shm transport's buffer {buffer}"
+        problem = shm_room(nbytes - self._reserved[buffer], self.shm_dir, what)
+        if problem is None:
+            try:
+                with open(self._paths[buffer], "r+b") as handle:
+                    os.posix_fallocate(handle.fileno(), 0, nbytes)
+            except OSError as error:
+                if error.errno == errno.ENOSPC:
+                    problem = f"{self.shm_dir} cannot hold {nbytes >> 20} MiB of {what} ({error})"
+        if problem:
+            raise WeightSyncError("send", None, f"{problem}; the ring holds two buffers of up to "
+                                  f"{self.bucket_bytes >> 20} MiB (rollout.checkpoint_engine."
+                                  "update_weights_bucket_megabytes). Enlarge it (docker: "
+                                  "--shm-size), set rollout.checkpoint_engine.engine_kwargs."
+                                  "shm_dir to a larger tmpfs, or lower the bucket size")
+        self._reserved[buffer] = nbytes
 
     def receive_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield views of the shared buffer, bucket by bucket (ranks >= 1); double-buffered,
@@ -188,6 +213,7 @@ class ShmCheckpointEngine(CheckpointEngine):
         """Sender: unlink and drop the shared buffers."""
         _unlink(self._paths)
         self._buffers, self._paths = [], []
+        self._reserved = [0] * N_BUFFERS
 
 
 _MAPPED: dict[str, torch.Tensor] = {}  # receiver side: path -> mapping, kept for the next sync
