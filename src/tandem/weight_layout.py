@@ -3,11 +3,14 @@
 One planner: `plan_buckets` lays (name, shape, dtype) out back to back in buckets of a fixed
 size (the transports' buffers, the external engines' update calls) or, with no size, in one
 buffer for a whole model (`flat_layout`: the weight slots, the vLLM adapter's segment). And
-`shm_room`: whether such buffers fit in the shared-memory directory that holds their files.
+`shm_room`: whether such buffers fit in the shared-memory directory that holds their files, and
+`remove_orphans`: the files a SIGKILLed process left there.
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import shutil
 import sys
 from typing import Iterable, Iterator, NamedTuple, Sequence
@@ -115,3 +118,24 @@ def _mem_available() -> int | None:
     except OSError:
         return None
     return None
+
+
+# tandem's shared-memory files are named tandem-<kind>-<pid of their creator>-...: the shm
+# transport's ring (sync), an engine's weight slots (slot), the vLLM adapter's segment (vllm)
+SHM_FILE_KINDS = ("sync", "slot", "vllm")
+
+
+def remove_orphans(directory: str) -> list[str]:
+    """Unlink tandem's files in `directory` whose creating process no longer exists (killed
+    before it could unlink them); returns their paths. Every creator calls it first."""
+    removed = []
+    for kind in SHM_FILE_KINDS:
+        for path in glob.glob(os.path.join(directory, f"tandem-{kind}-*-*")):
+            pid = os.path.basename(path).split("-")[2]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                try:
+                    os.unlink(path)
+                    removed.append(path)
+                except FileNotFoundError:  # another creator removed it first
+                    pass
+    return removed

@@ -5,7 +5,8 @@ CPU: two files in /dev/shm (`tandem-sync-<sender pid>-...`) that every participa
 two device buffers whose IPC handles travel in the plan. The sender copies each byte in once and
 the receiver's consumer once out (receivers yield views of the buffer). The buffers outlive a
 sync (fresh pages cost a fault and zeroing) until `close()`; a new sender removes the files of
-senders that died. Control goes through the sender's TCPStore: `ready/k` holds bucket k's chunk
+senders that died (weight_layout.remove_orphans). Each buffer's pages are reserved before a bucket
+is written, so a shm_dir too small is an error naming the fix, not a SIGBUS. Control goes through the sender's TCPStore: `ready/k` holds bucket k's chunk
 list (empty: the end), `consumed/k/rank` frees its buffer for bucket k+2, `done`/`commit` end it.
 
 With `double_buffer` and receivers that map their weights in two shared slots (slots.py), the
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import glob
 import os
 import pickle
 import tempfile
@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from tandem.weight_layout import bucket_size, shm_room
+from tandem.weight_layout import bucket_size, remove_orphans, shm_room
 from tandem.weight_sync.base import CheckpointEngine, NamedTensors, SyncPlan, WeightSyncError
 from tandem.weight_sync.bucketing import Unpacker, fill_bucket, tensor_buckets
 from tandem.weight_sync.control import (await_commit, commit, put, rendezvous, serve_store, take,
@@ -113,7 +113,7 @@ class ShmCheckpointEngine(CheckpointEngine):
             self._buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device="cuda")
                              for _ in range(N_BUFFERS)]
             return
-        _remove_orphans(self.shm_dir)
+        remove_orphans(self.shm_dir)
         for _ in range(N_BUFFERS):
             handle, path = tempfile.mkstemp(prefix=f"tandem-sync-{os.getpid()}-", dir=self.shm_dir)
             os.ftruncate(handle, self.bucket_bytes)
@@ -239,12 +239,4 @@ def _attach(details: dict, size: int) -> list[torch.Tensor]:
 def _unlink(paths: list[str]) -> None:
     for path in paths:
         if os.path.exists(path):
-            os.unlink(path)
-
-
-def _remove_orphans(directory: str) -> None:
-    """Unlink buffers whose sender process no longer exists (killed before it could)."""
-    for path in glob.glob(os.path.join(directory, "tandem-sync-*-*")):
-        pid = os.path.basename(path).split("-")[2]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             os.unlink(path)

@@ -6,7 +6,8 @@ the active slot. A sender maps the inactive slot (`SlotsDescriptor`, picklable) 
 next version into it, tensor by tensor, while the engine keeps generating on the other; the
 engine flips only after the whole version arrived and every tensor's checksum matched. Memory
 cost: two copies of the weights at the rollout dtype on the engine's host, for as long as the
-engine lives.
+engine lives; the files of an engine that was SIGKILLed are removed by the next one that creates
+its slots in that directory.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Iterable
 import torch
 
 from tandem import cpu_kernels
-from tandem.weight_layout import Chunk, WeightSpec, flat_layout, shm_room, view
+from tandem.weight_layout import Chunk, WeightSpec, flat_layout, remove_orphans, shm_room, view
 from tandem.weight_sync.base import WeightSyncError
 
 CHECKSUM_PIECE_BYTES = 1 << 20  # the torch path sums each piece right after writing it (cache-hot)
@@ -151,6 +152,7 @@ class WeightSlots:
         self.layout = layout
         self.paths: list[str] = []
         self.slots: list[torch.Tensor] = []
+        remove_orphans(shm_dir)  # slots (and buffers) of engines that were SIGKILLed
         for index in range(2):
             handle, path = tempfile.mkstemp(prefix=f"tandem-slot-{os.getpid()}-{index}-",
                                             dir=shm_dir)
