@@ -309,9 +309,10 @@ class TrainingEngine:
                                           self.global_step, extra)
         if self.uses_lora:
             base = getattr(self.model.get_base_model().config, "_name_or_path", None)
-            save_adapter(self.model, path / "adapter", base)
-            if self.save_merged:
-                save_merged(self.model, path / "merged")
+            with checkpoint.full_disk_named(path):
+                save_adapter(self.model, path / "adapter", base)
+                if self.save_merged:
+                    save_merged(self.model, path / "merged")
         return path
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
