@@ -431,3 +431,39 @@ def test_other_write_errors_pass_as_they_are(tiny_path, tmp_path, monkeypatch) -
     monkeypatch.setattr(checkpoint, "save_file", broken)
     with pytest.raises(PermissionError):
         new_engine(tiny_path).save_checkpoint(tmp_path / "step_1")
+
+
+# -- issue 42: resuming with a changed actor.optim.lr ------------------------------------------
+
+def test_resuming_with_a_changed_lr_trains_with_the_config_and_says_so(saved, tiny_path,
+                                                                        caplog) -> None:
+    """The checkpoint's optimizer state carries lr=1e-2; the resumed config says 1e-3 (and
+    another weight decay): the config wins, at the restored step of its schedule, logged."""
+    import logging
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    optim = OptimConfig(lr=1e-3, weight_decay=0.1, warmup_steps=4)
+    engine = TrainingEngine(model, "actor", 4096, optim=optim, total_steps=10)
+    with caplog.at_level(logging.WARNING):
+        engine.load_checkpoint(saved)
+    assert engine.global_step == 1
+    from tandem.training.optim import lr_multiplier
+
+    [group] = engine.optimizer.param_groups
+    assert group["lr"] == pytest.approx(1e-3 * lr_multiplier(1, optim, 10))  # warm-up step 2/4
+    assert group["weight_decay"] == 0.1 and engine.scheduler.base_lrs == [1e-3]
+    assert ("actor resumed from" in caplog.text and "with the config's optimizer settings, not "
+            "the checkpoint's: actor.optim.lr 0.01 -> 0.001, actor.optim.weight_decay 0.0 -> 0.1"
+            in caplog.text), caplog.text
+    engine.train_mini_batch(batch(1), loss_fn())
+    assert group["lr"] == pytest.approx(1e-3 * lr_multiplier(2, optim, 10))  # the schedule goes on
+
+
+def test_resuming_with_the_same_settings_logs_nothing(saved, tiny_path, caplog) -> None:
+    import logging
+
+    engine = new_engine(tiny_path)
+    with caplog.at_level(logging.WARNING):
+        engine.load_checkpoint(saved)
+    assert "optimizer settings" not in caplog.text
+    assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
