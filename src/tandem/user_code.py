@@ -109,11 +109,12 @@ def _shared_user_loop() -> asyncio.AbstractEventLoop:
 
 
 def _retire(loop: asyncio.AbstractEventLoop) -> None:
+    """Later calls get a fresh loop; this one keeps running what it holds (the other calls on
+    it end by themselves or at their deadlines), its daemon thread never joined."""
     global _user_loop
     with _user_loop_lock:
         if _user_loop is loop:
             _user_loop = None
-    loop.call_soon_threadsafe(loop.stop)  # runs once whatever blocks it lets go
 
 
 def is_coroutine_function(fn: Any) -> bool:

@@ -288,6 +288,23 @@ async def test_a_tool_that_ignores_its_deadline_is_stopped_there_and_freezes_not
     assert ticker.longest_gap < 0.4
 
 
+async def test_a_tool_swallowing_its_cancellation_leaves_the_calls_beside_it_alone():
+    """The user-code loop is replaced for later calls, never stopped: a well-behaved call
+    running on it beside the hostile one finishes."""
+    async def patient(arguments, context):
+        await asyncio.sleep(1.5)
+        return ToolResult("done")
+
+    registry = ToolRegistry([Hostile(tool_swallows_cancellation)])
+    neighbour = ToolRegistry([Hostile(patient)])
+    hostile_call = asyncio.ensure_future(registry.call("hostile", {}, timeout=0.3))
+    fine = await neighbour.call("hostile", {}, timeout=10)
+    with pytest.raises(TimeoutError, match="returned nothing within "
+                       "rollout.multi_turn.tool_timeout_seconds=0.3 s"):
+        await hostile_call
+    assert fine == ToolResult("done")
+
+
 async def test_a_tool_returning_str_is_a_result_and_other_types_are_refused_by_name():
     async def text(arguments, context):
         return "plain"
@@ -404,3 +421,49 @@ class Format:
 def rollout_config(n: int = 1, **multi_turn) -> RolloutConfig:
     return RolloutConfig(prompt_length=8, response_length=32, n=n, agent_concurrency=4,
                          multi_turn=MultiTurnConfig(enable=True, **multi_turn))
+
+
+@pytest.mark.slow
+def test_fit_with_hostile_rewards_finishes_and_the_process_exits(tmp_path):
+    """Trainer.fit() end to end (tiny model, sync mode, Ray started and stopped by fit): one
+    sample's reward never returns, another's raises SystemExit, another's KeyboardInterrupt;
+    those samples fail, the step trains, fit() returns and the interpreter exits."""
+    from tandem.demo.tasks import make_datasets
+
+    train, _ = make_datasets(tmp_path / "data", 4, 1, seed=0)
+    script = textwrap.dedent(f"""
+        import itertools, threading
+        import tandem
+
+        calls = itertools.count()
+
+        def hostile(data_source, solution_str, ground_truth, extra_info=None):
+            call = next(calls)
+            if call == 0:
+                threading.Event().wait()  # never returns
+            if call == 1:
+                raise SystemExit(5)
+            if call == 2:
+                raise KeyboardInterrupt
+            return 1.0
+
+        trainer = tandem.Trainer({{}}, reward_fn=hostile, overrides=[
+            "model.path=tiny:qwen2", "data.train_files=[{train}]", "data.train_batch_size=2",
+            "rollout.n=2", "rollout.prompt_length=320", "rollout.response_length=8",
+            "rollout.kv_cache_memory_bytes=8388608", "actor.ppo_mini_batch_size=1",
+            "reward.timeout_seconds=2", "trainer.total_steps=1", "trainer.progress=false",
+            "trainer.output_dir={tmp_path / 'run'}"])
+        trainer.fit()
+        print("fit returned", flush=True)
+    """)
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fit returned" in done.stdout
+    from tandem.trainer.metrics import read_metrics
+
+    [record] = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+                if "reward/failed_rewards" in r]
+    assert record["reward/failed_rewards"] == 3.0
+    assert time.monotonic() - began < 400
