@@ -122,10 +122,12 @@ class ToolRegistry:
                                       timeout=timeout, field=TIMEOUT_FIELD)
         if isinstance(result, str):
             result = ToolResult(result)
-        if not isinstance(result, ToolResult) or not isinstance(result.text, str):
-            raise TypeError(f"tool {name} returned {type(result).__name__}"
-                            f"{'' if not isinstance(result, ToolResult) else ' with non-text text'}"
-                            "; execute() returns a ToolResult(text, ok) or a str")
+        what = (type(result).__name__ if not isinstance(result, ToolResult)
+                else None if isinstance(result.text, str)
+                else f"a ToolResult whose text is {type(result.text).__name__}")
+        if what:
+            raise TypeError(f"tool {name} returned {what}; execute() returns a "
+                            "ToolResult(text, ok) or a str")
         return ToolResult(encodable(result.text), bool(result.ok))
 
 
