@@ -203,6 +203,7 @@ def test_a_stalled_training_worker_stops_the_run_naming_the_phase_and_the_worker
 SYNC_TIMEOUT_S = 10.0
 
 
+@pytest.mark.slow
 def test_separate_async_with_its_server_stalled_stops_within_the_sync_deadline(tmp_path,
                                                                               ray_cluster):
     """Issue 42: the one standalone server SIGSTOPped right after the step-1 sync. With
