@@ -212,14 +212,24 @@ class ServerManager:
 
     async def _stop(self, replicas: list[RolloutReplica]) -> list[BaseException]:
         """Shut the engines down, free the replicas' processes and groups, kill the balancer;
-        returns the errors other than dead servers."""
-        answers = await self.control("shutdown", replicas=replicas, on_error="leave_out")
+        returns the errors other than dead servers. A server the balancer removed (dead or
+        stalled) is not asked, and one that gives no answer is not an error: release() kills both."""
+        try:
+            status = await self.status()
+            removed = {*status.dead_servers, *status.stalled_servers}
+        except Exception:  # the balancer is gone too: ask every server
+            removed = set()
+        asked = [replica for replica in replicas if replica.server_id not in removed]
+        answers = await self.control("shutdown", replicas=asked, on_error="leave_out")
         for replica in replicas:
             replica.release()
         if is_actor(self.balancer):
             ray.kill(self.balancer)
+        for server_id, error in answers.left_out.items():
+            if isinstance(error, ControlTimeout):
+                logger.warning("%s; its process was killed", error)
         return [error for error in answers.left_out.values()
-                if not isinstance(error, DEAD_SERVER_ERRORS)]
+                if not isinstance(error, (*DEAD_SERVER_ERRORS, ControlTimeout))]
 
 
 async def _on_server(replica: RolloutReplica, index: int, verb: str, args: tuple,
