@@ -20,7 +20,7 @@ from tandem.agent.dataset import DatasetRow
 from tandem.agent.session import Session, TokenClient
 from tandem.agent.single_turn import SingleTurnLoop
 from tandem.agent.tool_loop import ToolAgentLoop
-from tandem.batch.trajectory import Trajectory
+from tandem.batch.trajectory import Trajectory, continued_later, share_split_rewards
 from tandem.config.schema import RolloutConfig
 from tandem.tools.registry import ToolRegistry, build_tool_registry
 
@@ -142,14 +142,17 @@ class AgentLoopRunner:
             trajectories = result if isinstance(result, list) else [result]
             for trajectory in trajectories:
                 trajectory.metadata.setdefault("row", session.row)  # batched rewards read its columns
-                if self.reward_fn is not None and trajectory.reward is None:
+                if (self.reward_fn is not None and trajectory.reward is None
+                        and not continued_later(trajectory)):
                     scored = self.reward_fn(trajectory, session.row)
                     if inspect.isawaitable(scored):
                         scored = await scored
                     score, extra = scored
                     trajectory.reward = float(score)
                     trajectory.reward_extra = dict(extra)
-                if on_trajectory is not None:
+            share_split_rewards(trajectories)  # a split session's samples share its reward
+            if on_trajectory is not None:
+                for trajectory in trajectories:
                     on_trajectory(trajectory)
             return trajectories
 

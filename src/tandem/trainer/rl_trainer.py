@@ -21,7 +21,7 @@ from tandem.agent.runner import AgentLoopRunner, AllSessionsFailed
 from tandem.batch.balance import balance_batch
 from tandem.batch.jagged import field_lengths, field_values, make_field, trajectories_to_batch
 from tandem.batch.padding import pad_for_data_parallel
-from tandem.batch.trajectory import Trajectory
+from tandem.batch.trajectory import Trajectory, continued_later, share_split_rewards
 from tandem.config.load import to_yaml
 from tandem.config.schema import TandemConfig
 from tandem.models.tiny import resolve_model_path
@@ -187,7 +187,8 @@ class RLTrainer:
         after_sampling (with agent_loop the loops scored them already); batched reward
         functions see them all at once."""
         if self.config.reward.placement == "after_sampling":
-            await self.rewards.score(trajectories)
+            await self.rewards.score([t for t in trajectories if not continued_later(t)])
+            share_split_rewards(trajectories)
 
     # ---- weights outside a mode (tandem eval / serve) ----------------------------------
 
