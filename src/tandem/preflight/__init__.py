@@ -38,7 +38,8 @@ def check_job(config: TandemConfig, command: str = "train", rewards: RewardScore
     if output.exists() and not output.is_dir():
         raise ConfigError(f"trainer.output_dir: {output} is a file; a run writes its metrics, "
                           "checkpoints and config into a directory there. Choose another path")
-    rewards = rewards or RewardScorer.from_config(config.reward, prompt_key=config.data.prompt_key)
+    rewards = rewards or RewardScorer.from_config(
+        config.reward, prompt_key=config.data.prompt_key, environment=config.rollout.environment)
     if not (rewards.functions or config.reward.model.enable or config.reward.judge.enable):
         # here, not in config/: Trainer(reward_fn=...) gives functions the config cannot see
         raise ConfigError("reward.rule_weight: is 0 and no other reward is given, so every "

@@ -63,7 +63,8 @@ class RLTrainer:
         self.config = config
         self.model_path = resolve_model_path(config.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.rewards = rewards or RewardScorer.from_config(config.reward, prompt_key=config.data.prompt_key)
+        self.rewards = rewards or RewardScorer.from_config(
+            config.reward, prompt_key=config.data.prompt_key, environment=config.rollout.environment)
         if self.rewards.decode is None:  # verl's solution_str: the whole decoded response
             self.rewards.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         self.tools = tools
