@@ -65,11 +65,11 @@ async def test_actions_are_tool_calls_observations_mask_0_and_done_ends_the_sess
     [trajectory] = await loop.run([row])
     assert isinstance(loop.loop, GymEnvironmentLoop)
     metadata = trajectory.metadata
-    assert metadata["environment_reward"] == 1.0 and metadata["environment_steps"] == 2
+    assert metadata["environment_reward"] == 1.5 and metadata["environment_steps"] == 2
     assert metadata["environment_done"] and trajectory.stop_reason == "completed"
-    assert trajectory.reward == 1.0  # the environment's reward, weight 1
+    assert trajectory.reward == 1.5  # the environment's summed step rewards, weight 1
     messages = metadata["messages"]
-    assert messages[0] == {"role": "user", "content": "Use the calculator to compute 4 + 5."}
+    assert messages[0] == {"role": "user", "content": "Ann has 4 apples and gets 5 more. How many apples?"}
     assert [m["content"] for m in messages if m["role"] == "tool"] == ["6", "9"]
     # two model turns (mask 1) with the first tool turn between them (mask 0); the final
     # observation ends the episode and appends no tokens
@@ -109,7 +109,7 @@ async def test_environment_reward_weight_adds_to_the_users_reward(tokenizer):
     loop = AgentLoopRunner(Replies(tokenizer, [call("calculator", '{"expression": "2 + 3"}')]),
                            ChatFormat(tokenizer), config, reward_fn=scorer.score_one)
     [trajectory] = await loop.run([DatasetRow(messages=[], uid="r0")])
-    assert trajectory.reward == pytest.approx(2.0 + 0.5 * 1.0)
+    assert trajectory.reward == pytest.approx(2.0 + 0.5 * 1.0)  # one correct step: 1.0
     assert trajectory.reward_extra["reward/environment"] == 1.0
 
 

@@ -15,6 +15,8 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
+from tandem.demo.tasks import calculator_schemas
+
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
@@ -28,13 +30,15 @@ def evaluate(expression: str) -> int:
     return value(ast.parse(expression, mode="eval").body)
 
 
+CALCULATOR = calculator_schemas()[0]["function"]  # the tool tiny:calculator learned to call
+
+
 class ArithmeticEnv:
     """Compute the sum the question asks for with the calculator."""
 
-    action_name = "calculator"
-    action_description = "Evaluate an arithmetic expression"
-    action_schema = {"type": "object", "properties": {"expression": {"type": "string"}},
-                     "required": ["expression"]}
+    action_name = CALCULATOR["name"]
+    action_description = CALCULATOR["description"]
+    action_schema = CALCULATOR["parameters"]
     closed: list[str] = []  # class-level: what the test can see after the sessions
 
     def __init__(self, max_steps: int = 2) -> None:
@@ -44,7 +48,7 @@ class ArithmeticEnv:
 
     def reset(self, a: int = 2, b: int = 3) -> tuple[str, dict]:
         self.target, self.steps = a + b, 0
-        return f"Use the calculator to compute {a} + {b}.", {}
+        return f"Ann has {a} apples and gets {b} more. How many apples?", {}
 
     def step(self, action: dict[str, Any]) -> tuple[str, float, bool, dict]:
         self.steps += 1
@@ -52,8 +56,8 @@ class ArithmeticEnv:
             result = evaluate(action["expression"])
         except (ValueError, SyntaxError, KeyError) as error:
             return f"error: {error}", 0.0, self.steps >= self.max_steps, {}
-        correct = result == self.target
-        return str(result), float(correct), correct or self.steps >= self.max_steps, {}
+        correct = result == self.target  # half a point for a call that runs, half for the sum
+        return str(result), 0.5 + 0.5 * correct, correct or self.steps >= self.max_steps, {}
 
     def close(self) -> None:
         ArithmeticEnv.closed.append(str(self.target))
