@@ -33,7 +33,6 @@ from tandem.rollout.engine.sampler import sample
 from tandem.rollout.engine.scheduler import ScheduledSequence, Scheduler
 from tandem.rollout.engine.sequence import Sequence, SequenceStatus
 from tandem.rollout.engine.slot_weights import SlotServing
-from tandem.rollout.engine.tensor_parallel import TensorParallel
 from tandem.rollout.engine.weight_staging import WeightUpdates
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 
@@ -53,7 +52,10 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
         self.config = config
         self.device = torch.device(device)
         # the other ranks of a tensor-parallel replica (None: this engine is the whole model)
-        self.ranks, tensor_parallel = _start_ranks(config, model_path, dtype, self.device)
+        self.ranks, tensor_parallel = (
+            RankWorkers.start(config.tensor_model_parallel_size, str(model_path), dtype,
+                              self.device)
+            if config.tensor_model_parallel_size > 1 else (None, None))
         try:
             self.runner = ModelRunner(model_path, torch_dtype(dtype), self.device, tensor_parallel)
             self.block_size = config.block_size
@@ -64,7 +66,7 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
                 self.ranks.allocate_kv(self.num_blocks, self.block_size)  # rank 0's count
         except BaseException:
             if self.ranks is not None:
-                self.ranks.stop()
+                self.ranks.stop(gracefully=False)
             raise
         self.blocks = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
@@ -155,9 +157,9 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
         except Exception as error:
             self.counters["failed_steps"] += 1
             logger.exception("native engine step failed")
-            if self.ranks is not None and self.ranks.failure is None:  # out of lockstep now
-                self.ranks.fail(error)
             self.blocks.clear_prefix_cache()  # blocks keyed for this step were never written
+            if self.ranks is not None and self.ranks.failure is None:  # out of lockstep now
+                error = self.ranks.fail(error)
             failure = RuntimeError(f"native engine step failed: {type(error).__name__}: {error}")
             failure.__cause__ = error
             for item in batch:
@@ -339,20 +341,6 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
                 await asyncio.gather(task, return_exceptions=True)
         if self.ranks is not None:
             self.ranks.stop()
-
-
-def _start_ranks(config: RolloutConfig, model_path: str | Path, dtype: str, device: torch.device
-                 ) -> tuple[RankWorkers | None, TensorParallel | None]:
-    """Ranks 1..TP-1 of a tensor-parallel replica, spawned on this host, and rank 0's share of
-    it; (None, None) for TP = 1. On CPU each rank takes 1/TP of this process's threads."""
-    size = config.tensor_model_parallel_size
-    if size == 1:
-        return None, None
-    threads = None
-    if device.type == "cpu":
-        threads = max(1, torch.get_num_threads() // size)
-        torch.set_num_threads(threads)
-    return RankWorkers.start(size, str(model_path), dtype, device, threads)
 
 
 def _check_config(config: RolloutConfig) -> None:

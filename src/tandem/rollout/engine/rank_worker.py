@@ -51,17 +51,18 @@ WORKER_MAIN = ("import json, sys; from tandem.rollout.engine.rank_worker import 
 
 
 # ---- messages over the control group ------------------------------------------------------
-def broadcast_command(group: Any, command: tuple) -> None:
-    """Rank 0: one pickled command to every rank, in one broadcast when it fits COMMAND_BYTES."""
+def broadcast_command(group: Any, command: tuple, timeout: timedelta | None = None) -> None:
+    """Rank 0: one pickled command to every rank, in one broadcast when it fits COMMAND_BYTES
+    (a send completes once every rank posted its receive: `timeout` bounds that wait)."""
     payload = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
     first = torch.zeros(COMMAND_BYTES, dtype=torch.uint8)
     first[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
     head = payload[:COMMAND_BYTES - 8]
     first[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    group.broadcast(first, 0).wait()
+    group.broadcast(first, 0, timeout).wait()
     if len(payload) > len(head):
         rest = torch.frombuffer(bytearray(payload[len(head):]), dtype=torch.uint8)
-        group.broadcast(rest, 0).wait()
+        group.broadcast(rest, 0, timeout).wait()
 
 
 def receive_command(group: Any) -> tuple:
@@ -205,18 +206,25 @@ class RankWorkers:
     step, collects each worker's reply. Call only under the engine's step lock (or before the
     engine loop runs)."""
 
-    def __init__(self, processes: list[subprocess.Popen], group: Any, store: dist.Store) -> None:
+    def __init__(self, processes: list[subprocess.Popen], group: Any, store: dist.Store,
+                 threads_before: int) -> None:
         self.processes, self.group = processes, group
         self.store = store  # the rendezvous server lives as long as the groups
+        self.threads_before = threads_before  # this process's torch threads, restored at stop
         self.memory = [{"weights": 0, "kv_cache": 0} for _ in processes]  # as last replied
         self.failure: str | None = None  # set once a rank failed: the replica cannot step
         self._finalizer = weakref.finalize(self, _terminate, processes)
 
     @classmethod
-    def start(cls, size: int, model_path: str, dtype: str, device: torch.device,
-              threads: int | None) -> tuple["RankWorkers", TensorParallel]:
+    def start(cls, size: int, model_path: str, dtype: str, device: torch.device
+              ) -> tuple["RankWorkers", TensorParallel]:
         """Spawn ranks 1..size-1 and join their groups; returns the handle and rank 0's
-        TensorParallel (the workers load their slices while rank 0 loads its own)."""
+        TensorParallel (the workers load their slices while rank 0 loads its own). On CPU each
+        rank, this process included, takes 1/size of this process's torch threads."""
+        threads_before, threads = torch.get_num_threads(), None
+        if device.type == "cpu":
+            threads = max(1, threads_before // size)
+            torch.set_num_threads(threads)
         timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                               timeout=timeout)
@@ -235,8 +243,9 @@ class RankWorkers:
             control, compute = make_groups(store, 0, size, device, timeout)
         except Exception:
             _terminate(processes)
+            torch.set_num_threads(threads_before)
             raise
-        return cls(processes, control, store), TensorParallel(0, size, compute)
+        return cls(processes, control, store, threads_before), TensorParallel(0, size, compute)
 
     def wait_ready(self) -> None:
         """After rank 0 loaded its slice: every worker's start-up report."""
@@ -284,19 +293,18 @@ class RankWorkers:
         """Each worker's slices (for checks), ranks 1.. in order."""
         return self._fan_out("weights", names)
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Tell every worker to exit and wait for it; one that does not is killed."""
-        if self.failure is None:
+    def stop(self, gracefully: bool = True, timeout_s: float = 30.0) -> None:
+        """Tell every worker to exit and wait for it; one that does not, or every one when not
+        `gracefully` (a failed start: a worker may be blocked sending its report), is killed."""
+        if gracefully and self.failure is None:
             try:
-                self._command("stop")
-            except Exception:  # a dead peer: nothing to tell, terminate below
+                broadcast_command(self.group, ("stop",), timedelta(seconds=timeout_s))
+                for process in self.processes:
+                    process.wait(timeout_s)
+            except Exception:  # a dead or stuck peer: terminated below
                 pass
-        for process in self.processes:
-            try:
-                process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass  # killed below
         self._finalizer()
+        torch.set_num_threads(self.threads_before)
 
     def _fan_out(self, verb: str, *arguments: Any) -> list[Any]:
         self._command(verb, *arguments)
