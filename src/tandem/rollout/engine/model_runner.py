@@ -344,7 +344,7 @@ class ModelRunner:
         else:
             hidden = yield from self._layers_torch(hidden, positions, meta, sample_index)
         if self.tied_lm_head:
-            self._refresh_tied_lm_head()
+            self.refresh_tied_lm_head()
         logits = self.lm_head(hidden).float()
         return logits if tensor_parallel is None else tensor_parallel.gather_logits(logits)
 
@@ -408,7 +408,7 @@ class ModelRunner:
             q, k = attention.q_norm(q), attention.k_norm(k)
         return q, k, v
 
-    def _refresh_tied_lm_head(self) -> None:
+    def refresh_tied_lm_head(self) -> None:
         """Re-pack the tied lm_head if the embedding was written (update_weights, a refill after
         sleep, or any in-place edit: each bumps the tensor's version counter)."""
         embedding = self.embed_tokens.weight

@@ -157,6 +157,8 @@ class RankWorker:
     def commit(self, install: bool) -> dict[str, int]:
         if install:
             install_staged(self.runner, self.staged)
+            if self.runner.tied_lm_head:  # now rather than at the next step: the report counts it
+                self.runner.refresh_tied_lm_head()
         self.staged = None
         return self.memory_bytes()
 
