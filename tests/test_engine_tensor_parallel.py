@@ -175,6 +175,41 @@ async def test_abort_mid_generation_keeps_the_ranks_in_step(qwen2_path):
         await rollout.shutdown()
 
 
+def test_a_loop_that_ends_mid_step_leaves_the_ranks_in_step(qwen2_path, monkeypatch):
+    """The caller's event loop ends while rank 0 is between two layers of a step (the worker is
+    inside the same step): rank 0 finishes the step with it before the cancellation goes on, so
+    the next loop's steps still meet in the same collectives."""
+    import tandem.rollout.engine.async_engine as async_engine
+
+    monkeypatch.setattr(async_engine, "YIELD_EVERY_S", 0.0)  # every step yields between layers
+    rollout = make(qwen2_path, 2)
+    runner = rollout.runner
+    real_forward = runner.forward_layers
+    inside = []
+
+    def watched(plan):
+        inside.append(True)
+        try:
+            return (yield from real_forward(plan))
+        finally:
+            inside.clear()
+
+    runner.forward_layers = watched
+    reference = asyncio.run(rollout.generate(GenerateRequest("a", [20, 21, 22], GREEDY)))
+
+    async def leave_mid_step() -> None:
+        asyncio.create_task(rollout.generate(GenerateRequest(
+            "long", [30, 31], {"max_tokens": 10_000, "ignore_eos": True})))
+        while rollout.stats()["generated_tokens"] < len(reference.token_ids) + 3 or not inside:
+            await asyncio.sleep(0)
+        # returns inside a step: asyncio.run cancels the engine's task between two layers
+
+    asyncio.run(leave_mid_step())
+    again = asyncio.run(rollout.generate(GenerateRequest("b", [20, 21, 22], GREEDY)))
+    assert again.token_ids == reference.token_ids
+    asyncio.run(rollout.shutdown())
+
+
 # ---- weights ----------------------------------------------------------------------------
 async def test_weight_update_delivers_each_rank_its_slice(model_path, tmp_path):
     new_state = perturbed_model(model_path, tmp_path / "new")

@@ -16,6 +16,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -286,18 +287,19 @@ class ModelRunner:
                                                 torch.Tensor]:
         """Flat input ids and positions [T], attention metadata (this rank's KV heads), and
         the index [S] of the last token of each sequence that samples."""
-        size, device = self.block_size, self.device
-        built = {"prefill": lambda starts, lengths, tables: build_group(
-                     starts, lengths, tables, size, self.num_kv_heads, self.head_dim, self.dtype,
-                     device),
-                 "decode": lambda tables, contexts: build_decode_group(tables, contexts, device),
-                 "cascade": lambda *arguments: build_cascade_group(
-                     *arguments, size, self.num_kv_heads, self.head_dim, self.dtype, device)}
-        groups = [built[kind](*arguments) for kind, *arguments in plan.groups]
-        to = dict(dtype=torch.long, device=device)
-        meta = AttentionMetadata(slots=torch.tensor(plan.slots, **to), groups=groups)
+        to = dict(dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(slots=torch.tensor(plan.slots, **to),
+                                 groups=[self._build_group(*group) for group in plan.groups])
         return (torch.tensor(plan.input_ids, **to), torch.tensor(plan.positions, **to), meta,
                 torch.tensor(plan.sample_index, **to))
+
+    def _build_group(self, kind: str, *arguments) -> Any:
+        """One attention group of a StepPlan as the attention code takes it."""
+        if kind == "decode":
+            return build_decode_group(*arguments, self.device)
+        build = build_group if kind == "prefill" else build_cascade_group
+        return build(*arguments, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
+                     self.device)
 
     def _cascade_plan(self, decode: list[ScheduledSequence]) -> tuple | None:
         """Cascade metadata for the decode tokens if their shared prefixes are worth it.
