@@ -79,10 +79,7 @@ class MemoryControl:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of weights and KV cache the engine holds on its devices (with tensor
         parallelism: all ranks, the others' as they last reported after a control call)."""
-        weights = sum(p.numel() * p.element_size() for p in self.runner.named_parameters().values()
-                      if p.device.type == self.device.type)
-        held = {"weights": weights + self.runner.packed_bytes(),
-                "kv_cache": self.runner.kv_cache_bytes()}
+        held = held_bytes(self.runner)
         for rank in (self.ranks.memory if self.ranks is not None else []):
             held = {kind: held[kind] + rank[kind] for kind in held}
         return held
@@ -108,6 +105,13 @@ class MemoryControl:
         return (f"the engine's weights were dropped by sleep(['weights']) on CPU and "
                 f"{len(missing)} tensors are not refilled yet (e.g. {missing[:3]}); call "
                 "update_weights with the full state dict after wake_up(['weights'])")
+
+
+def held_bytes(runner: Any) -> dict[str, int]:
+    """Bytes of weights (packed ones included) and KV cache a runner holds on its device."""
+    weights = sum(p.numel() * p.element_size() for p in runner.named_parameters().values()
+                  if p.device.type == runner.device.type)
+    return {"weights": weights + runner.packed_bytes(), "kv_cache": runner.kv_cache_bytes()}
 
 
 def release_weights(runner: Any) -> tuple[str, dict[str, torch.Size]]:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.quiet import quiet_libraries
-from tandem.rollout.engine.memory import release_weights, restore_weights
+from tandem.rollout.engine.memory import held_bytes, release_weights, restore_weights
 from tandem.rollout.engine.model_runner import ModelRunner, StepPlan, torch_dtype
 from tandem.rollout.engine.tensor_parallel import TensorParallel, make_groups
 from tandem.rollout.engine.weight_staging import accepted_shapes, install_staged, stage_weights
@@ -168,10 +168,7 @@ class RankWorker:
         return {name: self.runner.dense_weight(name).to("cpu", copy=True) for name in names}
 
     def memory_bytes(self) -> dict[str, int]:
-        runner = self.runner
-        weights = sum(p.numel() * p.element_size() for p in runner.named_parameters().values()
-                      if p.device.type == runner.device.type)
-        return {"weights": weights + runner.packed_bytes(), "kv_cache": runner.kv_cache_bytes()}
+        return held_bytes(self.runner)
 
 
 def run_worker(rank: int, size: int, port: int, model_path: str, dtype: str, device: str,
