@@ -139,18 +139,23 @@ class RankWorker:
 
     def stage(self, headers: dict[int, list[tuple[str, tuple, torch.dtype]]], version: int
               ) -> str | None:
-        """Receive this rank's slices (every one, even after a bad one: the sender's sends
-        must all complete) and check them like rank 0 does its own; returns the error or None."""
-        received = []
-        for tag, (name, shape, dtype) in enumerate(headers[self.group.rank()], start=SLICE_TAG):
-            tensor = torch.empty(shape, dtype=dtype)
-            self.group.recv([tensor], 0, tag).wait()
-            received.append((name, tensor))
+        """Receive this rank's slices and check them like rank 0 does its own, one at a time
+        (a received slice is staged before the next arrives); returns the error or None."""
+        def received():
+            for tag, (name, shape, dtype) in enumerate(headers[self.group.rank()],
+                                                       start=SLICE_TAG):
+                tensor = torch.empty(shape, dtype=dtype)
+                self.group.recv([tensor], 0, tag).wait()
+                yield name, tensor
+
+        stream = received()
         try:
-            self.staged = stage_weights(self.runner, accepted_shapes(self.runner), received,
+            self.staged = stage_weights(self.runner, accepted_shapes(self.runner), stream,
                                         version)
         except Exception as error:  # reported to rank 0, which discards the update everywhere
             self.staged = None
+            for _ in stream:  # every send of rank 0 must still complete
+                pass
             return f"{type(error).__name__}: {error}"
         return None
 
