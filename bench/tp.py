@@ -7,8 +7,10 @@ decode tokens/s, where a TP=2 step's time goes, and the bytes of one weight upda
 Workload (per model): `prompts` requests of 8 random tokens x `tokens` new tokens each,
 temperature 1, logprobs on, eos ignored, all at once: after the first step every step is a
 decode step of the whole batch. TP=1 runs with this process's torch threads (all cores), TP=2
-with half of them per rank (each rank a process), so both use the same cores. The two run in
-turns, `--rounds` times; the best round of each counts (the box is shared and noisy).
+with half of them per rank (each rank a process), so both use the same cores; TP=1 also runs on
+one thread, which shows what its OpenMP team costs or gains (on a busy box a preempted team
+thread stalls every parallel region, which one-thread ranks do not have). They run in turns,
+`--rounds` times; the best round of each counts (the box is shared and noisy).
 
 Where TP=2's time goes (rank 0, one timed round): the plan broadcast (one gloo broadcast per
 step), the all-reduces (embedding, then o_proj and down_proj of every layer) and the logits
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import random
 import sys
 import time
@@ -96,44 +99,44 @@ async def bench_model(name: str, rounds: int) -> float:
     spec, num_prompts, tokens = MODELS[name]
     path = build_tiny_model(spec)
     config = RolloutConfig(kv_cache_memory_bytes=256 << 20, max_num_seqs=num_prompts)
-    # torch's thread count is the process's: set before each engine's turn (TP=2's rank 0 takes
-    # half, its worker the other half)
-    threads = {1: CORES, 2: max(1, CORES // 2)}
     engines = {}
     for tp in (1, 2):
         torch.set_num_threads(CORES)
         engines[tp] = NativeRollout.create(path, dataclasses.replace(
             config, tensor_model_parallel_size=tp))
+    # (label, engine, torch threads of this process during its turn): torch's thread count is
+    # the process's, so it is set before each turn. TP=2's rank 0 takes half, its worker the
+    # other half; TP=1 on one thread shows how much of TP=1 is its OpenMP team (on a busy box a
+    # preempted team thread stalls every parallel region)
+    runs = [("TP=1", 1, CORES), ("TP=1, 1 thread", 1, 1), ("TP=2", 2, max(1, CORES // 2))]
     rng = random.Random(0)
     vocab = engines[1].runner.vocab_size
     prompts = [[rng.randrange(10, vocab) for _ in range(8)] for _ in range(num_prompts)]
-    best = {1: float("inf"), 2: float("inf")}
-    steps = {}
+    best = {label: float("inf") for label, _, _ in runs}
     for tp, rollout in engines.items():  # warm-up: kernels, packed weights, first allocations
-        torch.set_num_threads(threads[tp])
+        torch.set_num_threads(CORES if tp == 1 else max(1, CORES // 2))
         await decode_run(rollout, prompts[:4], 4, f"warm{tp}-")
     for round_index in range(rounds):
-        for tp, rollout in engines.items():
-            torch.set_num_threads(threads[tp])
+        for label, tp, threads in runs:
+            rollout = engines[tp]
+            torch.set_num_threads(threads)
             timed = tp == 2 and round_index == rounds - 1
             TIMERS.on = timed
             before = rollout.stats()["steps"]
-            seconds = await decode_run(rollout, prompts, tokens, f"r{round_index}-{tp}-")
+            seconds = await decode_run(rollout, prompts, tokens, f"r{round_index}-{label}-")
             TIMERS.on = False
-            best[tp] = min(best[tp], seconds)
-            print(f"    round {round_index} TP={tp}: {seconds:.2f} s", flush=True)
+            best[label] = min(best[label], seconds)
+            print(f"    round {round_index} {label}: {seconds:.2f} s", flush=True)
             if timed:
-                steps[tp] = rollout.stats()["steps"] - before
+                steps = rollout.stats()["steps"] - before
                 breakdown_total = seconds
     generated = num_prompts * tokens
-    rates = {tp: generated / best[tp] for tp in best}
+    rates = {label: generated / seconds for label, seconds in best.items()}
     print(f"\n## {name}: {num_prompts} prompts x {tokens} new tokens, best of {rounds}")
-    print(f"| engine | seconds | tokens/s |\n|---|---|---|")
-    for tp in (1, 2):
-        print(f"| TP={tp} ({'1 process' if tp == 1 else '2 processes'}, "
-              f"{threads[tp]} thread(s) each) | {best[tp]:.2f} | "
-              f"{rates[tp]:,.0f} |")
-    print(f"\nTP=2, rank 0, one round ({breakdown_total:.2f} s, {steps[2]} steps):")
+    print("| engine | processes x torch threads | seconds | tokens/s |\n|---|---|---|---|")
+    for label, tp, threads in runs:
+        print(f"| {label} | {tp} x {threads} | {best[label]:.2f} | {rates[label]:,.0f} |")
+    print(f"\nTP=2, rank 0, one round ({breakdown_total:.2f} s, {steps} steps):")
     print("| section | calls | seconds | share | per call |\n|---|---|---|---|---|")
     communicated = 0.0
     for section in ("plan broadcast", "all-reduce", "logits gather"):
@@ -148,7 +151,9 @@ async def bench_model(name: str, rounds: int) -> float:
     await update_bytes(path, engines)
     for rollout in engines.values():
         await rollout.shutdown()
-    return rates[2] / rates[1]
+    print(f"\n{name}: TP=2 / TP=1 tokens/s {rates['TP=2'] / rates['TP=1']:.2f}, TP=2 / TP=1 on "
+          f"one thread {rates['TP=2'] / rates['TP=1, 1 thread']:.2f}")
+    return rates["TP=2"] / rates["TP=1"]
 
 
 async def update_bytes(path: Path, engines: dict[int, NativeRollout]) -> None:
@@ -188,10 +193,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     models = args.models.split(",")
+    print(f"torch {torch.__version__}, {CORES} threads, load average at start "
+          f"{os.getloadavg()[0]:.2f}")
     ratio = 0.0
     for name in models:
         ratio = asyncio.run(bench_model(name, args.rounds))
-        print(f"\n{name}: TP=2 / TP=1 tokens/s {ratio:.2f}")
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
     print(f"RATIO {ratio:.2f} tp2/tp1 decode tokens/s, {models[-1]} shape, "
           f"{CORES} threads; update bytes {UPDATE[0]}")
 
