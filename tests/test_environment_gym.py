@@ -14,10 +14,9 @@ from tandem.agent.dataset import DatasetRow
 from tandem.agent.gym_env import GymEnvironmentLoop, observation_text, step_outcome
 from tandem.agent.runner import AgentLoopRunner
 from tandem.config.load import ConfigError, load_config
-from tandem.config.schema import RolloutConfig
+from tandem.config.schema import RewardConfig, RolloutConfig
 from tandem.models.tiny import build_tiny_model
 from tandem.rewards.scorer import RewardScorer
-from tandem.config.schema import RewardConfig
 from tandem.types import TokenOutput
 
 ENVS = Path(__file__).parent / "envs" / "arithmetic_env.py"
@@ -130,6 +129,11 @@ def test_step_results_of_every_shape():
 @pytest.mark.parametrize("overrides, field", [
     (["rollout.environment.kind=gym"], "rollout.environment.id"),
     (["rollout.environment.id=x:Y"], "rollout.environment.kind"),
+    (["rollout.environment.args={a: 1}"], "rollout.environment.kind: is empty, so rollout.environment.args"),
+    (["rollout.environment.reward_weight=2"], "rollout.environment.kind: is empty, so rollout.environment.reward_weight"),
+    (["rollout.environment.harness={id: bash}"], "rollout.environment.kind: is empty, so rollout.environment.harness"),
+    (["rollout.environment.kind=gym", "rollout.environment.id=x:Y",
+      "rollout.environment.reward_weight=.inf"], "rollout.environment.reward_weight"),
     (["rollout.environment.kind=other", "rollout.environment.id=x:Y"], "rollout.environment.kind"),
     (["rollout.environment.kind=gym", "rollout.environment.id=x:Y", "rollout.multi_turn.enable=true",
       "rollout.multi_turn.tools=[calculator]"], "rollout.multi_turn.enable"),
@@ -139,3 +143,23 @@ def test_step_results_of_every_shape():
 def test_config_errors_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", "\\.")):
         load_config({}, overrides)
+
+
+def test_the_preflight_finds_an_environment_that_does_not_load_before_ray():
+    from tandem.preflight.names import check_names
+
+    config = load_config({}, ["rollout.environment.kind=gym", f"rollout.environment.id={ENVS}:Nope"])
+    with pytest.raises(ConfigError, match="rollout.environment.id: .*defines no 'Nope'"):
+        check_names(config)
+    config = load_config({}, ["rollout.environment.kind=verifiers", "rollout.environment.id=nope-env"])
+    with pytest.raises(ConfigError, match="verifiers"):  # not installed, or no such taskset
+        check_names(config)
+
+
+def test_tools_given_with_an_environment_are_refused():
+    from tandem.preflight import _check_tools
+    from tandem.tools.registry import build_tool_registry
+
+    config = load_config({}, ["rollout.environment.kind=gym", "rollout.environment.id=x:Y"])
+    with pytest.raises(ConfigError, match="rollout.environment.kind: is gym.*calculator"):
+        _check_tools(config, build_tool_registry(["calculator"], ()))

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from tandem.agent.chat_format import ChatFormat  # noqa: E402
 from tandem.agent.dataset import DatasetRow  # noqa: E402
 from tandem.agent.runner import AgentLoopRunner  # noqa: E402
-from tandem.agent.verifiers_env import VerifiersLoop  # noqa: E402
+from tandem.agent.verifiers_env import API_KEY_VAR, VerifiersLoop  # noqa: E402
 from tandem.config.schema import RewardConfig, RolloutConfig  # noqa: E402
 from tandem.models.tiny import build_tiny_model  # noqa: E402
 from tandem.rewards.scorer import RewardScorer  # noqa: E402
@@ -31,8 +31,9 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(build_tiny_model())
 
 
-def runner(tokenizer, engine, **environment) -> AgentLoopRunner:
+def runner(tokenizer, engine, api_key: str = "", **environment) -> AgentLoopRunner:
     config = RolloutConfig(prompt_length=300, response_length=200, n=2)
+    config.openai_agent.api_key = api_key
     config.environment.kind, config.environment.id = "verifiers", "tandem-sums"
     for name, value in environment.items():
         setattr(config.environment, name, value)
@@ -63,6 +64,20 @@ async def test_episodes_are_recorded_token_exact_and_the_rubric_is_the_reward(to
     for sample in samples:
         expected = sample.metadata["environment_reward"]
         assert sample.reward == expected and sample.metadata["environment_rewards"]["correct"] == expected
+
+
+async def test_an_endpoint_with_an_api_key_is_reached_with_it(tokenizer, monkeypatch):
+    """rollout.openai_agent.api_key guards the endpoint; verifiers' client reads it from the
+    environment variable the loop sets."""
+    monkeypatch.delenv(API_KEY_VAR, raising=False)
+    engine = ScriptEngine(tokenizer, ["Let me think.", "The answer is 300."])
+    loop = runner(tokenizer, engine, api_key="sk-tandem-test", args={"count": 1})
+    try:
+        samples = await loop.run([DatasetRow(messages=[], uid="r0", raw={"task": 0})])
+    finally:
+        await loop.close()
+    assert len(samples) == 2 and len(engine.calls) == 4  # a refused call would fail the episode
+    assert all(s.reward in (0.25, 1.0) for s in samples)
 
 
 async def test_a_row_without_a_known_task_fails_its_session_with_the_choices(tokenizer):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from typing import Any
 
 from tandem.agent.chat_format import ChatFormat
@@ -21,6 +22,7 @@ from tandem.agent.session import Session, TokenClient
 from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import RolloutConfig
 
+API_KEY_VAR = "TANDEM_ENDPOINT_API_KEY"  # verifiers reads a client's key from an env var
 INSTALL = ("pip install 'verifiers==0.4.0' (it needs openai<3; make verifiers puts it beside "
            ".venv without changing .venv's pins)")
 
@@ -59,6 +61,8 @@ class VerifiersLoop:
             raise ValueError(f"rollout.environment.id={config.environment.id!r}: the taskset "
                              "yields no task")
         self.endpoint = OpenAIAgentLoop(client, chat_format, config, agent=_unused)
+        if config.openai_agent.api_key:  # the endpoint requires it of every call
+            os.environ[API_KEY_VAR] = config.openai_agent.api_key
         self._serving: contextlib.AbstractAsyncContextManager | None = None
         self._starting: asyncio.Lock | None = None
 
@@ -107,7 +111,7 @@ class VerifiersLoop:
 
         async def play(base_url: str, key: str) -> Any:
             client = vf.EvalClientConfig(base_url=self.endpoint.session_url(key),
-                                         api_key_var="TANDEM_ENDPOINT_API_KEY")
+                                         api_key_var=API_KEY_VAR)
             context = vf.ModelContext(model=settings.served_model_name, client=client)
             return await self.environment.run_episode(task, context)
 

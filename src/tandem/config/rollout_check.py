@@ -100,9 +100,11 @@ def _openai_agent_problem(rollout: RolloutConfig) -> str | None:
 def _environment_problem(rollout: RolloutConfig) -> str | None:
     environment = rollout.environment
     if not environment.kind:
-        if environment.id:
-            return (f"rollout.environment.kind: is empty, so rollout.environment.id="
-                    f"{environment.id!r} would be ignored; set kind to verifiers or gym")
+        ignored = changed_fields(environment)
+        if ignored:
+            return (f"rollout.environment.kind: is empty, so rollout.environment."
+                    f"{', '.join(ignored)} would be ignored; set kind to verifiers or gym, or "
+                    "drop them")
         return None
     if not environment.id:
         return (f"rollout.environment.id: is empty; name the {environment.kind} environment "

@@ -100,6 +100,10 @@ def _check_tools(config: TandemConfig, tools: ToolRegistry | None) -> None:
                           "list the tools the model may call (calculator, python, "
                           "path/to/tools.py:ClassName) or pass Trainer(tools=[...]), or disable "
                           "multi_turn")
+    if config.rollout.environment.kind and tools is not None and len(tools):
+        raise ConfigError(f"rollout.environment.kind: is {config.rollout.environment.kind}, whose "
+                          f"sessions offer the environment's own actions, so the tools "
+                          f"{tools.names()} would be ignored; drop them")
     if not turns.enable and tools is not None and len(tools):
         raise ConfigError(f"rollout.multi_turn.enable: is false, so the tools {tools.names()} "
                           "would be ignored (the single-turn loop calls none); set "
