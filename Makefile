@@ -73,10 +73,11 @@ $(VERIFIERS_STAMP): $(STAMP)
 
 verifiers: $(VERIFIERS_STAMP)
 
-# the tests that need verifiers (they skip in `make test`, where it is not importable)
+# the tests that need verifiers, the slow e2e one included (they skip elsewhere, where it is
+# not importable)
 test-verifiers: $(VERIFIERS_STAMP)
-	PYTHONPATH=$(VERIFIERS_DIR) $(PY) -m pytest -q tests/test_environment_verifiers.py \
-	  tests/e2e/test_e2e_environments.py -k verifiers
+	PYTHONPATH=$(VERIFIERS_DIR) $(PY) -m pytest -q -m "slow or not slow" \
+	  tests/test_environment_verifiers.py tests/e2e/test_e2e_environments.py -k verifiers
 
 # TRL for bench/rl_step.py's side-by-side GRPO run, in its own venv (TRL never goes into .venv).
 # The bench imports only tandem.rewards there (PYTHONPATH=src) and hands it the converted model.

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from tandem.cli import main
 from tandem.trainer.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # about 50 s each on 2 cores (make test-slow, make test-verifiers)
 ENVS = Path(__file__).parents[1] / "envs"
 TINY = {
     "model": {"path": "tiny:calculator"},
