@@ -15,11 +15,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from tandem.agent.chat_format import ChatFormat
+from tandem.agent.dataset import DatasetRow
 from tandem.agent.openai_agent import OpenAIAgentLoop
 from tandem.agent.openai_endpoint import EndpointServer, create_app
 from tandem.agent.recorder import ChatRecorder
 from tandem.agent.runner import AgentLoopRunner
-from tandem.agent.dataset import DatasetRow
 from tandem.batch.trajectory import share_split_rewards
 from tandem.config.schema import RolloutConfig
 from tandem.demo.tasks import calculator_schemas
@@ -105,8 +105,9 @@ async def three_turn_agent(client: openai.AsyncOpenAI, row) -> None:
 
 def assert_token_exact(calls: list[tuple[list[int], TokenOutput]], samples) -> list[int]:
     """Each engine call lies in exactly one sample: its prompt a prefix of the sample's tokens,
-    its output right after it with mask 1 and the engine's logprobs; every mask-1 token of every
-    sample comes from a call. Returns the sample index of each call."""
+    its output right after it with mask 1 and the engine's logprobs (unique to each call, so two
+    sessions given the same prompt and reply stay apart); every mask-1 token of every sample
+    comes from a call. Returns the sample index of each call."""
     owners = []
     covered = [set() for _ in samples]
     for prompt, output in calls:
@@ -114,7 +115,10 @@ def assert_token_exact(calls: list[tuple[list[int], TokenOutput]], samples) -> l
         for index, sample in enumerate(samples):
             stream = sample.input_ids.tolist()
             end = len(prompt) + len(output.token_ids)
-            if stream[:len(prompt)] == prompt and stream[len(prompt):end] == output.token_ids:
+            start = len(prompt) - len(sample.prompts)
+            log_probs = sample.rollout_log_probs[max(start, 0):start + len(output.token_ids)]
+            if (stream[:len(prompt)] == prompt and stream[len(prompt):end] == output.token_ids
+                    and log_probs.tolist() == pytest.approx(output.log_probs)):
                 found.append(index)
         assert len(found) == 1, found
         sample = samples[found[0]]
@@ -244,8 +248,9 @@ async def test_split_samples_share_the_sessions_reward_and_show_in_the_metrics(p
 
 
 def test_share_split_rewards_follows_chains_and_survives_a_missing_link():
-    from tandem.batch.trajectory import Trajectory
     import torch
+
+    from tandem.batch.trajectory import Trajectory
 
     def sample(sample_id, continued_by, reward=None):
         one = torch.tensor([1])

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import openai
 import verifiers.v1 as vf
 
-__all__ = ["SumsTaskset", "ChatHarness"]
+__all__ = ["ChatHarness", "SumsTaskset"]
 
 
 class SumData(vf.TaskData):
