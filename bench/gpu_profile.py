@@ -7,7 +7,7 @@ a few ms, so this counts what the host does per step.
 
 One batch of `--requests` prompts (16-32 tokens) decodes `--tokens` new tokens each (sampling at
 temperature 1, logprobs on, eos ignored) under torch.profiler, after a warm-up. Per decode step:
-wall time, the host time of the runner's three parts (plan, forward through the layers, sample),
+wall time (also of the same run without the profiler), the host time of the runner's three parts (plan, forward through the layers, sample),
 kernel launches, the device's busy time (the sum of kernel times) and host-device syncs. Then the
 heaviest host ops. A step is launch-bound when the device is busy for a small part of its wall.
 Last line: RATIO <device busy / wall per step> ...
@@ -88,6 +88,11 @@ def main() -> None:
                                            if args.device.startswith("cuda") else [])
     steps_before = rollout.stats()["steps"]
     start = time.perf_counter()
+    asyncio.run(decode(rollout, prompts, args.tokens, "t"))  # the same run without the profiler
+    plain_wall = time.perf_counter() - start
+    plain_steps = rollout.stats()["steps"] - steps_before
+    steps_before = rollout.stats()["steps"]
+    start = time.perf_counter()
     with profile(activities=activities) as prof:
         asyncio.run(decode(rollout, prompts, args.tokens, "p"))
         if args.device.startswith("cuda"):
@@ -95,21 +100,21 @@ def main() -> None:
     wall = time.perf_counter() - start
     steps = rollout.stats()["steps"] - steps_before
     events = prof.key_averages()
-    by_name = {event.key: event for event in events}
 
-    def count(name: str) -> int:
-        return by_name[name].count if name in by_name else 0
+    def count(name: str) -> int:  # host-side events of that name (ranges have a device twin)
+        return sum(event.count for event in events
+                   if event.key == name and event.device_type != torch.autograd.DeviceType.CUDA)
 
     def host_ms(name: str) -> float:
-        return by_name[name].cpu_time_total / 1e3 if name in by_name else 0.0
+        return sum(event.cpu_time_total for event in events if event.key == name) / 1e3
 
     launches = count("cudaLaunchKernel") + count("cuLaunchKernel") + count("cudaLaunchKernelExC")
-    kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
-    busy_ms = sum(event.self_device_time_total for event in kernels) / 1e3
+    busy_ms = sum(event.self_device_time_total for event in events) / 1e3  # kernel time
     print(f"# native decode step, {'tiny' if args.tiny else '0.5b'} shape, {args.dtype} on "
           f"{args.device}: {args.requests} requests x {args.tokens} tokens, {steps} steps "
           f"(the first prefills), {wall:.2f} s under the profiler\n")
     print("| per step | value |\n|---|---|")
+    print(f"| wall without the profiler | {1e3 * plain_wall / plain_steps:.2f} ms |")
     print(f"| wall | {1e3 * wall / steps:.2f} ms |")
     for part in PARTS:
         print(f"| host: {part} | {host_ms(part) / steps:.2f} ms |")
@@ -121,7 +126,7 @@ def main() -> None:
             print(f"| {name} | {count(name) / steps:.1f} |")
     print("\n## heaviest host ops (self time)\n")
     print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50))
-    busy = busy_ms / (1e3 * wall) if kernels else 0.0
+    busy = busy_ms / (1e3 * wall)
     print(f"RATIO {busy:.3f} device busy / wall per decode step ({1e3 * wall / steps:.1f} ms "
           f"wall, {launches / steps:.0f} launches)")
 

@@ -71,7 +71,7 @@ def rank_slices(rollout: NativeRollout) -> list[dict[str, torch.Tensor]]:
     """What every rank serves, rank 0 first (dense copies of its slices)."""
     runner = rollout.runner
     names = list(rollout.ranks.weights()[0])
-    own = {name: runner.dense_weight(name).clone() for name in names}
+    own = {name: runner.dense_weight(name).to("cpu", copy=True) for name in names}
     return [own] + rollout.ranks.weights()
 
 
