@@ -46,7 +46,7 @@ PYTEST="PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $PYTHON -m pytest -p pytest_asyncio.plu
 
 # key | name | time limit (s) | command
 STEPS=(
-    "device|device|10|nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader && $PYTHON -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, \"CUDA\", torch.version.cuda, \"transformers\", transformers.__version__)'"
+    "device|device|20|nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader && $PYTHON -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, \"CUDA\", torch.version.cuda, \"transformers\", transformers.__version__)'"
     "install|install the carried wheels|20|rm -rf $SITE && $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE $WHEELS/*.whl && $PYTHON -c 'import tensordict, omegaconf, pytest_asyncio; print(\"tensordict\", tensordict.__version__)'"
     "build|build the 0.5B-shape model (random weights)|30|$PYTHON -c 'import sys; sys.path[:0] = [\"bench\", \"src\"]; import engine; from tandem.models import build_tiny_model; print(build_tiny_model(engine.MODELS[\"0.5b\"]))'"
     "engine|engine: native vs HF generate, bf16 and fp32|240|$PYTHON bench/gpu_engine.py --device cuda"
@@ -54,7 +54,7 @@ STEPS=(
     "update|weight updates into a generating engine: full and LoRA, per-token versions|60|$PYTHON bench/gpu_update.py --device cuda"
     "profile|where a decode step's time goes (torch.profiler: launches, device busy, host parts)|60|$PYTHON bench/gpu_profile.py --device cuda"
     "handoff|weight handoff: shm over CUDA IPC between two processes|30|$PYTHON bench/sync.py --device cuda --sizes 1000 --engines naive,shm"
-    "tests|gpu-marked tests, TP=2 ranks on one GPU among them (none needs Ray, vLLM or SGLang; those skip)|150|$PYTEST -q -rs -m gpu $GPU_TESTS"
+    "tests|gpu-marked tests, TP=2 ranks on one GPU among them (none needs Ray, vLLM or SGLang; those skip)|200|$PYTEST -q -rs -m gpu $GPU_TESTS"
 )
 
 # the files a command names (bench/..., tests/...): each must exist

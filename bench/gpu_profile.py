@@ -109,7 +109,11 @@ def main() -> None:
         return sum(event.cpu_time_total for event in events if event.key == name) / 1e3
 
     launches = count("cudaLaunchKernel") + count("cuLaunchKernel") + count("cudaLaunchKernelExC")
-    busy_ms = sum(event.self_device_time_total for event in events) / 1e3  # kernel time
+    # kernel time: the device-side events, less the device twins of the ranges (their span);
+    # host ops also carry their kernels' time, so they are not summed
+    busy_ms = sum(event.self_device_time_total for event in events
+                  if event.device_type == torch.autograd.DeviceType.CUDA
+                  and event.key not in PARTS) / 1e3
     print(f"# native decode step, {'tiny' if args.tiny else '0.5b'} shape, {args.dtype} on "
           f"{args.device}: {args.requests} requests x {args.tokens} tokens, {steps} steps "
           f"(the first prefills), {wall:.2f} s under the profiler\n")
