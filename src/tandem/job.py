@@ -39,7 +39,8 @@ class Trainer:
             self.config = load_config(config, overrides)
         config = self.config
         self.rewards = RewardScorer.from_config(config.reward, reward_fn, reward_funcs,
-                                                prompt_key=config.data.prompt_key)
+                                                prompt_key=config.data.prompt_key,
+                                                environment=config.rollout.environment)
         self.tools: ToolRegistry | None = None
         if config.rollout.multi_turn.enable or tools:
             try:

@@ -85,6 +85,32 @@ class ChatFormat:
         closing = ends[-1] + (1 if after_stop_token else 0)
         return history[closing:] + full[len(history):]
 
+    def continuation_ids(self, history: Sequence[dict[str, Any]], messages: Sequence[dict[str, Any]],
+                         tools: list[dict] | None, after_stop_token: bool) -> list[int] | None:
+        """Tokens that follow the last assistant turn of `history` when the template renders
+        `messages` (history + new tool/user messages) with the generation prompt: its closing
+        boundary (the end-of-turn token too, unless after_stop_token), the new messages and the
+        next generation prompt. None when the template writes this history differently once
+        the new messages follow (e.g. it strips earlier `<think>` blocks), or never writes the
+        reply's content as given (e.g. it strips reasoning from every assistant turn): then the
+        new prompt does not extend the recorded tokens and the session must split."""
+        history = list(history)
+        before = self._render(history, tools, add_generation_prompt=False)
+        after = self._render(messages, tools, add_generation_prompt=True)
+        if after[:len(before)] != before:
+            return None
+        content = history[-1].get("content") or ""
+        if content:  # the reply as the template writes it must hold what the model said
+            text = self._plain[False].render_text(history, tools or None)
+            start = len(self._plain[False].render_text(history[:-1], tools or None))
+            if text.find(content, start) < 0:
+                return None
+        ends = [i for i, token in enumerate(before) if token in self.stop_token_ids]
+        if not ends:
+            raise ValueError(f"the chat template does not end an assistant turn with a stop token "
+                             f"{sorted(self.stop_token_ids)}; pass stop_token_ids to ChatFormat")
+        return after[ends[-1] + (1 if after_stop_token else 0):]
+
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of model tokens, special tokens kept (tool-call tags may be special tokens)."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)

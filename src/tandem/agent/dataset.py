@@ -130,7 +130,10 @@ def _dict_column(record: dict[str, Any], name: str, where: str) -> dict[str, Any
     return value
 
 
-def _messages(value: Any, prompt_key: str, where: str) -> list[dict[str, Any]]:
+def _messages(value: Any, prompt_key: str, where: str, may_be_empty: bool = False
+              ) -> list[dict[str, Any]]:
+    if may_be_empty and value in (None, []):  # an environment's task brings the prompt
+        return []
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: column {prompt_key!r} must be a non-empty list of chat "
                          f"messages {{'role': ..., 'content': ...}}, got {type(value).__name__}; "
@@ -148,7 +151,8 @@ def row_from_record(record: dict[str, Any], index: int, prompt_key: str = "promp
                     where: str = "row") -> DatasetRow:
     """Validate one raw record and wrap it as a DatasetRow (uid left empty)."""
     where = f"{where} {index}"
-    if prompt_key not in record:
+    task = record.get("task") is not None  # a verifiers environment's task brings the prompt
+    if prompt_key not in record and not task:
         raise ValueError(f"{where}: no column {prompt_key!r} (data.prompt_key); columns are "
                          f"{sorted(record)}")
     extra_info = _dict_column(record, "extra_info", where)
@@ -168,7 +172,7 @@ def row_from_record(record: dict[str, Any], index: int, prompt_key: str = "promp
     do_sample = record.get("do_sample")
     if do_sample is not None and not isinstance(do_sample, bool):
         raise ValueError(f"{where}: do_sample must be true or false, got {do_sample!r}")
-    return DatasetRow(messages=_messages(record[prompt_key], prompt_key, where), index=index,
+    return DatasetRow(messages=_messages(record.get(prompt_key), prompt_key, where, task), index=index,
                       data_source=str(record.get("data_source") or ""), ground_truth=ground_truth,
                       reward_model=reward_model, extra_info=extra_info, tools_kwargs=tools_kwargs,
                       interaction_kwargs=interaction_kwargs, rollout_n=rollout_n,

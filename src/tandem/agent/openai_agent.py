@@ -84,26 +84,46 @@ class OpenAIAgentLoop:
 
     async def run(self, session: Session) -> list[Trajectory]:
         """One agent run for the session; every branch it recorded, reward set if it gave one."""
-        row = session.row
-        key = session.request_id
-        self.recorder.open(key, SessionSettings(
-            uid=row.uid, session_id=session.session_id, seed=session.seed,
-            validate=session.validate, do_sample=row.do_sample, data_source=row.data_source,
-            ground_truth=row.ground_truth, extra_info=row.extra_info))
-        client = openai.AsyncOpenAI(base_url=await self.base_url(), max_retries=0,
-                                    api_key=self.config.openai_agent.api_key or "none",
-                                    default_headers={SESSION_HEADER: key})
-        try:
-            info = await self.agent(client, row)
-        finally:
-            await client.close()
-            trajectories = self.recorder.close(key)
-        if not trajectories:
-            raise ValueError(f"the openai agent made no successful chat call for session {key!r}; "
-                             "it must call client.chat.completions.create at least once")
+        async def play(base_url: str, key: str) -> Any:
+            client = openai.AsyncOpenAI(base_url=base_url, max_retries=0,
+                                        api_key=self.config.openai_agent.api_key or "none",
+                                        default_headers={SESSION_HEADER: key})
+            try:
+                return await self.agent(client, session.row)
+            finally:
+                await client.close()
+
+        info, trajectories = await self.record(session, play)
         reward = _reward(info)
         for trajectory in trajectories:
             trajectory.metadata["reward_info"] = info
             if reward is not None:
                 trajectory.reward, trajectory.reward_extra = reward[0], dict(reward[1])
         return trajectories
+
+    async def record(self, session: Session, play: Callable[[str, str], Awaitable[Any]]
+                     ) -> tuple[Any, list[Trajectory]]:
+        """Open the session's recording, await play(base_url, session_key) (calls to base_url
+        with the key as X-Session-Id, or to the endpoint's session_url(key), are recorded), close
+        it: (what play returned, every branch recorded)."""
+        row = session.row
+        key = session.request_id
+        self.recorder.open(key, SessionSettings(
+            uid=row.uid, session_id=session.session_id, seed=session.seed,
+            validate=session.validate, do_sample=row.do_sample, data_source=row.data_source,
+            ground_truth=row.ground_truth, extra_info=row.extra_info))
+        try:
+            info = await play(await self.base_url(), key)
+        finally:
+            trajectories = self.recorder.close(key)
+        if not trajectories:
+            raise ValueError(f"the agent made no successful chat call for session {key!r}; it "
+                             "must call the chat completions endpoint at least once")
+        return info, trajectories
+
+    def session_url(self, key: str) -> str:
+        """The endpoint's base_url for session `key` (see EndpointServer.session_url); the
+        endpoint runs (base_url() started it)."""
+        if self._server is None:
+            raise RuntimeError("the endpoint is not running; await base_url() first")
+        return self._server.session_url(key)

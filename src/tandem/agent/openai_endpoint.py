@@ -2,6 +2,8 @@
 
 POST /v1/chat/completions and GET /v1/models, through a ChatRecorder and its TokenClient
 (sticky on the session id: the `X-Session-Id` header, else `user`, else a fresh id per call).
+The same routes under /sessions/<id>/v1 record into session <id> whatever the headers say, for
+harnesses that take only a base URL or send a session header of their own (verifiers does).
 Every request is untrusted (docs/serving.md, "The OpenAI-compatible endpoint's limits"): bad
 bodies are a 400 or 413 naming the field (http_guard.py), parsing and rendering run off the
 event loop, a client that disconnects cancels its generation, and only a call that passes
@@ -16,6 +18,7 @@ import signal
 import time
 import uuid
 from typing import Any
+from urllib.parse import quote
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -153,12 +156,17 @@ def create_app(recorder: ChatRecorder, model_name: str, api_key: str = "",
         return {"status": "ok"}
 
     @app.get("/v1/models")
+    @app.get("/sessions/{session_id}/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
                                             "owned_by": "tandem"}]}
 
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def session_chat(request: Request, session_id: str) -> Any:
+        return await chat(request, session_id)
+
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
+    async def chat(request: Request, session_id: str = "") -> Any:
         body = await _chat_request(request)
         if body.model != model_name:
             raise RequestError(404, f"the model {body.model!r} does not exist; this endpoint "
@@ -175,9 +183,11 @@ def create_app(recorder: ChatRecorder, model_name: str, api_key: str = "",
             raise RequestError(400, f"top_logprobs={body.top_logprobs} is not supported: the "
                                "engine returns the sampled token's logprob only; use "
                                "logprobs=true without top_logprobs", param="top_logprobs")
-        session = request.headers.get(SESSION_HEADER) or body.user or uuid.uuid4().hex
+        session = (session_id or request.headers.get(SESSION_HEADER) or body.user
+                   or uuid.uuid4().hex)
         if len(session) > MAX_SESSION_ID_CHARS:
-            where = "X-Session-Id" if request.headers.get(SESSION_HEADER) else "user"
+            where = ("the URL's session id" if session_id else "X-Session-Id"
+                     if request.headers.get(SESSION_HEADER) else "user")
             raise RequestError(413, f"{where}: the session id has {len(session)} characters; at "
                                f"most {MAX_SESSION_ID_CHARS}", code="request_too_large", param=where)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -298,6 +308,10 @@ class EndpointServer:
     def base_url(self) -> str:
         """The URL an OpenAI client takes as base_url."""
         return f"http://{self.host}:{self.port}/v1"
+
+    def session_url(self, session: str) -> str:
+        """A base_url whose calls record into `session`, whatever their headers say."""
+        return f"http://{self.host}:{self.port}/sessions/{quote(session, safe='')}/v1"
 
     async def start(self) -> str:
         """Bind and serve in the background; returns base_url once requests are accepted."""

@@ -12,8 +12,8 @@ from tandem.tools.registry import ToolRegistry, tool_class, tool_schema
 
 def loop_tool_schemas(config: RolloutConfig, tools: ToolRegistry | None) -> list[dict] | None:
     """The tool schemas the configured loop renders its first prompt with ([] for the
-    single-turn loop); None for the OpenAI-agent loop, whose black box renders its own."""
-    if config.openai_agent.enable:
+    single-turn loop); None for the OpenAI-agent loop and environments, which render their own."""
+    if config.openai_agent.enable or config.environment.kind:  # the environment renders its own
         return None
     if not config.multi_turn.enable:
         return []

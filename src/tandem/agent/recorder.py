@@ -1,8 +1,13 @@
 """Token-exact recording of OpenAI-style chat sessions (the endpoint's side of `openai_agent`;
 docs/agent_loops.md, "Bring your own agent"). A call *extends* a branch when its messages are
-that branch's conversation, the reply we returned, then only new tool/user messages: the new
-prompt is the branch's tokens + the template's delta, as the tool loop appends it. Any other
-call *forks* a new branch (`forks` counts it). Every branch becomes one Trajectory.
+that branch's conversation, the reply we returned, then only new tool/user messages, and the
+chat template renders that history as before: the new prompt is the branch's tokens + the
+template's delta, as the tool loop appends it. A call that continues a branch's conversation but
+whose rendered prompt does not extend its tokens (the template or the harness re-rendered the
+history, e.g. stripped earlier `<think>` blocks) *splits*: a new sample starts from the rendered
+prompt and the old one ends where it was (`splits` counts it; the samples share the session's
+reward). Any other call *forks* a new branch (`forks` counts it). Every branch becomes one
+Trajectory; nothing is decoded and encoded again.
 """
 
 from __future__ import annotations
@@ -98,6 +103,7 @@ class Branch:
     user_turns: int = 0
     tool_calls: int = 0
     response_text: str = ""
+    split_from: int | None = None  # the index of the branch whose conversation this one continues
 
 
 @dataclass
@@ -136,6 +142,7 @@ class SessionRecorder:
         self.registered = registered  # opened by the openai_agent loop: never evicted
         self.branches: list[Branch] = []
         self.forks = 0
+        self.splits = 0
         self.lock = asyncio.Lock()
         self.active = 0  # calls in progress (a session no call succeeded in is dropped)
         self.nbytes = 0  # estimate of what it holds (session_bytes), as of its last call
@@ -151,24 +158,50 @@ class SessionRecorder:
                 return branch
         return None
 
+    def find_rewritten(self, messages: list[dict[str, Any]], tools: list[dict] | None
+                       ) -> Branch | None:
+        """The latest branch whose conversation this call continues with earlier assistant
+        replies rewritten by the caller (their text changed, their tool calls not), or None."""
+        for branch in reversed(self.branches):
+            known = branch.messages
+            new = messages[len(known):]
+            if (branch.tools == tools and new and all(m["role"] in ("tool", "user") for m in new)
+                    and all(_same_but_reply_text(m, k) for m, k in zip(messages, known))):
+                return branch
+        return None
+
     def trajectories(self) -> list[Trajectory]:
-        """One Trajectory per branch that sampled at least once, in creation order."""
+        """One Trajectory per branch that sampled at least once, in creation order. A branch a
+        split continued names its continuation in metadata["continued_by"] (a "sample_id")."""
         settings = self.settings
+        continued_by = {branch.split_from: index for index, branch in enumerate(self.branches)
+                        if branch.split_from is not None
+                        and self.branches[index].builder.min_version is not None}
         result = []
-        for branch in self.branches:
+        for index, branch in enumerate(self.branches):
             if branch.builder.min_version is None:
                 continue
+            following = continued_by.get(index)
             metadata = {"response_text": branch.response_text, "messages": branch.messages,
                         "extra_info": settings.extra_info,
                         "assistant_turns": branch.assistant_turns,
                         "user_turns": branch.user_turns, "tool_calls": branch.tool_calls,
-                        "tool_errors": 0, "validate": settings.validate, "forks": self.forks}
+                        "tool_errors": 0, "validate": settings.validate, "forks": self.forks,
+                        "splits": self.splits, "sample_id": f"{self.key}/{index}",
+                        "continued_by": None if following is None else f"{self.key}/{following}"}
             result.append(branch.builder.to_trajectory(
                 settings.uid or self.key, settings.session_id,
                 num_turns=1 + branch.assistant_turns + branch.user_turns,
                 stop_reason=branch.stop_reason, data_source=settings.data_source,
                 ground_truth=settings.ground_truth, metadata=metadata))
         return result
+
+
+def _same_but_reply_text(message: dict[str, Any], known: dict[str, Any]) -> bool:
+    if message == known:
+        return True
+    return (message["role"] == known["role"] == "assistant"
+            and message.get("tool_calls") == known.get("tool_calls"))
 
 
 def session_bytes(session: SessionRecorder) -> int:
@@ -218,6 +251,7 @@ class ChatRecorder:
         self.sessions: dict[str, SessionRecorder] = {}
         self.session_bytes = 0  # the sum of every session's nbytes
         self.forks = 0  # forked calls over all sessions (a metric)
+        self.splits = 0  # split calls over all sessions (a metric)
 
     def open(self, key: str, settings: SessionSettings) -> SessionRecorder:
         """Register a session before its agent runs (its trajectories are collected by close)."""
@@ -279,25 +313,33 @@ class ChatRecorder:
                            + (", ..." if len(evicted) > 3 else ""), self.max_sessions,
                            self.max_session_bytes >> 20, self.session_bytes >> 20)
 
-    def _prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+    def _prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None,
+                split: bool = False) -> list[int]:
         """The rendered prompt of a new branch; RequestError when it cannot be rendered or is
-        longer than rollout.prompt_length."""
+        longer than rollout.prompt_length (a split's, which holds the conversation so far:
+        longer than prompt_length + response_length, the context of one sample)."""
         try:
             prompt = self.chat_format.prompt_ids(messages, tools)
         except Exception as error:  # the template met input it cannot render
             raise RequestError(400, f"the chat template cannot render these messages: "
                                f"{type(error).__name__}: {error}", param="messages") from None
-        if len(prompt) > self.config.prompt_length:
+        config = self.config
+        limit = config.prompt_length + (config.response_length if split else 0)
+        if len(prompt) > limit:
+            field = (f"rollout.prompt_length + rollout.response_length={limit} (the context of a "
+                     "split sample)" if split else f"rollout.prompt_length={limit}")
             raise RequestError(400, f"the messages render to {len(prompt)} tokens, more than the "
-                               f"prompt limit rollout.prompt_length={self.config.prompt_length}",
+                               f"prompt limit {field}",
                                code="context_length_exceeded", param="messages")
         return prompt
 
-    def _delta(self, branch: Branch, messages: list[dict[str, Any]]) -> list[int]:
-        """The template's tokens for the messages a call adds to a branch."""
+    def _delta(self, branch: Branch, messages: list[dict[str, Any]],
+               tools: list[dict] | None) -> list[int] | None:
+        """The template's tokens for the messages a call adds to a branch, or None when the
+        rendered prompt would not extend the branch's tokens (the call splits)."""
         try:
-            return self.chat_format.tool_turn_ids(messages[len(branch.messages):],
-                                                  after_stop_token=branch.ended_with_stop_token)
+            return self.chat_format.continuation_ids(branch.messages, messages, tools,
+                                                     after_stop_token=branch.ended_with_stop_token)
         except Exception as error:
             raise RequestError(400, f"the chat template cannot render the new messages: "
                                f"{type(error).__name__}: {error}", param="messages") from None
@@ -351,12 +393,20 @@ class ChatRecorder:
     async def _complete(self, session: SessionRecorder, normalized: list[dict[str, Any]],
                         tools: list[dict] | None, request: dict[str, Any]) -> list[Completion]:
         extended = session.find_branch(normalized, tools)
-        if extended is None:
-            prompt = await asyncio.to_thread(self._prompt, normalized, tools)
-            branch = Branch(messages=list(normalized), tools=tools,
-                            builder=ResponseBuilder(prompt, self.config.calculate_log_probs))
+        split_from = None
+        if extended is not None:
+            delta = await asyncio.to_thread(self._delta, extended, normalized, tools)
+            if delta is None:  # the template re-renders this history
+                split_from, extended = extended, None
         else:
-            delta = await asyncio.to_thread(self._delta, extended, normalized)
+            split_from = session.find_rewritten(normalized, tools)  # the caller re-rendered it
+        if extended is None:
+            prompt = await asyncio.to_thread(self._prompt, normalized, tools, split_from is not None)
+            branch = Branch(messages=list(normalized), tools=tools,
+                            builder=ResponseBuilder(prompt, self.config.calculate_log_probs),
+                            split_from=None if split_from is None
+                            else session.branches.index(split_from))
+        else:
             branch = copy.deepcopy(extended)
             try:
                 prompt = self._extend(branch, normalized, delta)
@@ -382,7 +432,11 @@ class ChatRecorder:
         completions = await asyncio.to_thread(lambda: [
             self._record(b, output, budget, stops, len(prompt))
             for b, output in zip(branches, outputs)])
-        if extended is None:
+        if split_from is not None:
+            session.splits += 1
+            self.splits += 1
+            session.branches.append(branch)
+        elif extended is None:
             if session.branches:
                 session.forks += 1
                 self.forks += 1

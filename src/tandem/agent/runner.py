@@ -20,12 +20,14 @@ from tandem.agent.dataset import DatasetRow
 from tandem.agent.session import Session, TokenClient
 from tandem.agent.single_turn import SingleTurnLoop
 from tandem.agent.tool_loop import ToolAgentLoop
-from tandem.batch.trajectory import Trajectory
+from tandem.batch.trajectory import Trajectory, continued_later, share_split_rewards
 from tandem.config.schema import RolloutConfig
 from tandem.tools.registry import ToolRegistry, build_tool_registry
 
 if TYPE_CHECKING:
+    from tandem.agent.gym_env import GymEnvironmentLoop
     from tandem.agent.openai_agent import OpenAIAgentLoop
+    from tandem.agent.verifiers_env import VerifiersLoop
 
 RewardOutput = tuple[float, dict[str, Any]]
 # reward_fn(trajectory, row) -> (score, extra), or an awaitable of it; called as a session ends.
@@ -52,8 +54,9 @@ class AllSessionsFailed(RuntimeError):
 
 
 class AgentLoopRunner:
-    """Runs the configured loop over rows: openai_agent when rollout.openai_agent.enable,
-    tool-calling when rollout.multi_turn.enable, else single-turn."""
+    """Runs the configured loop over rows: an environment's (rollout.environment.kind),
+    openai_agent when rollout.openai_agent.enable, tool-calling when rollout.multi_turn.enable,
+    else single-turn."""
 
     def __init__(self, client: TokenClient, chat_format: ChatFormat, config: RolloutConfig,
                  tools: ToolRegistry | None = None, reward_fn: RewardFn | None = None) -> None:
@@ -63,8 +66,16 @@ class AgentLoopRunner:
             raise ValueError(f"rollout.agent_concurrency={config.agent_concurrency}: must be >= 1")
         self.config = config
         self.reward_fn = reward_fn
-        self.loop: SingleTurnLoop | ToolAgentLoop | OpenAIAgentLoop
-        if config.openai_agent.enable:
+        self.loop: SingleTurnLoop | ToolAgentLoop | OpenAIAgentLoop | GymEnvironmentLoop | VerifiersLoop
+        if config.environment.kind == "gym":
+            from tandem.agent.gym_env import GymEnvironmentLoop
+
+            self.loop = GymEnvironmentLoop(client, chat_format, config)
+        elif config.environment.kind == "verifiers":
+            from tandem.agent.verifiers_env import VerifiersLoop  # imports verifiers
+
+            self.loop = VerifiersLoop(client, chat_format, config)
+        elif config.openai_agent.enable:
             from tandem.agent.openai_agent import OpenAIAgentLoop  # imports fastapi and openai
 
             self.loop = OpenAIAgentLoop(client, chat_format, config)
@@ -142,14 +153,17 @@ class AgentLoopRunner:
             trajectories = result if isinstance(result, list) else [result]
             for trajectory in trajectories:
                 trajectory.metadata.setdefault("row", session.row)  # batched rewards read its columns
-                if self.reward_fn is not None and trajectory.reward is None:
+                if (self.reward_fn is not None and trajectory.reward is None
+                        and not continued_later(trajectory)):
                     scored = self.reward_fn(trajectory, session.row)
                     if inspect.isawaitable(scored):
                         scored = await scored
                     score, extra = scored
                     trajectory.reward = float(score)
                     trajectory.reward_extra = dict(extra)
-                if on_trajectory is not None:
+            share_split_rewards(trajectories)  # a split session's samples share its reward
+            if on_trajectory is not None:
+                for trajectory in trajectories:
                     on_trajectory(trajectory)
             return trajectories
 

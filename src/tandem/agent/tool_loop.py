@@ -63,24 +63,26 @@ class ToolAgentLoop:
         self.config = config
         self.tools = tools
 
-    async def _call_tool(self, call: ToolCall, tools_kwargs: dict[str, Any]) -> ToolResult:
+    async def _call_tool(self, tools: ToolRegistry, call: ToolCall, tools_kwargs: dict[str, Any]
+                         ) -> ToolResult:
         if call.error is not None:
             return ToolResult(f"Error: {call.error}. Call a tool as <tool_call>{{\"name\": ..., "
                               f"\"arguments\": {{...}}}}</tool_call>", ok=False)
         timeout = self.config.multi_turn.tool_timeout_seconds
         try:
-            return await self.tools.call(call.name, call.arguments,
+            return await tools.call(call.name, call.arguments,
                                          tools_kwargs.get(call.name) or {}, timeout)
         except UserCodeTimeout:
             return ToolResult(f"Error: the {call.name} call ran longer than {timeout:g} s and was "
                               "stopped", ok=False)
 
-    async def _run_tools(self, calls: list[ToolCall], tools_kwargs: dict[str, Any]
-                         ) -> list[ToolResult]:
+    async def _run_tools(self, tools: ToolRegistry, calls: list[ToolCall],
+                         tools_kwargs: dict[str, Any]) -> list[ToolResult]:
         """Results of the first max_tool_calls_per_turn calls (run concurrently), then one error
         result for the calls over the cap, which are not run."""
         cap = self.config.multi_turn.max_tool_calls_per_turn
-        results = list(await asyncio.gather(*(self._call_tool(c, tools_kwargs) for c in calls[:cap])))
+        results = list(await asyncio.gather(*(self._call_tool(tools, c, tools_kwargs)
+                                              for c in calls[:cap])))
         if len(calls) > cap:
             results.append(ToolResult(
                 f"Error: {len(calls)} tool calls in one turn; only the first {cap} ran "
@@ -88,11 +90,16 @@ class ToolAgentLoop:
                 ok=False))
         return results
 
-    async def run(self, session: Session) -> Trajectory:
-        """Run the conversation of one session until a stop condition; return its Trajectory."""
+    async def run(self, session: Session, messages: list[dict[str, Any]] | None = None,
+                  tools: ToolRegistry | None = None) -> Trajectory:
+        """Run the conversation of one session until a stop condition; return its Trajectory.
+        messages and tools: this session's own (an environment's episode), else the row's
+        messages and the loop's tools."""
         row, config, turns = session.row, self.config, self.config.multi_turn
-        messages = [dict(message) for message in row.messages]
-        prompt = self.chat_format.prompt_ids(messages, self.tools.schemas())
+        tools = self.tools if tools is None else tools
+        messages = [dict(message) for message in (row.messages if messages is None else messages)]
+        first_reply = len(messages)
+        prompt = self.chat_format.prompt_ids(messages, tools.schemas())
         check_prompt_length(len(prompt), config, row.uid)
         builder = ResponseBuilder(prompt, expect_log_probs=config.calculate_log_probs)
         assistant_turns = user_turns = tool_calls = tool_errors = 0
@@ -122,7 +129,7 @@ class ToolAgentLoop:
             if user_turns >= turns.max_user_turns:
                 stop_reason = "max_user_turns"
                 break
-            results = await self._run_tools(calls, row.tools_kwargs)
+            results = await self._run_tools(tools, calls, row.tools_kwargs)
             tool_calls += len(calls)
             ran = results[:turns.max_tool_calls_per_turn]  # the cap's message is not a call
             tool_errors += sum(not result.ok for result in ran) + len(calls) - len(ran)
@@ -131,6 +138,9 @@ class ToolAgentLoop:
                 self.chat_format)} for result in results]
             messages.extend(tool_messages)
             user_turns += 1
+            if any(result.done for result in ran):  # the episode is over: nothing to sample
+                stop_reason = "completed"
+                break
             stop_ids = self.chat_format.stop_token_ids
             ended = bool(output.token_ids) and output.token_ids[-1] in stop_ids
             delta = self.chat_format.tool_turn_ids(tool_messages, after_stop_token=ended)
@@ -139,7 +149,7 @@ class ToolAgentLoop:
             if len(delta) >= room:
                 stop_reason = "length"
                 break
-        replies = [m["content"] for m in messages[len(row.messages):] if m["role"] == "assistant"]
+        replies = [m["content"] for m in messages[first_reply:] if m["role"] == "assistant"]
         metadata = {"response_text": replies[-1],
                     "messages": messages, "extra_info": row.extra_info,
                     "assistant_turns": assistant_turns, "user_turns": user_turns,

@@ -85,3 +85,24 @@ class Trajectory:
     def loss_mask(self) -> torch.Tensor:
         """The tokens the policy loss sees: a copy of response_mask."""
         return self.response_mask.clone()
+
+
+def continued_later(trajectory: Trajectory) -> bool:
+    """Whether a later sample of the same session continues this one (an openai_agent session
+    that split): such a sample is not scored alone, it takes its session's reward."""
+    return trajectory.metadata.get("continued_by") is not None
+
+
+def share_split_rewards(trajectories: list[Trajectory]) -> None:
+    """Give every sample a split session left behind the reward (and details) of the sample
+    that ends its conversation, found through metadata["continued_by"] (docs/agent_loops.md)."""
+    by_id = {t.metadata["sample_id"]: t for t in trajectories if "sample_id" in t.metadata}
+    for trajectory in trajectories:
+        last, seen = trajectory, set()
+        while continued_later(last) and last.metadata["continued_by"] in by_id:
+            if last.metadata["continued_by"] in seen:
+                break
+            seen.add(last.metadata["continued_by"])
+            last = by_id[last.metadata["continued_by"]]
+        if last is not trajectory:
+            trajectory.reward, trajectory.reward_extra = last.reward, dict(last.reward_extra)

@@ -23,6 +23,7 @@ TRUNCATE_SIDES = ("left", "right", "middle")
 CORRECTION_LEVELS = ("none", "token", "sequence")
 IMPORTANCE_SAMPLING_MODES = ("truncate", "icepop")
 REWARD_PLACEMENTS = ("agent_loop", "after_sampling")
+ENVIRONMENT_KINDS = ("", "verifiers", "gym")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPES = tuple(DTYPE_BYTES)
 LR_SCHEDULES = ("constant", "cosine")
@@ -42,6 +43,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.logprobs_mode": LOGPROBS_MODES,
     "rollout.in_flight_kv": IN_FLIGHT_KV,
     "rollout.multi_turn.tool_response_truncate_side": TRUNCATE_SIDES,
+    "rollout.environment.kind": ENVIRONMENT_KINDS,
     "actor.loss_agg_mode": LOSS_AGG_MODES,
     "actor.optim.schedule": LR_SCHEDULES,
     "critic.optim.schedule": LR_SCHEDULES,

@@ -14,7 +14,8 @@ def rollout_problem(config: TandemConfig) -> str | None:
     return (_mode_problem(rollout) or _sampling_problem("rollout", rollout)
             or _sampling_problem("rollout.val_kwargs", rollout.val_kwargs)
             or _logprobs_problem(rollout) or _backend_option_problem(config)
-            or _tools_problem(rollout) or _openai_agent_problem(rollout))
+            or _tools_problem(rollout) or _openai_agent_problem(rollout)
+            or _environment_problem(rollout))
 
 
 def _mode_problem(rollout: RolloutConfig) -> str | None:
@@ -93,4 +94,28 @@ def _openai_agent_problem(rollout: RolloutConfig) -> str | None:
     if rollout.multi_turn.enable:
         return ("rollout.openai_agent.enable: and rollout.multi_turn.enable are both true; the "
                 "openai agent runs its own tools, so set rollout.multi_turn.enable=false")
+    return None
+
+
+def _environment_problem(rollout: RolloutConfig) -> str | None:
+    environment = rollout.environment
+    if not environment.kind:
+        ignored = changed_fields(environment)
+        if ignored:
+            return (f"rollout.environment.kind: is empty, so rollout.environment."
+                    f"{', '.join(ignored)} would be ignored; set kind to verifiers or gym, or "
+                    "drop them")
+        return None
+    if not environment.id:
+        return (f"rollout.environment.id: is empty; name the {environment.kind} environment "
+                + ("(its installed id)" if environment.kind == "verifiers"
+                   else "('package.module:Class' or 'path/to/file.py:Class')"))
+    for loop in ("multi_turn", "openai_agent"):
+        if getattr(rollout, loop).enable:
+            return (f"rollout.{loop}.enable: and rollout.environment.kind={environment.kind!r} "
+                    f"are both set; the environment runs its own sessions, so set "
+                    f"rollout.{loop}.enable=false")
+    if environment.harness and environment.kind != "verifiers":
+        return ("rollout.environment.harness: only a verifiers environment has a harness; "
+                "leave it empty for kind=gym")
     return None

@@ -85,6 +85,24 @@ class MultiTurnConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    """An environment whose episodes are the sessions (docs/agent_loops.md, "Environments"):
+    a `verifiers` environment run against the token-recording endpoint, or a Gym-style
+    (OpenEnv) environment driven by the tool-calling loop. Its reward joins reward.*'s sum."""
+
+    kind: str = ""  # "" (none) | verifiers | gym
+    # verifiers: the environment's id (an installed taskset package, e.g. "my-env" or
+    # "owner/my-env"); gym: the class, "package.module:Class" or "path/to/file.py:Class"
+    id: str = ""
+    # verifiers: the taskset's config fields; gym: the class's keyword arguments
+    args: dict[str, Any] = field(default_factory=dict)
+    reward_weight: float = 1.0  # the environment's reward in the weighted sum of rewards
+    # verifiers only: a harness config for the agent's seat (its "id" and fields); {}: the
+    # taskset's own harness
+    harness: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RolloutConfig:
     """The rollout engine, its servers and the sampling used in training."""
 
@@ -120,6 +138,7 @@ class RolloutConfig:
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     openai_agent: OpenAIAgentConfig = field(default_factory=OpenAIAgentConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     agent_concurrency: int = 64  # agent-loop sessions in flight at once
     torch_threads: int = 0  # CPU threads of each standalone rollout server (separate_async); 0: auto
     # Devices of a standalone rollout pool (separate_async); 0 means "share the actor's".

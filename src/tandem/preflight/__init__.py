@@ -38,7 +38,8 @@ def check_job(config: TandemConfig, command: str = "train", rewards: RewardScore
     if output.exists() and not output.is_dir():
         raise ConfigError(f"trainer.output_dir: {output} is a file; a run writes its metrics, "
                           "checkpoints and config into a directory there. Choose another path")
-    rewards = rewards or RewardScorer.from_config(config.reward, prompt_key=config.data.prompt_key)
+    rewards = rewards or RewardScorer.from_config(
+        config.reward, prompt_key=config.data.prompt_key, environment=config.rollout.environment)
     if not (rewards.functions or config.reward.model.enable or config.reward.judge.enable):
         # here, not in config/: Trainer(reward_fn=...) gives functions the config cannot see
         raise ConfigError("reward.rule_weight: is 0 and no other reward is given, so every "
@@ -99,6 +100,10 @@ def _check_tools(config: TandemConfig, tools: ToolRegistry | None) -> None:
                           "list the tools the model may call (calculator, python, "
                           "path/to/tools.py:ClassName) or pass Trainer(tools=[...]), or disable "
                           "multi_turn")
+    if config.rollout.environment.kind and tools is not None and len(tools):
+        raise ConfigError(f"rollout.environment.kind: is {config.rollout.environment.kind}, whose "
+                          f"sessions offer the environment's own actions, so the tools "
+                          f"{tools.names()} would be ignored; drop them")
     if not turns.enable and tools is not None and len(tools):
         raise ConfigError(f"rollout.multi_turn.enable: is false, so the tools {tools.names()} "
                           "would be ignored (the single-turn loop calls none); set "

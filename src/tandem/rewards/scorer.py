@@ -2,7 +2,8 @@
 "Rewards"): verl's per-sample `compute_score(data_source, solution_str, ground_truth,
 extra_info=None)`, TRL's batched `fn(prompts, completions, **columns)`, else tandem's registry
 by data_source (weighted by reward.rule_weight), plus served reward models and judges
-(RewardScorer.add). They add up with their weights. The user's functions run off the event loop
+(RewardScorer.add) and an environment's own reward (rollout.environment: its rubric or step
+rewards, read from trajectory.metadata["environment_reward"]). They add up with their weights. The user's functions run off the event loop
 on copies of their arguments, each call bounded by reward.timeout_seconds (user_code.
 call_user_code); a function that raises (SystemExit and the like included), times out or returns
 no valid score fails only its samples: reward 0, reward_extra["reward_failed"] = 1.0 (a batched
@@ -23,18 +24,20 @@ from tandem.user_code import call_user_code
 
 if TYPE_CHECKING:
     from tandem.batch.trajectory import Trajectory
-    from tandem.config.schema import RewardConfig
+    from tandem.config.schema import EnvironmentConfig, RewardConfig
 
 logger = logging.getLogger(__name__)
 FAILED = "reward_failed"
 FLOAT32_MAX = 3.4028234663852886e38
 METRIC_KEYS = ("acc", FAILED)  # details the step logs as metrics (and "reward/<name>")
+ENVIRONMENT_REWARD = "environment_reward"  # the metadata key an environment's loop fills in
 
 
 @dataclass
 class RewardFunction:
     """One scoring function: kind "registry" (by data source), "verl" (per sample), "batched"
-    (TRL) or "served" (`await fn(trajectories) -> [RewardResult]`: a reward model or judge)."""
+    (TRL), "served" (`await fn(trajectories) -> [RewardResult]`: a reward model or judge) or
+    "environment" (the reward the environment gave, from the trajectory's metadata)."""
 
     name: str
     fn: Callable[..., Any]
@@ -60,9 +63,15 @@ class RewardScorer:
     def from_config(cls, config: "RewardConfig", reward_fn: Callable | None = None,
                     reward_funcs: Sequence[Callable] = (),
                     decode: Callable[[list[int]], str] | None = None,
-                    prompt_key: str = "prompt") -> "RewardScorer":
-        """The scorer a job's config and Python arguments describe (see the module docstring)."""
+                    prompt_key: str = "prompt",
+                    environment: "EnvironmentConfig | None" = None) -> "RewardScorer":
+        """The scorer a job's config and Python arguments describe (see the module docstring);
+        environment: rollout.environment, whose reward joins with its reward_weight when set
+        (then the rule reward by data source is not added unless asked for by no one else)."""
         functions = user_reward_functions(config, reward_fn, reward_funcs)
+        if environment is not None and environment.kind:
+            functions.append(RewardFunction("environment", _no_call, "environment",
+                                            float(environment.reward_weight)))
         if not functions and config.rule_weight:
             functions = [RewardFunction("registry", compute_reward, "registry", config.rule_weight)]
         return cls(functions, config.timeout_seconds, decode, prompt_key)
@@ -117,6 +126,8 @@ class RewardScorer:
                    ) -> list[RewardResult | None]:
         if function.kind == "served":  # fails its own samples, never raises for one
             return list(await function.fn(trajectories))
+        if function.kind == "environment":
+            return [self._environment_result(function, t) for t in trajectories]
         if function.kind == "batched":
             try:
                 return await self._batched(function, trajectories)
@@ -161,6 +172,18 @@ class RewardScorer:
     async def _call(self, function: RewardFunction, *args: Any, **kwargs: Any) -> Any:
         return await call_user_code(function.fn, args, kwargs, name=f"reward function {function.name}",
                                     timeout=self.timeout_seconds, field="reward.timeout_seconds")
+
+    def _environment_result(self, function: RewardFunction, trajectory: "Trajectory"
+                            ) -> RewardResult | None:
+        value = trajectory.metadata.get(ENVIRONMENT_REWARD)
+        try:
+            if value is None:
+                raise ValueError("the environment gave this sample no reward (its episode "
+                                 "ended before scoring)")
+            return to_result(value, function.name)
+        except (TypeError, ValueError) as error:
+            self._log_failure(function, trajectory, error)
+            return None
 
     def _solution_str(self, trajectory: "Trajectory") -> str:
         if self.decode is None:
@@ -288,6 +311,10 @@ def user_reward_functions(config: "RewardConfig", reward_fn: Callable | None = N
         for function, weight in zip(functions, config.weights):
             function.weight = float(weight)
     return functions
+
+
+def _no_call(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("the environment reward is read from the trajectory, never called")
 
 
 def _name(fn: Callable) -> str:

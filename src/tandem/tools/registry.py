@@ -24,10 +24,12 @@ JSON_TYPES: dict[str, tuple[type, ...]] = {
 
 @dataclass
 class ToolResult:
-    """What the model sees as the tool message; ok=False marks an error message."""
+    """What the model sees as the tool message; ok=False marks an error message; done=True ends
+    the session after this tool turn (an environment's episode is over)."""
 
     text: str
     ok: bool = True
+    done: bool = False
 
 
 class Tool(Protocol):
@@ -128,7 +130,7 @@ class ToolRegistry:
         if what:
             raise TypeError(f"tool {name} returned {what}; execute() returns a "
                             "ToolResult(text, ok) or a str")
-        return ToolResult(encodable(result.text), bool(result.ok))
+        return ToolResult(encodable(result.text), bool(result.ok), bool(result.done))
 
 
 def encodable(text: str) -> str:

@@ -21,7 +21,7 @@ from tandem.agent.runner import AgentLoopRunner, AllSessionsFailed
 from tandem.batch.balance import balance_batch
 from tandem.batch.jagged import field_lengths, field_values, make_field, trajectories_to_batch
 from tandem.batch.padding import pad_for_data_parallel
-from tandem.batch.trajectory import Trajectory
+from tandem.batch.trajectory import Trajectory, continued_later, share_split_rewards
 from tandem.config.load import to_yaml
 from tandem.config.schema import TandemConfig
 from tandem.models.tiny import resolve_model_path
@@ -63,7 +63,8 @@ class RLTrainer:
         self.config = config
         self.model_path = resolve_model_path(config.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.rewards = rewards or RewardScorer.from_config(config.reward, prompt_key=config.data.prompt_key)
+        self.rewards = rewards or RewardScorer.from_config(
+            config.reward, prompt_key=config.data.prompt_key, environment=config.rollout.environment)
         if self.rewards.decode is None:  # verl's solution_str: the whole decoded response
             self.rewards.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         self.tools = tools
@@ -187,7 +188,8 @@ class RLTrainer:
         after_sampling (with agent_loop the loops scored them already); batched reward
         functions see them all at once."""
         if self.config.reward.placement == "after_sampling":
-            await self.rewards.score(trajectories)
+            await self.rewards.score([t for t in trajectories if not continued_later(t)])
+            share_split_rewards(trajectories)
 
     # ---- weights outside a mode (tandem eval / serve) ----------------------------------
 

@@ -18,7 +18,7 @@ from tandem.trainer import ppo
 
 
 def trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
-    """Mean reward (`reward/mean` or `<prefix>/reward`), accuracy, tool use, forks, response
+    """Mean reward (`reward/mean` or `<prefix>/reward`), accuracy, tool use, forks, splits, response
     length, turns and failed rewards of the non-padding trajectories; {} when there are none."""
     real = [t for t in trajectories if not t.is_padding]
     if not real:
@@ -35,6 +35,11 @@ def trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str,
     forked = [t.metadata["forks"] > 0 for t in real if "forks" in t.metadata]
     if forked:  # openai_agent: trajectories of sessions whose history did not extend (re-rendered)
         metrics[f"{prefix}/forked"] = sum(forked) / len(forked)
+    split = [t.metadata["splits"] > 0 for t in real if "splits" in t.metadata]
+    if split:  # openai_agent: samples of sessions whose next prompt did not extend their tokens
+        metrics[f"{prefix}/split"] = sum(split) / len(split)
+        metrics[f"{prefix}/split_samples"] = float(sum(t.metadata.get("continued_by") is not None
+                                                       for t in real))
     metrics[f"{prefix}/response_length"] = sum(len(t.responses) for t in real) / count
     metrics[f"{prefix}/num_turns"] = sum(t.num_turns for t in real) / count
     metrics[f"{prefix}/failed_rewards"] = float(sum(t.reward_extra.get(FAILED, 0.0) for t in real))
