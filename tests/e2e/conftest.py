@@ -62,7 +62,7 @@ def split_records(path: Path) -> tuple[dict[int, dict], dict[int, dict]]:
     """metrics.jsonl -> ({step: training record}, {step: validation-only record})."""
     training, validation = {}, {}
     for record in read_metrics(path):
-        (training if "time/generate" in record else validation)[record["step"]] = record
+        (training if "time/update" in record else validation)[record["step"]] = record
     return training, validation
 
 

@@ -379,12 +379,15 @@ class RLTrainer:
 
     async def startup_metrics(self) -> dict[str, float]:
         """Once, after the first generation: time/startup and its parts, also logged as one
-        line (trainer.startup); {} afterwards."""
+        line (trainer.startup), and rollout/engine_ranks (the ranks of every replica, a
+        tensor-parallel one counting each); {} afterwards."""
         if self.startup.reported:
             return {}
-        stats = (await self.fleet.rollout.stats()).values()
-        return self.startup.report([s["backend"]["first_token_time"] for s in stats
-                                    if s["backend"].get("first_token_time") is not None])
+        stats = list((await self.fleet.rollout.stats()).values())
+        ranks = sum(s["backend"].get("tensor_parallel_ranks", 1) for s in stats)
+        return {**self.startup.report([s["backend"]["first_token_time"] for s in stats
+                                       if s["backend"].get("first_token_time") is not None]),
+                "rollout/engine_ranks": float(ranks)}
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.output_dir / "checkpoints" / f"step_{step}"
