@@ -30,6 +30,8 @@ RANGES: dict[str, str] = {
     "rollout.lora_rank": "[0, inf)",  # derived from actor.lora.rank
     "rollout.seed": "[0, 9223372036854775807]",  # an int64: torch and numpy seeds
     "rollout.agent_concurrency": "[1, inf)",
+    "rollout.fault_tolerance.max_restarts": "[0, inf)",  # 0: the first failure ends the run
+    "rollout.fault_tolerance.health_interval_s": "(0, inf)",
     "rollout.torch_threads": "[0, inf)",  # 0: auto
     "rollout.nnodes": "[0, inf)",
     "rollout.n_gpus_per_node": "[0, inf)",

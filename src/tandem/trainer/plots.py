@@ -9,7 +9,8 @@ from tandem.extras import install_command
 from tandem.trainer.metrics import read_metrics
 
 TIMELINE_PHASES = ("generate", "wait_rollout", "spill_join", "spill_leave", "abort", "sleep", "reward",
-                   "old_log_prob", "ref_log_prob", "values", "advantages", "update", "sync", "resume")
+                   "old_log_prob", "ref_log_prob", "values", "advantages", "update", "sync", "resize",
+                   "resume")
 # the parts of a cross-process sync drawn inside its bar (the rest of the sync stays "sync")
 SYNC_PARTS = {"sync_copy": "sync copy (generation continues)",
               "sync_pause": "sync flip / pause (generation stopped)"}

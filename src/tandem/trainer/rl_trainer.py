@@ -185,7 +185,9 @@ class RLTrainer:
     async def compute_rewards(self, trajectories: list[Trajectory]) -> None:
         """Colocated order: score trajectories after sampling when reward.placement=
         after_sampling (with agent_loop the loops scored them already); batched reward
-        functions see them all at once."""
+        functions see them all at once. A served reward with no server left stops the run
+        here, before an update would train on rewards that all failed."""
+        await self.fleet.rewards.check_serving()
         if self.config.reward.placement == "after_sampling":
             await self.rewards.score(trajectories)
 
@@ -347,8 +349,7 @@ class RLTrainer:
                                     self.mini_batch_trajectories()))
         record.update(timer.metrics())
         record.update(rollout_metrics(trajectories, timer.times))
-        record.update(await self.fleet.rollout.fault_metrics())  # dead servers, retried requests
-        record.update(await self.fleet.rewards.fault_metrics())
+        record.update(await self.fleet.fault_metrics())  # dead, stalled, restarted servers
         if self.reward_worker is not None:  # scoring that overlapped generation (timeline)
             record["time/reward_overlapped"] = self.reward_worker.take_busy_seconds()
         record["rollout/failed_sessions"] = len(self.runner.take_failures())
