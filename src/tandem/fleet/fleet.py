@@ -114,7 +114,7 @@ class Fleet:
         if config.rollout.fault_tolerance.enable:
             pools = ([self.pool] if self.pool else []) + self.rewards.pools()
             self.health = FleetHealth(config.rollout.fault_tolerance, pools)
-            self.health.start()
+            await self.health.start()
         self.startup.mark("servers")
 
     def client(self) -> Any:

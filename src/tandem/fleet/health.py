@@ -87,8 +87,10 @@ class FleetHealth:
     def probe_timeout_s(self) -> float:
         return PROBES_PER_STALL * self.config.health_interval_s
 
-    def start(self) -> None:
-        """Begin checking in the background."""
+    async def start(self) -> None:
+        """Tell the pools' balancers that dead servers come back, and begin checking."""
+        for pool in self.pools:
+            await call(pool.balancer, "restart_dead")
         self._task = asyncio.create_task(self._watch(), name="fleet-health")
 
     async def stop(self) -> None:
@@ -181,6 +183,7 @@ class FleetHealth:
                 retired = await pool.retire(server_id, stalled)
                 restart = Restart(pool, retired, server_id, reason, self._new_id(server_id))
                 await call(pool.balancer, "expect", restart.next_id)
+                await call(pool.balancer, "expect", server_id, False)  # the one report_dead set
                 self._pending.append(restart)
 
     async def _start_again(self, restart: Restart) -> None:

@@ -62,6 +62,7 @@ class LoadBalancer:
         self._stalled: list[str] = []
         self._retried = 0
         self._expected: set[str] = set()
+        self._restarting = False  # a server reported dead is started again: expect it back
 
     def add_server(self, server_id: str, handle: Any = None) -> None:
         """Register a server and what clients that lack it get back from server_handle() (the
@@ -95,14 +96,23 @@ class LoadBalancer:
             return False
         self.remove_server(server_id)
         (self._stalled if stalled else self._dead).append(server_id)
+        if self._restarting:  # until the fleet names the server it starts in its place
+            self._expected.add(server_id)
         return True
+
+    def restart_dead(self) -> None:
+        """From now on a server reported dead or stalled is expected back (the fleet restarts
+        it): clients wait while no server is registered, until expect(None)."""
+        self._restarting = True
 
     def expect(self, server_id: str | None, expected: bool = True) -> None:
         """A server of this id is being started (a restart): while none is registered, acquire()
         raises NoServerYet, which clients wait on, instead of NoServerError. It ends when the id
-        is added, or with expected=False; expect(None) ends every one (the fleet gave up)."""
+        is added, or with expected=False; expect(None) ends every one and restart_dead() (the
+        fleet gave up: waiting clients fail now)."""
         if server_id is None:
             self._expected.clear()
+            self._restarting = False
         elif expected:
             self._expected.add(server_id)
         else:
