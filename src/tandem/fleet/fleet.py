@@ -222,11 +222,12 @@ class Fleet:
 
     async def fault_metrics(self) -> dict[str, float]:
         """The step's fault metrics: dead, stalled and restarted servers of the rollout and the
-        served rewards, retried requests, the standalone pool's size (fleet/replicas)."""
+        served rewards, retried requests, the standalone pool's size (fleet/replicas: restarting
+        replicas count; serving/servers counts those registered)."""
         metrics = await self.rollout.fault_metrics()
         metrics.update(await self.rewards.fault_metrics())
         if self.pool is not None:
-            metrics["fleet/replicas"] = float(len(self.pool.members))
+            metrics["fleet/replicas"] = float(self.pool.size())
         if self.health is not None:
             metrics.update(self.health.metrics())
         return metrics

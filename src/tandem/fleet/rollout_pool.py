@@ -81,9 +81,13 @@ class RolloutPool:
         await self.join(replicas)
         return [replica.server_id for replica in replicas]
 
+    def size(self) -> int:
+        """Replicas of the pool: members, and those being started again."""
+        return len(self.members) + self.restarting
+
     async def resize(self, replicas: int) -> None:
         """Add or remove replicas until the pool has `replicas` (restarting ones count)."""
-        size = len(self.members) + self.restarting
+        size = self.size()
         if replicas > size:
             logger.info("%s: %d -> %d replicas", self.name, size, replicas)
             await self.add(replicas - size)
