@@ -221,3 +221,54 @@ def _continue(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
     except ProcessLookupError:
         pass
+
+
+SERVED = ["reward.placement=after_sampling", "reward.rule_weight=0", "reward.model.enable=true",
+          "reward.model.path=tiny:reward", "rollout.multi_turn.enable=false",
+          "rollout.multi_turn.tools=[]", "rollout.response_length=8", "data.val_files=[]",
+          "trainer.total_steps=3"]
+
+
+@pytest.mark.parametrize("restarts", [True, False])
+def test_a_killed_reward_server_is_restarted_or_the_run_stops_clearly(tmp_path, ray_cluster,
+                                                                      restarts):
+    from tandem.fleet.served_rewards import ServedRewardLost
+    from tandem.rewards.scorer import FAILED
+    from tandem.trainer.sync import fit_sync
+
+    config = tiny_config(tmp_path, *SERVED, *(FAULTS if restarts else []))
+    trainer = RLTrainer(config)
+    scored = []
+
+    async def main():
+        await trainer.start()
+        rewards, sync, make_batch = trainer.fleet.rewards, trainer.fleet.sync_weights, trainer.make_batch
+
+        async def sync_spy(version):
+            metrics = await sync(version)
+            if version == 1:  # between step 1 and step 2: the reward pool's only server dies
+                ray_kill(rewards.reward_model.servers["reward-0"])
+            return metrics
+
+        def batch_spy(trajectories):
+            scored.extend(dict(t.reward_extra) for t in trajectories)
+            return make_batch(trajectories)
+
+        trainer.fleet.sync_weights, trainer.make_batch = sync_spy, batch_spy
+        try:
+            await fit_sync(trainer)
+            return trainer.step
+        finally:
+            await trainer.stop()
+
+    if not restarts:
+        with pytest.raises(ServedRewardLost, match=r"reward.model: no reward_model server is "
+                                                   r"left \(reward-0 died\)"):
+            asyncio.run(main())
+        assert [r["step"] for r in records_of(tmp_path)] == [1]  # step 2 never trained
+        return
+    assert asyncio.run(main()) == 3
+    assert len(scored) == 3 * 2 * 2 and not any(extra.get(FAILED) for extra in scored)
+    records = records_of(tmp_path)
+    assert records[-1]["fleet/restarts_total"] == 1
+    assert records[-1]["serving/reward_model_dead_servers"] == 1

@@ -287,3 +287,92 @@ def _continue(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
     except ProcessLookupError:
         pass
+
+
+# -- served rewards come back too ------------------------------------------------------------
+
+REWARD_SEQUENCES = [[5, 17, 230, 9, 44], [7] * 3, list(range(20, 83))]
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+async def test_the_only_reward_server_killed_or_stalled_is_restarted_and_scores_again(
+        ray_cluster, fault) -> None:
+    from tandem.config.schema import RewardModelConfig
+    from tandem.fleet.served_rewards import ServedRewards
+    from tandem.models.tiny import build_tiny_reward_model
+    from tandem.serving.reward_pool import RewardModelPool
+
+    path = build_tiny_reward_model()
+    pool = await RewardModelPool.create(str(path), RewardModelConfig(
+        enable=True, path=str(path), n_devices=1), start_timeout_s=120)
+    health = FleetHealth(FaultToleranceConfig(enable=True, health_interval_s=INTERVAL_S), [pool])
+    await health.start()
+    victim = pool.infos["reward-0"].pid
+    try:
+        client = pool.client(timeout_s=120)
+        reference = await client.score("ref", REWARD_SEQUENCES)
+        if fault == "kill":
+            ray.kill(pool.servers["reward-0"], no_restart=True)
+        else:
+            os.kill(victim, signal.SIGSTOP)
+        # calls made while it is down wait for the restart: every sample is scored
+        results = await asyncio.wait_for(asyncio.gather(*(
+            client.score(f"s{i}", REWARD_SEQUENCES) for i in range(4))), 120)
+        assert all(result == pytest.approx(reference, abs=1e-6) for result in results)
+        status = await pool.balancer.status.remote()
+        assert [load.server_id for load in status.servers] == ["reward-0-r1"]
+        assert (status.stalled_servers if fault == "stop" else status.dead_servers) == ["reward-0"]
+        assert health.restarts == 1 and pool.infos["reward-0-r1"].pid != victim
+        # the fleet's metrics count it
+        rewards = ServedRewards.__new__(ServedRewards)
+        rewards.reward_model, rewards.judge_pool = pool, None
+        metrics = await rewards.fault_metrics()
+        assert metrics[f"serving/reward_model_{'stalled' if fault == 'stop' else 'dead'}_servers"] == 1
+        await rewards.check_serving()  # a server serves: nothing to say
+    finally:
+        _continue(victim)
+        await health.stop()
+        await pool.shutdown()
+
+
+async def test_a_reward_pool_without_restarts_that_lost_its_last_server_stops_the_run(
+        ray_cluster) -> None:
+    from tandem.config.schema import RewardModelConfig
+    from tandem.fleet.served_rewards import ServedRewardLost, ServedRewards
+    from tandem.models.tiny import build_tiny_reward_model
+    from tandem.serving.reward_pool import RewardModelPool
+
+    path = build_tiny_reward_model()
+    pool = await RewardModelPool.create(str(path), RewardModelConfig(
+        enable=True, path=str(path), n_devices=1), start_timeout_s=120)
+    rewards = ServedRewards.__new__(ServedRewards)
+    rewards.reward_model, rewards.judge_pool = pool, None
+    try:
+        await rewards.check_serving()
+        ray.kill(pool.servers["reward-0"], no_restart=True)
+        with pytest.raises(NoServerError):  # restarts off: the call fails at once, no wait
+            await pool.client().score("x", REWARD_SEQUENCES)
+        with pytest.raises(ServedRewardLost, match=r"reward.model: no reward_model server is left "
+                                                   r"\(reward-0 died\).*every later sample would "
+                                                   r"fail its reward; the run stops. Set rollout."
+                                                   r"fault_tolerance.enable=true"):
+            await rewards.check_serving()
+    finally:
+        await pool.shutdown()
+
+
+async def test_a_judge_replica_comes_back_without_a_weight_sync(
+        ray_cluster, scripted_backend) -> None:  # noqa: F811
+    options = ServerOptions(model_path="scripted:delay=0.005", device_bundle={"CPU": 0.01},
+                            start_timeout_s=120, control_timeout_s=60)
+    manager = await ServerManager.create(CONFIG, options, "standalone", total_devices=2)
+    pool = RolloutPool("judge", manager, None)
+    health = await start_health(pool)
+    try:
+        ray.kill(manager.replicas["replica-0"].main_server, no_restart=True)
+        await until(lambda: _async("replica-0-r1" in manager.replicas))
+        assert await manager.weight_versions() == {"replica-1": 0, "replica-0-r1": 0}
+        output = await manager.client().generate(GenerateRequest("j", [3], {"max_tokens": 5}))
+        assert output.token_ids == scripted_sequence([3], 5, 0)
+    finally:
+        await stop(pool, health)

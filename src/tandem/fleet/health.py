@@ -41,7 +41,7 @@ class RestartablePool(Protocol):
     balancer: Any
     lock: asyncio.Lock  # held while the check takes a server out, so no join overlaps it
 
-    def servers(self) -> dict[str, Any]:
+    def probe_targets(self) -> dict[str, Any]:
         """server_id -> the server to probe, of every member."""
 
     def joining(self) -> set[str]:
@@ -162,12 +162,12 @@ class FleetHealth:
 
     async def _find_failures(self, pool: RestartablePool) -> None:
         before = pool.changes()
-        verdicts = await _probe_all(pool.servers(), self.probe_timeout_s)
+        verdicts = await _probe_all(pool.probe_targets(), self.probe_timeout_s)
         async with pool.lock:  # decided with no join or sync under way
             status = await call(pool.balancer, "status")
             registered = {load.server_id for load in status.servers}
             joining = pool.joining()
-            for server_id in list(pool.servers()):
+            for server_id in list(pool.probe_targets()):
                 if server_id not in joining and server_id not in registered:
                     stalled = server_id in status.stalled_servers
                     reason = ("stalled (a client's probe got no answer)" if stalled else

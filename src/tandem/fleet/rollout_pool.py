@@ -159,7 +159,7 @@ class RolloutPool:
         """Syncs and joins so far (a probe that overlapped one is not trusted to call a stall)."""
         return self.syncs
 
-    def servers(self) -> dict[str, Any]:
+    def probe_targets(self) -> dict[str, Any]:
         """server_id -> main server of every member (probed by the health check)."""
         return {sid: replica.main_server for sid, replica in self.members.items()
                 if replica.servers}

@@ -76,7 +76,7 @@ class RewardModelPool:
 
     # -- restarts (the fleet's health check) -------------------------------------------------
 
-    def members(self) -> dict[str, Any]:
+    def probe_targets(self) -> dict[str, Any]:
         """server_id -> server of every member (the health check probes them)."""
         return dict(self.servers)
 

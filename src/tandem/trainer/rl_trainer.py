@@ -185,11 +185,11 @@ class RLTrainer:
     async def compute_rewards(self, trajectories: list[Trajectory]) -> None:
         """Colocated order: score trajectories after sampling when reward.placement=
         after_sampling (with agent_loop the loops scored them already); batched reward
-        functions see them all at once. A served reward with no server left stops the run
-        here, before an update would train on rewards that all failed."""
-        await self.fleet.rewards.check_serving()
+        functions see them all at once. A served reward left with no server stops the run
+        here, before an update trains on rewards that failed for want of one."""
         if self.config.reward.placement == "after_sampling":
             await self.rewards.score(trajectories)
+        await self.fleet.rewards.check_serving()
 
     # ---- weights outside a mode (tandem eval / serve) ----------------------------------
 
