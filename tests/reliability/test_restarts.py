@@ -376,3 +376,66 @@ async def test_a_judge_replica_comes_back_without_a_weight_sync(
         assert output.token_ids == scripted_sequence([3], 5, 0)
     finally:
         await stop(pool, health)
+
+
+# -- what the config refuses, and the one thing never restarted ---------------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.fault_tolerance.enable=true"],
+     r"rollout.fault_tolerance.enable: is true, but the rollout engines run inside the training "
+     r"workers .* a training worker is never restarted: its death ends the run"),
+    (["rollout.fault_tolerance.max_restarts=-1"], r"rollout.fault_tolerance.max_restarts: is -1"),
+    (["rollout.fault_tolerance.health_interval_s=0"],
+     r"rollout.fault_tolerance.health_interval_s: is 0.0; must be > 0"),
+    (["rollout.elastic.schedule=[[2,3]]"],
+     r"rollout.elastic.schedule: resizes the standalone rollout pool, but the rollout engines run "
+     r"inside the training workers"),
+    (["trainer.trainer_mode=separate_async", "rollout.elastic.schedule=[[2,3],[2,1]]"],
+     r"rollout.elastic.schedule\[1\]: step 2 does not come after the previous entry's 2"),
+    (["trainer.trainer_mode=separate_async", "rollout.elastic.schedule=[[2,0]]"],
+     r"rollout.elastic.schedule\[0\]: 0 replicas at step 2; the pool keeps at least 1"),
+    (["trainer.trainer_mode=separate_async", "rollout.elastic.schedule=[[2]]"],
+     r"rollout.elastic.schedule\[0\]: is \[2\]; each entry is \[step, replicas\]"),
+    (["trainer.trainer_mode=separate_async", "rollout.elastic.schedule=[[20,2]]"],
+     r"its last entry is at step 20, after the run's last \(trainer.total_steps=10\)"),
+])
+def test_restart_and_elastic_options_that_cannot_run_are_refused_at_load(overrides, message):
+    from tandem.config.load import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
+def test_options_that_run_load():
+    from tandem.config.load import load_config
+
+    config = load_config(overrides=["trainer.trainer_mode=separate_async",
+                                    "rollout.fault_tolerance.enable=true",
+                                    "rollout.elastic.schedule=[[0,2],[4,1]]"])
+    assert config.rollout.fault_tolerance.max_restarts == 3
+    assert config.rollout.elastic.schedule == [[0, 2], [4, 1]]
+    # hybrid with a served reward of its own: its servers restart
+    load_config(overrides=["rollout.fault_tolerance.enable=true", "reward.model.enable=true",
+                           "reward.model.path=tiny:reward"])
+
+
+async def test_a_dead_training_worker_ends_the_run_saying_it_is_never_restarted(tmp_path):
+    from ray.exceptions import ActorDiedError
+
+    from tandem.config.load import load_config
+    from tandem.fleet.fleet import Fleet, TrainingWorkerLost
+    from tandem.fleet.startup import StartupClock
+
+    class DeadWorker:
+        def update_actor(self, *args):
+            raise ActorDiedError()
+
+    fleet = Fleet(load_config(overrides=[]), tmp_path, StartupClock())
+    fleet.workers, fleet.worker_addresses = [DeadWorker()], ["10.0.0.1:4242"]
+    with pytest.raises(TrainingWorkerLost, match=r"update_actor: training worker 0 \(10.0.0.1:4242\) "
+                                                 r"died \(ActorDiedError\).*never restarted.*resume "
+                                                 r"it from its last checkpoint"):
+        await fleet.on_workers("update_actor")
+    with pytest.raises(RuntimeError, match=r"add_replicas: the rollout engines run inside the "
+                                           r"training workers"):
+        await fleet.add_replicas(1)
