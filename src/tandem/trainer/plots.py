@@ -21,7 +21,8 @@ def phase_colours() -> dict[str, tuple[float, ...]]:
     from matplotlib import colormaps
 
     palette = colormaps["tab20"]
-    colours = {phase: tuple(palette(index)) for index, phase in enumerate(TIMELINE_PHASES)}
+    free = [index for index in range(palette.N) if index not in (14, 18)]  # the sync parts'
+    colours = {phase: tuple(palette(index)) for index, phase in zip(free, TIMELINE_PHASES)}
     return colours | {"sync_copy": tuple(palette(18)), "sync_pause": tuple(palette(14))}
 
 
