@@ -41,6 +41,9 @@ def _elastic_problem(config: TandemConfig) -> str | None:
             return (f"rollout.elastic.schedule[{index}]: is {list(entry)}; each entry is "
                     "[step, replicas], e.g. [[10, 3], [20, 1]]")
         step, replicas = entry
+        if step < 0:
+            return (f"rollout.elastic.schedule[{index}]: step {step}; steps count from 0 (the "
+                    "first weight sync)")
         if step <= previous:
             return (f"rollout.elastic.schedule[{index}]: step {step} does not come after the "
                     f"previous entry's {previous}; list the steps in increasing order, each once")

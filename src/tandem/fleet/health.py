@@ -118,7 +118,10 @@ class FleetHealth:
 
     async def unless_failed(self, work: Awaitable[T]) -> T:
         """Await `work` unless the check fails first: then cancel it and raise the failure."""
-        self.raise_if_failed()
+        if self.failure is not None:
+            if asyncio.iscoroutine(work):
+                work.close()  # never started: no "never awaited" warning
+            raise self.failure
         task = asyncio.ensure_future(work)
         failed = asyncio.ensure_future(self._failed.wait())
         try:

@@ -110,7 +110,7 @@ class RolloutPool:
                 del self.members[replica.server_id]
                 if replica in self.waiting:
                     self.waiting.remove(replica)
-                else:
+                elif replica.server_id in self.manager.replicas:  # not found dead meanwhile
                     await self.manager.remove_replica(replica.server_id, abort=True)
         await self.manager.stop_replicas(chosen)
         return [replica.server_id for replica in chosen]
@@ -144,10 +144,13 @@ class RolloutPool:
                                [r.server_id for r in replicas], error)
                 served = {}
         for replica in replicas:
-            if served.get(replica.server_id) == self.version:
-                await self.manager.add_replica(replica)
-            else:
-                self.waiting.append(replica)
+            try:
+                if served.get(replica.server_id) == self.version:
+                    await self.manager.add_replica(replica)
+                    continue
+            except Exception as error:  # it died right now: the health check finds it waiting
+                logger.warning("%s: registering %s failed: %s", self.name, replica.server_id, error)
+            self.waiting.append(replica)
 
     # -- restarts (fleet/health.py) --------------------------------------------------------------
 
