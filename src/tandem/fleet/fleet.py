@@ -112,6 +112,8 @@ class Fleet:
         placement.log_torch_threads(config, await self.on_workers("torch_threads"), self.rollout)
         await self.rewards.start(self.placement_group)
         if config.rollout.fault_tolerance.enable:
+            if self.pool is not None:
+                self.pool.restarts = True
             pools = ([self.pool] if self.pool else []) + self.rewards.pools()
             self.health = FleetHealth(config.rollout.fault_tolerance, pools)
             await self.health.start()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Sequence
 
 from tandem.serving.manager import ServerManager
@@ -42,6 +43,7 @@ class RolloutPool:
         self.awaiting_rollout = False  # the trainer waits for data only these servers make
         self.syncs = 0  # syncs and joins so far: a probe that overlapped one may have been slowed
         self.restarting = 0  # members retired and not started again yet
+        self.restarts = False  # a health check restarts failed members (rollout.fault_tolerance)
         self.lock = asyncio.Lock()
 
     @property
@@ -52,9 +54,18 @@ class RolloutPool:
 
     async def sync(self, version: int) -> SyncReport:
         """The trainer's sync of `version` into every registered replica, then the waiting ones
-        join with it."""
+        join with it. With restarts on, a sync that finds no server left (all died since the
+        last) is no error: the restarted ones load `version` when they join."""
         async with self.lock:
-            report = await self.weight_sync.sync(version)
+            started = time.perf_counter()
+            try:
+                report = await self.weight_sync.sync(version)
+            except WeightSyncError as error:
+                if not self.restarts or self.manager.replicas:
+                    raise
+                logger.warning("%s: no server to sync version %d into (%s); the restarted ones "
+                               "load it when they join", self.name, version, error)
+                report = SyncReport(version, {"sync/total_s": time.perf_counter() - started}, {})
             self.version, self.actor_moved = version, False
             self.syncs += 1
             waiting, self.waiting = self.waiting, []
