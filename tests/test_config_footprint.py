@@ -14,6 +14,8 @@ from tandem.serving.server import RolloutServer
 
 SEPARATE = ["trainer.trainer_mode=separate_async", "data.train_batch_size=8",
             "actor.ppo_mini_batch_size=8"]
+NATIVE_TP2 = ["rollout.tensor_model_parallel_size=2", "rollout.nnodes=1",
+              "rollout.n_gpus_per_node=2"]
 
 
 def test_world_size_is_the_tensor_parallel_size() -> None:
@@ -36,8 +38,21 @@ def test_replica_count_divides_devices_by_footprint() -> None:
      r"rollout.data_parallel_size: is 2, but no rollout backend here runs data-parallel ranks .* "
      "set it to 1"),
     (["rollout.data_parallel_size=2"], "rollout.data_parallel_size: is 2"),
-    ([*SEPARATE, "rollout.tensor_model_parallel_size=2", "rollout.nnodes=1", "rollout.n_gpus_per_node=2"],
-     r"rollout.tensor_model_parallel_size: the 'native' engine runs on one device"),
+    # a tensor-parallel native replica runs, but not yet what reads or flips its split weights
+    ([*SEPARATE, *NATIVE_TP2, "rollout.checkpoint_engine.backend=delta"],
+     r"rollout.checkpoint_engine.backend: is 'delta', but a tensor-parallel native engine "
+     r"\(rollout.tensor_model_parallel_size=2\) holds its weights split"),
+    ([*SEPARATE, *NATIVE_TP2, "rollout.checkpoint_engine.engine_kwargs.double_buffer=true"],
+     r"engine_kwargs.double_buffer: is true, but a tensor-parallel native engine .* no per-rank "
+     "weight slots yet"),
+    ([*SEPARATE, *NATIVE_TP2, "rollout.in_flight_kv=keep"],
+     r"rollout.in_flight_kv: is 'keep', but a tensor-parallel native engine"),
+    ([*SEPARATE, *NATIVE_TP2, "actor.lora.rank=8"],
+     r"actor.lora.rank: is 8, but a tensor-parallel native engine .* set actor.lora.rank=0"),
+    (["rollout.tensor_model_parallel_size=2"],
+     r"rollout.tensor_model_parallel_size: is 2, but without rollout devices of their own"),
+    ([*SEPARATE, *NATIVE_TP2, "rollout.pipeline_model_parallel_size=2"],
+     r"rollout.pipeline_model_parallel_size: is 2; pipeline parallelism is not supported"),
     (["rollout.name=sglang"], r"rollout.name: the 'sglang' backend runs on CUDA only"),
     (["rollout.name=vllm", "rollout.tensor_model_parallel_size=2"],
      r"rollout.tensor_model_parallel_size: is 2, but without rollout devices of their own each "
@@ -84,6 +99,12 @@ def test_what_is_accepted_is_a_layout_the_fleet_builds() -> None:
                                              "rollout.nnodes=1", "rollout.n_gpus_per_node=4"])
     assert replica_count(rollout_devices(tensor_parallel),
                          replica_world_size(tensor_parallel.rollout)) == 2
+    # the native engine's ranks: one replica of 2 devices (2 processes of 1 thread on CPU)
+    for mode in ("sync", "colocate_async"):
+        native = load_config(overrides=[f"trainer.trainer_mode={mode}", *NATIVE_TP2])
+        assert replica_count(rollout_devices(native), replica_world_size(native.rollout)) == 1
+    native = load_config(overrides=[*SEPARATE, *NATIVE_TP2])
+    assert native.rollout.name == "native" and replica_world_size(native.rollout) == 2
 
 
 async def test_manager_rejects_bad_layouts_before_starting_anything() -> None:

@@ -20,7 +20,7 @@ from tandem.config.schema import RolloutConfig
 from tandem.demo.tasks import calculator_schemas
 from tandem.models.tiny import build_tiny_model
 from tandem.agent.openai_endpoint import EndpointServer, create_app
-from tandem.types import GenerateRequest
+from tandem.types import GenerateRequest, TokenOutput
 
 QUESTION = [{"role": "system", "content": "Use the calculator tool, then give the final number."},
             {"role": "user", "content": "What is 2 + 3?"}]
@@ -207,9 +207,12 @@ async def test_n_choices_are_branches_and_stop_strings_cut_tokens(tokenizer):
         [trajectory] = endpoint.recorder.close("t")
         kept = trajectory.responses.tolist()
         assert kept == full[:len(kept)] and len(kept) < len(full)
-        assert "calculator" in tokenizer.decode(kept)
-        assert "calculator" not in tokenizer.decode(kept[:-1])
-        assert choice.finish_reason == "stop" and "calculator" not in choice.message.content
+        # the fewest tokens holding everything before the stop string; their text is the reply
+        text = tokenizer.decode(full)
+        before = text[:text.index("calculator")]
+        assert tokenizer.decode(kept).startswith(before)
+        assert not tokenizer.decode(kept[:-1]).startswith(before)
+        assert choice.finish_reason == "stop" and choice.message.content == tokenizer.decode(kept)
 
 
 async def test_streaming_returns_openai_chunks_with_the_same_reply(tokenizer):
@@ -359,3 +362,77 @@ async def test_the_next_prompt_carries_the_sampled_tokens_not_a_re_tokenization(
         assert second[:len(first) + len(replay.token_ids)] == first + replay.token_ids
         [trajectory] = endpoint.recorder.close("s")
         assert trajectory.responses.tolist()[:len(replay.token_ids)] == replay.token_ids
+
+
+class FixedTextEngine(ScriptedEngine):
+    """Samples one fixed text (its tokens as the tokenizer splits it, then EOS)."""
+
+    def __init__(self, tokenizer, text: str) -> None:
+        super().__init__(tokenizer)
+        self.text = text
+
+    async def generate(self, request):
+        self.calls.append((request.request_id, list(request.prompt_ids), dict(request.sampling)))
+        tokens = self.tokenizer.encode(self.text, add_special_tokens=False)
+        tokens = tokens[:request.sampling["max_tokens"] - 1] + [self.tokenizer.eos_token_id]
+        return TokenOutput(tokens, [-0.5] * len(tokens), "completed", {"global_steps": 1})
+
+
+async def test_a_stop_string_inside_a_token_keeps_that_token_in_the_text_and_the_trajectory(
+        tokenizer):
+    """Issue 42: the reply was cut mid-token at the stop string while the recording kept the
+    whole token. Now both end on the same token boundary: before the stop string when it begins
+    on one (as OpenAI's API), else after the token it begins inside of."""
+    text = "The answer is 42, final."
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.decode(tokens[:k]) for k in range(len(tokens) + 1)]
+    inside = "nswer"  # begins inside the token that spells "answer"
+    assert not any(piece == text[:text.index(inside)] for piece in pieces)
+    async with Endpoint(tokenizer) as endpoint:
+        endpoint.recorder.client = FixedTextEngine(tokenizer, text)
+        cases = [(inside, pieces[[p.endswith("answer") for p in pieces].index(True)]),
+                 (" is", "The answer")]
+        for index, (stop, kept_text) in enumerate(cases):
+            response = await endpoint.client(f"s{index}").chat.completions.create(
+                model="tiny", messages=QUESTION, stop=[stop])
+            [choice] = response.choices
+            [trajectory] = endpoint.recorder.close(f"s{index}")
+            assert choice.message.content == kept_text == tokenizer.decode(trajectory.responses)
+            assert choice.finish_reason == "stop"
+            assert response.usage.completion_tokens == len(trajectory.responses)
+
+
+async def test_logprob_bytes_are_each_tokens_raw_bytes_even_inside_a_character(tokenizer):
+    text = "héllo — 日本"  # the tiny byte-level tokenizer splits é, — and 日本 into byte tokens
+    async with Endpoint(tokenizer) as endpoint:
+        endpoint.recorder.client = FixedTextEngine(tokenizer, text)
+        response = await endpoint.client("s").chat.completions.create(
+            model="tiny", messages=QUESTION, logprobs=True)
+        entries = response.choices[0].logprobs.content
+        assert any(entry.token == "\ufffd" for entry in entries)  # half characters exist here
+        raw = b"".join(bytes(entry.bytes) for entry in entries[:-1])  # the last one is EOS
+        assert raw.decode("utf-8") == text == response.choices[0].message.content
+
+
+async def test_ad_hoc_sessions_are_bounded_by_bytes_oldest_first(tokenizer, caplog):
+    import logging
+
+    from tandem.agent.recorder import SessionSettings, session_bytes
+
+    async with Endpoint(tokenizer) as endpoint:
+        recorder = endpoint.recorder
+        recorder.open("loop-0", SessionSettings(uid="u"))  # the agent loop's: never evicted
+        await endpoint.client("probe").chat.completions.create(model="tiny", messages=QUESTION,
+                                                               seed=4)
+        one = session_bytes(recorder.sessions["probe"])
+        recorder.close("probe")
+        recorder.max_session_bytes = int(3.5 * one)
+        with caplog.at_level(logging.WARNING):
+            for name in "abcdef":
+                await endpoint.client(name).chat.completions.create(model="tiny",
+                                                                    messages=QUESTION, seed=4)
+        assert list(recorder.sessions) == ["loop-0", "d", "e", "f"]
+        assert recorder.session_bytes == sum(map(session_bytes, recorder.sessions.values()))
+        assert recorder.session_bytes <= recorder.max_session_bytes
+        assert "evicted the 1 oldest idle session(s) ('a')" in caplog.text
+        assert "max_session_bytes=0 MiB" in caplog.text

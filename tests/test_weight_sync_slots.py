@@ -286,3 +286,37 @@ def test_a_sync_never_waits_for_a_kernel_build(tmp_path, monkeypatch):
     destination = torch.empty(100)
     source = torch.arange(100.0)
     assert write_and_sum(destination, source) == word_sum(source.numpy().tobytes())
+
+
+def test_the_slot_files_of_a_sigkilled_engine_are_removed_by_the_next_one(tmp_path):
+    """Issue 42: an engine SIGKILLed cannot unlink its two slot files; the next engine that
+    creates slots in that directory removes them (and a dead sender's ring, and a dead vLLM
+    adapter's segment), never the files of a live process."""
+    import signal
+    import subprocess
+    import sys
+
+    from tandem.weight_sync.slots import WeightSlots, make_layout
+
+    script = ("import sys, time, torch\n"
+              "from tandem.weight_sync.slots import WeightSlots, make_layout\n"
+              "slots = WeightSlots(make_layout([('w', (64,), torch.float32)]), sys.argv[1])\n"
+              "print(*slots.paths, flush=True)\n"
+              "time.sleep(600)\n")
+    engine = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True)
+    paths = engine.stdout.readline().split()
+    os.kill(engine.pid, signal.SIGKILL)
+    engine.wait(30)
+    assert len(paths) == 2 and all(map(os.path.exists, paths))
+    dead_ring = tmp_path / f"tandem-sync-{engine.pid}-abc"
+    dead_segment = tmp_path / f"tandem-vllm-{engine.pid}-3"
+    live = tmp_path / f"tandem-slot-{os.getpid()}-0-abc"  # this process's: never touched
+    for path in (dead_ring, dead_segment, live):
+        path.write_bytes(b"x")
+    successor = WeightSlots(make_layout([("w", (64,), torch.float32)]), str(tmp_path))
+    assert not any(map(os.path.exists, paths))
+    assert not dead_ring.exists() and not dead_segment.exists() and live.exists()
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, *map(os.path.basename,
+                                                                   successor.paths)])
+    successor.close()

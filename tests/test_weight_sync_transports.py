@@ -199,3 +199,42 @@ def test_shm_buffers_outlive_a_sync_until_close_and_orphans_are_removed(tmp_path
     engine.finalize()
     engine.close()
     assert not any(map(os.path.exists, paths))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs, as Docker's small /dev/shm is (mounting needs root)."""
+    import subprocess
+
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_shm_dir_too_small_for_the_ring_is_refused_naming_the_size_and_the_fix(workers,
+                                                                                small_tmpfs):
+    """Issue 42: writing the ring's sparse files past a full tmpfs was a SIGBUS that killed the
+    sender. Now the first bucket is refused before a byte is written, the receivers hear of it
+    at once (the sender's store goes), and a sync that fits still works after it."""
+    kwargs = dict(KWARGS, bucket_megabytes=4, timeout_s=FAULT_TIMEOUT_S, shm_dir=str(small_tmpfs))
+    sender, *receivers = workers
+    sender.submit(build_sender, "shm-small", "shm", kwargs, 2, 1, None)
+    plan = sender.result(ANSWER_S)
+    sender.submit(run_sender, "shm-small", plan, random_state(7, big_elements=2_000_000))
+    for rank, receiver in enumerate(receivers, 1):
+        receiver.submit(run_receiver, "shm", kwargs, plan, rank)
+    sent = sender.result(ANSWER_S)
+    assert sent["error"] and sent["phase"] == "send", sent
+    message = sent["message"]
+    assert f"{small_tmpfs} has 2 MiB free, the shm transport's buffer 0 need 4 MiB" in message
+    assert "--shm-size" in message and "engine_kwargs.shm_dir" in message, message
+    for receiver in receivers:
+        result = receiver.result(ANSWER_S)
+        assert result["error"] and result["elapsed_s"] < FAULT_TIMEOUT_S, result
+    small = {"w": torch.arange(1000, dtype=torch.float32)}  # 4 kB: fits
+    sent, received = sync(workers, "shm", small, dict(kwargs), key="shm-small")
+    assert not sent["error"] and all(not r["error"] for r in received), (sent, received)

@@ -2,11 +2,16 @@
 
 One planner: `plan_buckets` lays (name, shape, dtype) out back to back in buckets of a fixed
 size (the transports' buffers, the external engines' update calls) or, with no size, in one
-buffer for a whole model (`flat_layout`: the weight slots, the vLLM adapter's segment).
+buffer for a whole model (`flat_layout`: the weight slots, the vLLM adapter's segment). And
+`shm_room`: whether such buffers fit in the shared-memory directory that holds their files, and
+`remove_orphans`: the files a SIGKILLed process left there.
 """
 
 from __future__ import annotations
 
+import glob
+import os
+import shutil
 import sys
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
@@ -88,3 +93,49 @@ def view(buffer: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     """A whole chunk inside a flat uint8 buffer, as its dtype and shape (no copy)."""
     piece = buffer[chunk.offset:chunk.offset + chunk.length]
     return piece.view(dtype_of(chunk.dtype)).view(chunk.shape)
+
+
+def shm_room(nbytes: int, directory: str, what: str) -> str | None:
+    """Why `nbytes` more bytes of `what` (files in the tmpfs `directory`) do not fit: its free
+    space, or the host's available memory (tmpfs pages are memory); None when they do. Check
+    before writing: a write past a full tmpfs is a SIGBUS that kills the process, not an error."""
+    free = shutil.disk_usage(directory).free
+    if free < nbytes:
+        return f"{directory} has {free >> 20} MiB free, {what} need {-(-nbytes >> 20)} MiB"
+    available = _mem_available()
+    if available is not None and available < nbytes:
+        return (f"the host has {available >> 20} MiB of memory available, {what} need "
+                f"{-(-nbytes >> 20)} MiB")
+    return None
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        return None
+    return None
+
+
+# tandem's shared-memory files are named tandem-<kind>-<pid of their creator>-...: the shm
+# transport's ring (sync), an engine's weight slots (slot), the vLLM adapter's segment (vllm)
+SHM_FILE_KINDS = ("sync", "slot", "vllm")
+
+
+def remove_orphans(directory: str) -> list[str]:
+    """Unlink tandem's files in `directory` whose creating process no longer exists (killed
+    before it could unlink them); returns their paths. Every creator calls it first."""
+    removed = []
+    for kind in SHM_FILE_KINDS:
+        for path in glob.glob(os.path.join(directory, f"tandem-{kind}-*-*")):
+            pid = os.path.basename(path).split("-")[2]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                try:
+                    os.unlink(path)
+                    removed.append(path)
+                except FileNotFoundError:  # another creator removed it first
+                    pass
+    return removed

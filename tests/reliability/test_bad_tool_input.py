@@ -184,6 +184,7 @@ async def test_fit_sync_skips_a_step_whose_sessions_all_fail(tmp_path, caplog):
         def __init__(self) -> None:
             self.config = load_config(overrides=["trainer.total_steps=3", "trainer.progress=false"])
             self.step = self.skipped_steps = 0
+            self.first_skip = None
             self.metrics = MetricsLogger(tmp_path)
             self.log: list[str] = []
             self.fleet = Fleet(self.log)

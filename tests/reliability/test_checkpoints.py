@@ -376,3 +376,94 @@ def test_a_checkpoint_of_another_model_names_the_file_and_the_shapes(saved, tiny
     assert str(saved / "model.safetensors") in message and "holds weights of another model" in message
     assert f"model.layers.0.mlp.down_proj.weight (64, {config.intermediate_size // 2}) " \
            f"(model (64, {config.intermediate_size}))" in message
+
+
+# -- issue 42: a full disk during a save --------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 512 KiB tmpfs: less than the tiny model, its optimizer state and RNG files."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_during_a_save_says_no_space_left_naming_the_directory(tiny_path,
+                                                                          small_disk) -> None:
+    engine = new_engine(tiny_path)
+    engine.train_mini_batch(batch(), loss_fn())
+    directory = small_disk / "step_1"
+    with pytest.raises(CheckpointError) as failure:
+        engine.save_checkpoint(directory)
+    message = str(failure.value)
+    assert message.startswith(f"{directory}: no space left on device"), message
+    assert "trainer.output_dir" in message
+    assert not (directory / checkpoint.MANIFEST).exists()  # incomplete: never loaded
+
+
+@pytest.mark.parametrize("error, free", [
+    (OSError(28, "No space left on device"), 100 << 20),  # safetensors / open() say it
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 7680 vs 7572"), 0),
+])
+def test_a_write_error_on_a_full_disk_is_named_however_the_library_words_it(
+        tiny_path, tmp_path, monkeypatch, error, free) -> None:
+    import shutil
+
+    def full(*args, **kwargs):
+        raise error
+
+    usage = shutil.disk_usage(tmp_path)._replace(free=free)
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage)
+    engine = new_engine(tiny_path)
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'step_1'}: no space left on device"):
+        engine.save_checkpoint(tmp_path / "step_1")
+
+
+def test_other_write_errors_pass_as_they_are(tiny_path, tmp_path, monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(checkpoint, "save_file", broken)
+    with pytest.raises(PermissionError):
+        new_engine(tiny_path).save_checkpoint(tmp_path / "step_1")
+
+
+# -- issue 42: resuming with a changed actor.optim.lr ------------------------------------------
+
+def test_resuming_with_a_changed_lr_trains_with_the_config_and_says_so(saved, tiny_path,
+                                                                        caplog) -> None:
+    """The checkpoint's optimizer state carries lr=1e-2; the resumed config says 1e-3 (and
+    another weight decay): the config wins, at the restored step of its schedule, logged."""
+    import logging
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    optim = OptimConfig(lr=1e-3, weight_decay=0.1, warmup_steps=4)
+    engine = TrainingEngine(model, "actor", 4096, optim=optim, total_steps=10)
+    with caplog.at_level(logging.WARNING):
+        engine.load_checkpoint(saved)
+    assert engine.global_step == 1
+    from tandem.training.optim import lr_multiplier
+
+    [group] = engine.optimizer.param_groups
+    assert group["lr"] == pytest.approx(1e-3 * lr_multiplier(1, optim, 10))  # warm-up step 2/4
+    assert group["weight_decay"] == 0.1 and engine.scheduler.base_lrs == [1e-3]
+    assert ("actor resumed from" in caplog.text and "with the config's optimizer settings, not "
+            "the checkpoint's: actor.optim.lr 0.01 -> 0.001, actor.optim.weight_decay 0.0 -> 0.1"
+            in caplog.text), caplog.text
+    engine.train_mini_batch(batch(1), loss_fn())
+    assert group["lr"] == pytest.approx(1e-3 * lr_multiplier(2, optim, 10))  # the schedule goes on
+
+
+def test_resuming_with_the_same_settings_logs_nothing(saved, tiny_path, caplog) -> None:
+    import logging
+
+    engine = new_engine(tiny_path)
+    with caplog.at_level(logging.WARNING):
+        engine.load_checkpoint(saved)
+    assert "optimizer settings" not in caplog.text
+    assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)

@@ -198,3 +198,55 @@ def test_a_stalled_training_worker_stops_the_run_naming_the_phase_and_the_worker
     assert f":{stalled['pid']}) gave no answer" in message  # its node and process
     assert message.startswith(("update_actor: ", "update_actor_on_policy: ")), message
     assert f"within {WORKER_TIMEOUT_S} s" in message
+
+
+SYNC_TIMEOUT_S = 10.0
+
+
+@pytest.mark.slow
+def test_separate_async_with_its_server_stalled_stops_within_the_sync_deadline(tmp_path,
+                                                                              ray_cluster):
+    """Issue 42: the one standalone server SIGSTOPped right after the step-1 sync. With
+    max_staleness=0 no group of version 1 exists yet, so the trainer waits for trajectories
+    (wait_rollout): the run stops within rollout.checkpoint_engine.timeout_s, naming the server
+    and the phase, and no clean-up call on the stopped server replaces that error."""
+    from test_trainer_sync import tiny_config
+
+    from tandem.trainer.separate_async import fit_separate_async
+
+    config = tiny_config(tmp_path, "trainer.trainer_mode=separate_async", "trainer.total_steps=4",
+                         f"rollout.checkpoint_engine.timeout_s={SYNC_TIMEOUT_S}",
+                         "trainer.async_rollout.max_staleness=0",
+                         "rollout.multi_turn.enable=false", "rollout.multi_turn.tools=[]")
+    stalled: dict[str, float] = {}
+
+    async def run() -> None:
+        trainer = RLTrainer(config)
+        await trainer.start()
+        [replica] = trainer.fleet.rollout.replicas.values()
+        pid = stalled["pid"] = await replica.servers[0].__ray_call__.remote(
+            lambda server: os.getpid())
+        sync = trainer.fleet.sync_weights
+
+        async def sync_then_stall(version):
+            metrics = await sync(version)
+            if version == 1:
+                os.kill(pid, signal.SIGSTOP)
+                stalled["at"] = time.monotonic()
+            return metrics
+
+        trainer.fleet.sync_weights = sync_then_stall
+        try:
+            await asyncio.wait_for(fit_separate_async(trainer), 20 * SYNC_TIMEOUT_S)
+        finally:
+            stalled["failed_at"] = time.monotonic()
+            os.kill(pid, signal.SIGCONT)
+            await trainer.stop()
+
+    with pytest.raises(NoAnswerError) as failure:
+        asyncio.run(run())
+    message = str(failure.value)
+    assert stalled["failed_at"] - stalled["at"] < SYNC_TIMEOUT_S + 8, message
+    assert "replica-0" in message and f":{stalled['pid']})" in message, message
+    assert f"within {SYNC_TIMEOUT_S} s" in message, message
+    assert message.startswith("wait_rollout: no rollout server answered"), message

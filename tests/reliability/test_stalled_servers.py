@@ -138,3 +138,68 @@ async def test_a_sigstopped_ray_server_is_routed_around(ray_manager) -> None:
         expect_exact(await client.generate(GenerateRequest("after", [2], {"max_tokens": 5})), [2], 5)
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+# -- issue 42: the trainer's wait on a pool that answers nothing ends at the deadline ---------
+
+def fleet_of(manager, timeout_s: float):
+    from pathlib import Path
+
+    from tandem.config.load import load_config
+    from tandem.fleet.fleet import Fleet
+    from tandem.fleet.startup import StartupClock
+
+    config = load_config(overrides=[f"rollout.checkpoint_engine.timeout_s={timeout_s}"])
+    fleet = Fleet(config, Path("unused"), StartupClock())
+    fleet.rollout = manager
+    return fleet
+
+
+async def test_waiting_on_a_pool_that_answers_nothing_stops_at_the_deadline_naming_it(
+        scripted_backend) -> None:
+    from tandem.serving.remote import NoAnswerError
+
+    manager = await local_manager(servers=1)
+    stall_locally(manager, "replica-0")
+    fleet = fleet_of(manager, timeout_s=0.5)
+    began = asyncio.get_running_loop().time()
+    with pytest.raises(NoAnswerError) as failure:
+        await fleet.while_rollout_answers(asyncio.Event().wait(), "wait_rollout")
+    assert asyncio.get_running_loop().time() - began < 0.5 + 1.0
+    message = str(failure.value)
+    assert message.startswith("wait_rollout: no rollout server answered within 0.5 s "
+                              "(rollout.checkpoint_engine.timeout_s)"), message
+    assert "replica-0: ControlTimeout: weight_version() on server 'replica-0'" in message
+    assert (await manager.status()).stalled_servers == ["replica-0"]
+    # the stopped server is not asked to shut down (release() ends it), and nothing is raised
+    asked = []
+    manager.servers["replica-0"].shutdown = lambda: asked.append("shutdown")
+    await manager.shutdown()
+    assert asked == []
+
+
+async def test_a_pool_that_answers_is_waited_for_however_long_it_generates(scripted_backend) -> None:
+    manager = await local_manager(servers=2)
+    stall_locally(manager, "replica-1")  # one of two: the other keeps the pool alive
+    fleet = fleet_of(manager, timeout_s=0.2)
+
+    async def slow_groups():
+        await asyncio.sleep(1.5)  # several deadlines long
+        return "groups"
+
+    assert await fleet.while_rollout_answers(slow_groups(), "wait_rollout") == "groups"
+
+
+async def test_a_server_silent_at_shutdown_is_killed_not_raised(scripted_backend, caplog) -> None:
+    manager = await local_manager(servers=2)
+    stall_locally(manager, "replica-1")
+
+    async def silent():
+        await asyncio.Event().wait()
+
+    manager.servers["replica-1"].shutdown = silent
+    for replica in manager.replicas.values():
+        replica.options.control_timeout_s = 0.3
+    with caplog.at_level("WARNING"):
+        await manager.shutdown()
+    assert "shutdown() on server 'replica-1'" in caplog.text and "killed" in caplog.text

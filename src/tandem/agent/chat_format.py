@@ -8,6 +8,7 @@ tokens are never decoded and encoded again. Special tokens come from the templat
 
 from __future__ import annotations
 
+import re
 from functools import cached_property
 from typing import Any, Iterable, Sequence
 
@@ -15,6 +16,20 @@ from tandem.agent.special_tokens import PlainTextRenderer
 
 # A fixed conversation the tool turn is rendered after; its content never reaches the stream.
 _DUMMY_HISTORY = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's token for one raw byte
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte, inverted: a printable Latin-1 byte is its own
+    character, the other 68 bytes take the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [byte for byte in range(256) if byte not in printable]
+    return {**{chr(byte): byte for byte in printable},
+            **{chr(256 + index): byte for index, byte in enumerate(others)}}
+
+
+_BYTE_OF_CHARACTER = _byte_level_alphabet()
 
 
 class ChatFormat:
@@ -89,3 +104,23 @@ class ChatFormat:
     def decode_text(self, token_ids: Sequence[int]) -> str:
         """Inverse of encode_text."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        from tokenizers import decoders
+
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        return isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token, also when they are part of a UTF-8 character (its decoded
+        text is then the replacement character): a byte-level BPE token through that format's
+        byte alphabet, a byte-fallback token (<0xE2>) as its byte, others as UTF-8 of its text."""
+        token = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        if isinstance(token, str):
+            byte = _BYTE_FALLBACK.fullmatch(token)
+            if byte:
+                return bytes([int(byte[1], 16)])
+            if self._byte_level and all(char in _BYTE_OF_CHARACTER for char in token):
+                return bytes(_BYTE_OF_CHARACTER[char] for char in token)
+        return self.decode_text([token_id]).encode()

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tandem.agent.chat_format import ChatFormat
 from tandem.agent.recorder import ChatRecorder, Completion, RequestError
 from tandem.agent.http_guard import BadBody, BodyTooLarge, RequestGuard, parse_json_body
 
@@ -104,12 +105,13 @@ def error_response(status: int, message: str, code: str | None = None,
                                    "code": code}}, status_code=status)
 
 
-def _logprobs(completion: Completion, token_text: Any) -> dict[str, Any]:
+def _logprobs(completion: Completion, chat_format: ChatFormat) -> dict[str, Any]:
+    """Each sampled token's text, logprob and raw bytes (a token holding part of a UTF-8
+    character has its own bytes there, not those of the replacement character its text shows)."""
     content = []
     for token, log_prob in zip(completion.token_ids, completion.log_probs):
-        text = token_text([token])
-        content.append({"token": text, "logprob": log_prob, "bytes": list(text.encode()),
-                        "top_logprobs": []})
+        content.append({"token": chat_format.decode_text([token]), "logprob": log_prob,
+                        "bytes": list(chat_format.token_bytes(token)), "top_logprobs": []})
     return {"content": content, "refusal": None}
 
 
@@ -190,7 +192,7 @@ def create_app(recorder: ChatRecorder, model_name: str, api_key: str = "",
                     "created": int(time.time()), "model": model_name,
                     "choices": [{"index": index, "message": _message(completion),
                                  "finish_reason": completion.finish_reason,
-                                 "logprobs": _logprobs(completion, token_text)
+                                 "logprobs": _logprobs(completion, recorder.chat_format)
                                  if body.logprobs else None}
                                 for index, completion in enumerate(completions)],
                     "usage": _usage(completions)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -22,6 +23,10 @@ from tandem.agent.tool_parser import parse_tool_calls
 from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import RolloutConfig
 from tandem.types import GenerateRequest, TokenOutput, cut_version_runs
+
+logger = logging.getLogger(__name__)
+# a recorded token in Python lists (id, mask, logprob, version), rounded up: measured ~57 B
+TOKEN_BYTES = 64
 
 
 class RequestError(Exception):
@@ -133,6 +138,7 @@ class SessionRecorder:
         self.forks = 0
         self.lock = asyncio.Lock()
         self.active = 0  # calls in progress (a session no call succeeded in is dropped)
+        self.nbytes = 0  # estimate of what it holds (session_bytes), as of its last call
 
     def find_branch(self, messages: list[dict[str, Any]], tools: list[dict] | None
                     ) -> Branch | None:
@@ -165,17 +171,29 @@ class SessionRecorder:
         return result
 
 
+def session_bytes(session: SessionRecorder) -> int:
+    """An estimate of the memory a session's recording holds: TOKEN_BYTES per token of every
+    branch, plus the JSON size of its messages and tools."""
+    return sum(TOKEN_BYTES * (len(branch.builder.prompt_ids) + len(branch.builder))
+               + len(json.dumps(branch.messages, default=str))
+               + len(json.dumps(branch.tools, default=str)) for branch in session.branches)
+
+
 def cut_at_stop_strings(output: TokenOutput, stops: Sequence[str], chat_format: ChatFormat
                         ) -> tuple[TokenOutput, bool]:
-    """Keep the shortest prefix of the sampled tokens whose text contains a stop string (the
-    tokens after it are dropped, never re-tokenized); True when one was found."""
+    """Cut the sampled tokens where the first stop string begins, on a token boundary: the
+    tokens before it, plus the token it begins inside of, kept whole, when it does not begin on
+    a boundary. The caller's text is these tokens' text, so what it sees and what is recorded
+    agree; the tokens after the cut are dropped, never re-tokenized. True when one was found."""
     text = chat_format.decode(output.token_ids)
-    if not any(stop in text for stop in stops):
+    starts = [text.find(stop) for stop in stops if stop in text]
+    if not starts:
         return output, False
-    low, high = 1, len(output.token_ids)
-    while low < high:  # the smallest k whose decoded prefix holds a stop string
+    before = text[:min(starts)]
+    low, high = 0, len(output.token_ids)
+    while low < high:  # the fewest tokens whose text holds everything before the stop string
         middle = (low + high) // 2
-        if any(stop in chat_format.decode(output.token_ids[:middle]) for stop in stops):
+        if chat_format.decode(output.token_ids[:middle]).startswith(before):
             high = middle
         else:
             low = middle + 1
@@ -185,15 +203,20 @@ def cut_at_stop_strings(output: TokenOutput, stops: Sequence[str], chat_format: 
 
 
 class ChatRecorder:
-    """Serves chat calls through a TokenClient and records every session's branches."""
+    """Serves chat calls through a TokenClient and records every session's branches. Ad-hoc
+    sessions (tandem serve) are bounded by count and by bytes: past max_sessions, or past
+    max_session_bytes of recordings (session_bytes), the oldest idle ones are evicted, logged;
+    sessions the openai_agent loop opened stay until it closes them."""
 
     def __init__(self, client: TokenClient, chat_format: ChatFormat, config: RolloutConfig,
-                 max_sessions: int = 10_000) -> None:
+                 max_sessions: int = 10_000, max_session_bytes: int = 1 << 30) -> None:
         self.client = client
         self.chat_format = chat_format
         self.config = config
         self.max_sessions = max_sessions
+        self.max_session_bytes = max_session_bytes
         self.sessions: dict[str, SessionRecorder] = {}
+        self.session_bytes = 0  # the sum of every session's nbytes
         self.forks = 0  # forked calls over all sessions (a metric)
 
     def open(self, key: str, settings: SessionSettings) -> SessionRecorder:
@@ -205,15 +228,19 @@ class ChatRecorder:
 
     def close(self, key: str) -> list[Trajectory]:
         """Forget a session and return its trajectories."""
-        return self.sessions.pop(key).trajectories()
+        session = self._forget(key)
+        return session.trajectories()
+
+    def _forget(self, key: str) -> SessionRecorder:
+        session = self.sessions.pop(key)
+        self.session_bytes -= session.nbytes
+        return session
 
     def _enter(self, key: str) -> SessionRecorder:
         """The session of a call, created if new (kept only if the call succeeds, see _leave)."""
         session = self.sessions.get(key)
-        if session is None:  # an ad-hoc caller (tandem serve): keep the newest max_sessions
-            idle = [k for k, s in self.sessions.items() if not s.registered and not s.active]
-            for old in idle[:max(0, len(idle) + 1 - self.max_sessions)]:
-                del self.sessions[old]
+        if session is None:  # an ad-hoc caller (tandem serve): room for one more
+            self._evict(keep=None, sessions=self.max_sessions - 1, nbytes=self.max_session_bytes)
             session = SessionRecorder(key, SessionSettings(uid=key), registered=False)
             self.sessions[key] = session
         session.active += 1
@@ -223,7 +250,34 @@ class ChatRecorder:
         session.active -= 1
         if (not session.registered and not session.branches and not session.active
                 and self.sessions.get(session.key) is session):
-            del self.sessions[session.key]  # no call of it succeeded: it never existed
+            self._forget(session.key)  # no call of it succeeded: it never existed
+
+    def _recorded(self, session: SessionRecorder) -> None:
+        """Account a call's growth; past max_session_bytes the oldest idle sessions go."""
+        nbytes = session_bytes(session)
+        self.session_bytes += nbytes - session.nbytes
+        session.nbytes = nbytes
+        self._evict(keep=session, sessions=self.max_sessions, nbytes=self.max_session_bytes)
+
+    def _evict(self, keep: SessionRecorder | None, sessions: int, nbytes: int) -> None:
+        """Drop the oldest idle ad-hoc sessions (not `keep`) until at most `sessions` ad-hoc
+        ones remain and all of them hold at most `nbytes`."""
+        idle = [s for s in self.sessions.values()
+                if not s.registered and not s.active and s is not keep]
+        count = sum(not s.registered for s in self.sessions.values())
+        evicted = []
+        for old in idle:
+            if count <= sessions and self.session_bytes <= nbytes:
+                break
+            evicted.append(self._forget(old.key))
+            count -= 1
+        if evicted:
+            logger.warning("endpoint: evicted the %d oldest idle session(s) (%s), their recordings "
+                           "gone, to stay within max_sessions=%d and max_session_bytes=%d MiB (%d "
+                           "MiB recorded now)", len(evicted),
+                           ", ".join(repr(s.key) for s in evicted[:3])
+                           + (", ..." if len(evicted) > 3 else ""), self.max_sessions,
+                           self.max_session_bytes >> 20, self.session_bytes >> 20)
 
     def _prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         """The rendered prompt of a new branch; RequestError when it cannot be rendered or is
@@ -309,6 +363,7 @@ class ChatRecorder:
             except RequestError:
                 if branch.stop_reason == "length":  # the cut tool turn ends the trajectory
                     session.branches[session.branches.index(extended)] = branch
+                    self._recorded(session)
                 raise
         builder = branch.builder
         budget = remaining_budget(self.config, len(builder.prompt_ids), len(builder))
@@ -335,16 +390,15 @@ class ChatRecorder:
         else:
             session.branches[session.branches.index(extended)] = branch
         session.branches.extend(branches[1:])
+        self._recorded(session)
         return completions
 
     def _record(self, branch: Branch, output: TokenOutput, budget: int, stops: list[str],
                 prompt_tokens: int) -> Completion:
-        output, stopped = cut_at_stop_strings(output, stops, self.chat_format)
+        output, _ = cut_at_stop_strings(output, stops, self.chat_format)
         branch.builder.add_model_output(output, budget)
         branch.assistant_turns += 1
         text = self.chat_format.strip_stop_text(self.chat_format.decode(output.token_ids))
-        if stopped:
-            text = text[:min(text.index(s) for s in stops if s in text)]
         branch.response_text = text
         branch.ended_with_stop_token = (bool(output.token_ids)
                                         and output.token_ids[-1] in self.chat_format.stop_token_ids)

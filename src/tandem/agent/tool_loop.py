@@ -3,7 +3,7 @@ docs/agent_loops.md). The prompt is rendered once with the tool schemas; each mo
 tokens are appended as sampled and, if it calls tools, the template's delta for their results.
 The engine always gets the prompt + everything appended so far, never re-tokenized. At most
 rollout.multi_turn.max_tool_calls_per_turn calls of a turn run (the rest get one error
-message), each within rollout.multi_turn.tool_timeout_seconds, enforced here.
+message), each within rollout.multi_turn.tool_timeout_seconds (a call past it is an error message).
 """
 
 from __future__ import annotations
@@ -20,26 +20,37 @@ from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import RolloutConfig
 from tandem.tools.registry import ToolRegistry, ToolResult
 from tandem.types import GenerateRequest
+from tandem.user_code import UserCodeTimeout
 
 TRUNCATION_MARKER = "...(truncated)..."
 
 
 def truncate_tool_text(text: str, limit: int, side: str, chat_format: ChatFormat) -> str:
     """Keep at most `limit` tokens of a tool's output, cutting on the left, right or middle;
-    a marker (not counted) shows where text was cut."""
+    a marker (not counted) shows where text was cut. A long text is measured by windows of
+    characters at its kept ends, never tokenized whole (10 MB would hold the loop for seconds)."""
+    if side not in ("left", "right", "middle"):
+        raise ValueError(f"rollout.multi_turn.tool_response_truncate_side={side!r}: use left, "
+                         "right or middle")
+    keep_head = {"left": 0, "right": limit, "middle": limit // 2}[side]
+    keep_tail = limit - keep_head
+    window = 16 * limit + 64  # characters; grows while its tokens are longer than that
+    while len(text) > 2 * window:
+        head = chat_format.encode_text(text[:window]) if keep_head else []
+        tail = chat_format.encode_text(text[-window:]) if keep_tail else []
+        # more tokens than kept at each end (a window's cut edge token is never kept)
+        if (not keep_head or len(head) > keep_head) and (not keep_tail or len(tail) > keep_tail):
+            return _cut(head[:keep_head], tail[len(tail) - keep_tail:], chat_format)
+        window *= 4
     ids = chat_format.encode_text(text)
     if len(ids) <= limit:
         return text
-    if side == "left":
-        return TRUNCATION_MARKER + chat_format.decode_text(ids[len(ids) - limit:])
-    if side == "right":
-        return chat_format.decode_text(ids[:limit]) + TRUNCATION_MARKER
-    if side == "middle":
-        head = limit // 2
-        return (chat_format.decode_text(ids[:head]) + TRUNCATION_MARKER
-                + chat_format.decode_text(ids[len(ids) - (limit - head):]))
-    raise ValueError(f"rollout.multi_turn.tool_response_truncate_side={side!r}: use left, right "
-                     "or middle")
+    return _cut(ids[:keep_head], ids[len(ids) - keep_tail:], chat_format)
+
+
+def _cut(head: list[int], tail: list[int], chat_format: ChatFormat) -> str:
+    return ((chat_format.decode_text(head) if head else "") + TRUNCATION_MARKER
+            + (chat_format.decode_text(tail) if tail else ""))
 
 
 class ToolAgentLoop:
@@ -58,10 +69,9 @@ class ToolAgentLoop:
                               f"\"arguments\": {{...}}}}</tool_call>", ok=False)
         timeout = self.config.multi_turn.tool_timeout_seconds
         try:
-            return await asyncio.wait_for(
-                self.tools.call(call.name, call.arguments, tools_kwargs.get(call.name) or {}),
-                timeout)
-        except asyncio.TimeoutError:
+            return await self.tools.call(call.name, call.arguments,
+                                         tools_kwargs.get(call.name) or {}, timeout)
+        except UserCodeTimeout:
             return ToolResult(f"Error: the {call.name} call ran longer than {timeout:g} s and was "
                               "stopped", ok=False)
 

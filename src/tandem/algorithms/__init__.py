@@ -12,6 +12,7 @@ from tandem.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from tandem.algorithms.masked import (masked_count, masked_max, masked_mean, masked_sum, masked_var,
                                       masked_whiten)
 from tandem.algorithms.metrics import logprob_gap_metrics, policy_metrics
+from tandem.algorithms.overlong import keep_untruncated, overlong_penalty
 from tandem.algorithms.policy_loss import PolicyLossOutput, ppo_clip_loss
 from tandem.algorithms.rejection import RejectionCriterion, parse_rejection, rejection_keep
 from tandem.algorithms.rollout_correction import (RolloutCorrection, batch_normalize_weights,
@@ -25,7 +26,8 @@ __all__ = [
     "RolloutCorrection", "aggregate_loss", "batch_normalize_weights", "bypass_old_log_probs",
     "clipped_value_loss", "entropy_bonus", "entropy_from_logits", "gae_advantage",
     "group_index", "group_normalize", "grpo_outcome_advantage", "icepop_importance_weights",
-    "kl_controller_from_config", "kl_in_reward", "kl_loss", "kl_penalty", "logprob_gap_metrics",
+    "keep_untruncated", "kl_controller_from_config", "kl_in_reward", "kl_loss", "kl_penalty",
+    "logprob_gap_metrics", "overlong_penalty",
     "loss_normalizers", "masked_count", "masked_max", "masked_mean", "masked_sum", "masked_var",
     "masked_whiten", "parse_rejection", "policy_metrics", "ppo_clip_loss", "rejection_keep",
     "rejection_mask", "resolve_kl_type", "rollout_correction", "truncated_importance_weights",

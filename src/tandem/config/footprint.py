@@ -6,7 +6,9 @@ the rollout runs as STANDALONE replicas; without, inside the training workers (H
 separate_async). Nothing spreads replicas over nodes, so rollout.nnodes is 0 or 1. world_size = TP:
 data-parallel ranks, pipeline parallelism and prefill/decode disaggregation are refused until a
 backend runs them (their fields stay in the schema so that naming them gets this error, not an
-unknown-key one).
+unknown-key one). A tensor-parallel native replica runs its ranks as processes of one host
+(rollout/engine/rank_worker.py); what it does not do yet (delta syncs, weight slots, LoRA) is
+refused here. Whether the model's heads split over TP is the preflight's (it reads the model).
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ from __future__ import annotations
 from tandem.config.choices import ConfigError
 from tandem.config.schema import RolloutConfig, TandemConfig, changed_fields
 
-# Backends whose engine lives on exactly one device: a replica of theirs has world_size 1.
-SINGLE_DEVICE_BACKENDS = ("native",)
 CUDA_ONLY_BACKENDS = ("sglang",)
 
 
@@ -63,12 +63,37 @@ def _parallelism_problem(config: TandemConfig) -> str | None:
         return (f"rollout.data_parallel_size: is {rollout.data_parallel_size}, but no rollout "
                 "backend here runs data-parallel ranks inside one replica; set it to 1: the fleet "
                 "makes one replica per footprint, so more devices give more replicas")
-    if rollout.name in SINGLE_DEVICE_BACKENDS and tp != 1:
-        return (f"rollout.tensor_model_parallel_size: the {rollout.name!r} engine runs on one "
-                f"device, so it must be 1, not {tp} (the fleet makes one replica per device)")
+    if rollout.name == "native" and tp != 1:
+        problem = _native_tensor_parallel_problem(config)
+        if problem:
+            return problem
     if rollout.name in CUDA_ONLY_BACKENDS and not config.model.device.startswith("cuda"):
         return (f"rollout.name: the {rollout.name!r} backend runs on CUDA only, but model.device="
                 f"{config.model.device!r}; set model.device=cuda or rollout.name=native / vllm")
+    return None
+
+
+def _native_tensor_parallel_problem(config: TandemConfig) -> str | None:
+    """What a tensor-parallel native engine does not do yet: read its split weights back (delta
+    syncs), serve from weight slots (double buffer, in_flight_kv=keep), merge LoRA adapters."""
+    rollout = config.rollout
+    tp = rollout.tensor_model_parallel_size
+    ckpt = rollout.checkpoint_engine
+    where = (f"but a tensor-parallel native engine (rollout.tensor_model_parallel_size={tp}) "
+             "holds its weights split over its ranks and")
+    fix = "or set rollout.tensor_model_parallel_size=1"
+    if ckpt.backend == "delta":
+        return (f"rollout.checkpoint_engine.backend: is 'delta', {where} cannot read them back to "
+                f"patch them yet; use auto, shm or gloo, {fix}")
+    if ckpt.engine_kwargs.get("double_buffer") is True:
+        return (f"rollout.checkpoint_engine.engine_kwargs.double_buffer: is true, {where} has no "
+                f"per-rank weight slots yet; set it false or leave it unset, {fix}")
+    if rollout.in_flight_kv == "keep":
+        return (f"rollout.in_flight_kv: is 'keep', {where} has no weight slots to flip, so every "
+                f"sync pauses generation; set it to recompute, {fix}")
+    if config.actor.lora.rank:
+        return (f"actor.lora.rank: is {config.actor.lora.rank}, {where} cannot merge adapters "
+                f"into its slices yet; set actor.lora.rank=0, {fix}")
     return None
 
 

@@ -272,6 +272,15 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class OverlongConfig:
+    """Answers cut at rollout.response_length (DAPO): out of the loss, or a soft length penalty."""
+
+    filter: bool = False  # truncated answers (stop_reason length) get loss_mask 0
+    buffer_len: int = 0  # > 0: reward falls linearly to -penalty_factor over the last buffer_len tokens
+    penalty_factor: float = 1.0
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimator and KL-in-reward."""
 
@@ -283,6 +292,7 @@ class AlgorithmConfig:
     kl_penalty: str = "k1"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
 
 @dataclass

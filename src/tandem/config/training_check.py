@@ -13,7 +13,17 @@ def training_problem(config: TandemConfig) -> str | None:
     """The first actor or algorithm setting that would not train as written, or None."""
     return (_actor_problem(config) or _kl_problem("actor.kl_loss_type", config.actor.kl_loss_type)
             or _kl_problem("algorithm.kl_penalty", config.algorithm.kl_penalty)
-            or _correction_problem(config) or _estimator_problem(config))
+            or _correction_problem(config) or _estimator_problem(config)
+            or _overlong_problem(config))
+
+
+def _overlong_problem(config: TandemConfig) -> str | None:
+    overlong, limit = config.algorithm.overlong, config.rollout.response_length
+    if overlong.buffer_len > limit:
+        return (f"algorithm.overlong.buffer_len: is {overlong.buffer_len}, longer than "
+                f"rollout.response_length={limit}, so even an empty answer would be penalised; "
+                f"set it to at most {limit}")
+    return None
 
 
 def _actor_problem(config: TandemConfig) -> str | None:

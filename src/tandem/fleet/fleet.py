@@ -195,6 +195,47 @@ class Fleet:
         if self.layout is ReplicaLayout.HYBRID:
             await self.rollout.control("wake_up", list(tags))
 
+    async def while_rollout_answers(self, work: Awaitable[T], phase: str) -> T:
+        """Await `work` (what the rollout servers produce: the buffer's next groups) while the
+        servers are asked weight_version() in turn, each within rollout.checkpoint_engine.
+        timeout_s: when none answers, nothing can come, so `work` is cancelled, the servers are
+        reported stalled (the balancer stops routing there) and NoAnswerError names the phase
+        and every server. A pool that answers, however slowly it generates, is waited for. With
+        rollout.fault_tolerance the health check watches instead (wait_for_rollout)."""
+        if self.health is not None:  # it restarts stalled servers and fails the run past its budget
+            return await self.wait_for_rollout(work)
+        timeout_s = self.config.rollout.checkpoint_engine.timeout_s
+        task = asyncio.ensure_future(work)
+        probe: asyncio.Future | None = None
+        try:
+            while True:
+                probe = asyncio.ensure_future(self.rollout.control(
+                    "weight_version", timeout_s=timeout_s, on_error="leave_out"))
+                await asyncio.wait({task, probe}, return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    return task.result()
+                answers = probe.result()
+                if not answers.results:
+                    raise NoAnswerError(await self._no_rollout_left(phase, answers, timeout_s))
+                await asyncio.wait({task}, timeout=min(timeout_s / 4, 5.0))
+                if task.done():
+                    return task.result()
+        finally:
+            for pending in (task, probe):
+                if pending is not None and not pending.done():
+                    pending.cancel()
+                    await asyncio.gather(pending, return_exceptions=True)
+
+    async def _no_rollout_left(self, phase: str, answers: Any, timeout_s: float) -> str:
+        for server_id, error in answers.left_out.items():
+            stalled = not isinstance(error, DEAD_SERVER_ERRORS)
+            await call(self.rollout.balancer, "report_dead", server_id, 0, stalled)
+        servers = "; ".join(f"{sid}: {type(error).__name__}: {error}"
+                            for sid, error in answers.left_out.items()) or "none is left"
+        return (f"{phase}: no rollout server answered within {timeout_s} s "
+                f"(rollout.checkpoint_engine.timeout_s), so no trajectory can come ({servers}); "
+                "a server that is stalled (stopped, hung) or dead; the run stops")
+
     async def sync_weights(self, version: int) -> dict[str, float]:
         """The actor's weights into every engine as `version` through the layout's seam (then
         standalone replicas started since the last sync join); the step's sync metrics."""

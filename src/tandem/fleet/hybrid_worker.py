@@ -24,6 +24,7 @@ from tandem.models.tiny import resolve_model_path
 from tandem.quiet import quiet_libraries
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout
 from tandem.serving.server import RolloutServer, ServerInfo
+from tandem.training.checkpoint import full_disk_named
 from tandem.training.engine import TrainingEngine
 from tandem.weight_sync.base import CheckpointEngine, SyncPlan
 from tandem.weight_sync.naive import NaiveCheckpointEngine
@@ -231,9 +232,10 @@ class HybridWorker(RolloutServer):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(self.config.model.path))
-            tokenizer.save_pretrained(f"{directory}/actor")
-            if self.actor.uses_lora and self.config.actor.lora.save_merged:
-                tokenizer.save_pretrained(f"{directory}/actor/merged")
+            with full_disk_named(Path(directory)):
+                tokenizer.save_pretrained(f"{directory}/actor")
+                if self.actor.uses_lora and self.config.actor.lora.save_merged:
+                    tokenizer.save_pretrained(f"{directory}/actor/merged")
         if self.critic is not None:
             self.critic.save_checkpoint(f"{directory}/critic")
 

@@ -1,6 +1,8 @@
 """What must fit the model, read from its config.json (or the tiny model's spec) without
 importing torch: top_k within the vocabulary, prompt_length + response_length within the
-context and the native engine's KV cache, actor.micro_batch_memory_gb holding one trajectory.
+context and the native engine's KV cache (one rank's, under tensor parallelism), the model's
+heads and MLP splitting over the native engine's tensor-parallel ranks,
+actor.micro_batch_memory_gb holding one trajectory.
 A budget derived from GPU memory is only known on the device (the engine checks it there)."""
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ def check_model_fit(config: TandemConfig) -> None:
     hf = hf_config(config.model.path)
     if hf is None:
         return
-    problem = (_limits_problem(config, hf) or _kv_budget_problem(config, hf)
-               or _memory_budget_problem(config, hf))
+    problem = (_limits_problem(config, hf) or _tensor_parallel_problem(config, hf)
+               or _kv_budget_problem(config, hf) or _memory_budget_problem(config, hf))
     if problem:
         raise ConfigError(problem)
 
@@ -57,8 +59,31 @@ def _limits_problem(config: TandemConfig, hf: dict[str, Any]) -> str | None:
     return None
 
 
+def _tensor_parallel_problem(config: TandemConfig, hf: dict[str, Any]) -> str | None:
+    """The native engine splits query heads, KV heads (or replicates them when fewer than the
+    ranks) and the MLP's intermediate size evenly over its ranks (rollout/engine/
+    tensor_parallel.py); a model that does not split is refused before any process starts."""
+    tp = config.rollout.tensor_model_parallel_size
+    heads = hf.get("num_attention_heads")
+    if config.rollout.name != "native" or tp == 1 or not isinstance(heads, int):
+        return None
+    kv_heads = hf.get("num_key_value_heads") or heads
+    intermediate = hf.get("intermediate_size")
+    sizes = {"num_attention_heads": heads % tp,
+             "num_key_value_heads": kv_heads % tp and tp % kv_heads,
+             "intermediate_size": intermediate % tp if isinstance(intermediate, int) else 0}
+    for field, remainder in sizes.items():
+        if remainder:
+            return (f"rollout.tensor_model_parallel_size: is {tp}, but {config.model.path}'s "
+                    f"{field}={hf.get(field)} does not split over {tp} ranks (config.json); "
+                    "choose a size that divides the attention heads, the intermediate size and "
+                    "the KV heads (or a multiple of the KV heads)")
+    return None
+
+
 def _kv_budget_problem(config: TandemConfig, hf: dict[str, Any]) -> str | None:
-    """Why the longest trajectory cannot fit the native engine's KV cache, or None."""
+    """Why the longest trajectory cannot fit the native engine's KV cache, or None. The budget
+    is per rank: each tensor-parallel rank holds its KV heads' share of every block."""
     rollout = config.rollout
     default = RolloutConfig().kv_cache_memory_bytes
     budget = rollout.kv_cache_memory_bytes or default
@@ -68,8 +93,8 @@ def _kv_budget_problem(config: TandemConfig, hf: dict[str, Any]) -> str | None:
             or not heads or "num_hidden_layers" not in hf):
         return None
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    block_bytes = (2 * hf["num_hidden_layers"] * rollout.block_size
-                   * (hf.get("num_key_value_heads") or heads) * head_dim
+    kv_heads = max(1, (hf.get("num_key_value_heads") or heads) // rollout.tensor_model_parallel_size)
+    block_bytes = (2 * hf["num_hidden_layers"] * rollout.block_size * kv_heads * head_dim
                    * DTYPE_BYTES.get(config.model.dtype, 4))
     blocks = budget // block_bytes
     longest = min(rollout.prompt_length + rollout.response_length,

@@ -2,15 +2,16 @@
 "Rewards"): verl's per-sample `compute_score(data_source, solution_str, ground_truth,
 extra_info=None)`, TRL's batched `fn(prompts, completions, **columns)`, else tandem's registry
 by data_source (weighted by reward.rule_weight), plus served reward models and judges
-(RewardScorer.add). They add up with their weights. Each call is bounded by
-reward.timeout_seconds; a function that raises or times out fails only its samples: reward 0,
-reward_extra["reward_failed"] = 1.0 (a batched call that raises is retried one sample at a time).
+(RewardScorer.add). They add up with their weights. The user's functions run off the event loop
+on copies of their arguments, each call bounded by reward.timeout_seconds (user_code.
+call_user_code); a function that raises (SystemExit and the like included), times out or returns
+no valid score fails only its samples: reward 0, reward_extra["reward_failed"] = 1.0 (a batched
+call that raises is retried one sample at a time).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import math
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from tandem.config.choices import ConfigError
 from tandem.rewards.registry import RewardResult, compute_reward, reward_names
+from tandem.user_code import call_user_code
 
 if TYPE_CHECKING:
     from tandem.batch.trajectory import Trajectory
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 FAILED = "reward_failed"
+FLOAT32_MAX = 3.4028234663852886e38
+METRIC_KEYS = ("acc", FAILED)  # details the step logs as metrics (and "reward/<name>")
 
 
 @dataclass
@@ -127,13 +131,13 @@ class RewardScorer:
                           ) -> RewardResult | None:
         try:
             if function.kind == "registry":
-                value = await self._call(function.fn, trajectory.data_source,
+                value = await self._call(function, trajectory.data_source,
                                          trajectory.metadata.get("response_text", ""),
                                          trajectory.ground_truth,
                                          trajectory.metadata.get("extra_info") or {})
             else:
                 self._say_replaced(function, trajectory.data_source)
-                value = await self._call(function.fn, data_source=trajectory.data_source,
+                value = await self._call(function, data_source=trajectory.data_source,
                                          solution_str=self._solution_str(trajectory),
                                          ground_truth=trajectory.ground_truth,
                                          extra_info=trajectory.metadata.get("extra_info") or {})
@@ -145,7 +149,7 @@ class RewardScorer:
     async def _batched(self, function: RewardFunction, trajectories: Sequence["Trajectory"]
                        ) -> list[RewardResult | None]:
         prompts, completions, columns = batched_inputs(trajectories, self.prompt_key)
-        values = await self._call(function.fn, prompts, completions, **columns)
+        values = await self._call(function, prompts, completions, **columns)
         if not isinstance(values, (list, tuple)) or len(values) != len(trajectories):
             raise ValueError(f"reward function {function.name} returned {type(values).__name__} "
                              f"of length {len(values) if hasattr(values, '__len__') else '?'}; "
@@ -154,18 +158,9 @@ class RewardScorer:
         return [RewardResult(0.0) if value is None else to_result(value, function.name)
                 for value in values]
 
-    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if inspect.iscoroutinefunction(fn):
-            call = fn(*args, **kwargs)
-        else:
-            call = asyncio.to_thread(fn, *args, **kwargs)  # a slow reward never blocks the loop
-        try:
-            value = await asyncio.wait_for(call, self.timeout_seconds)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"no result within reward.timeout_seconds={self.timeout_seconds}") from None
-        if inspect.isawaitable(value):
-            value = await asyncio.wait_for(value, self.timeout_seconds)
-        return value
+    async def _call(self, function: RewardFunction, *args: Any, **kwargs: Any) -> Any:
+        return await call_user_code(function.fn, args, kwargs, name=f"reward function {function.name}",
+                                    timeout=self.timeout_seconds, field="reward.timeout_seconds")
 
     def _solution_str(self, trajectory: "Trajectory") -> str:
         if self.decode is None:
@@ -187,23 +182,56 @@ class RewardScorer:
 
 
 def to_result(value: Any, name: str) -> RewardResult:
-    """A function's return value (float, RewardResult, or verl's dict with "score") as a RewardResult."""
+    """A function's return value (a number, RewardResult, or verl's dict with "score") as a
+    RewardResult: numpy and torch scalars become floats, in the score and the details. A score
+    that is no number or beyond float32, or a metric detail ("acc") that is no number, is a
+    ValueError / TypeError naming the function and the key."""
     if isinstance(value, RewardResult):
-        result = value
+        score, extra = value.score, value.extra
     elif isinstance(value, dict):
         if "score" not in value:
             raise ValueError(f"reward function {name} returned a dict without 'score' "
                              f"(keys {sorted(value)}); return a float or {{'score': ..., ...}}")
-        result = RewardResult(value["score"], {k: v for k, v in value.items() if k != "score"})
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        result = RewardResult(float(value))
-    else:
+        score, extra = value["score"], {k: v for k, v in value.items() if k != "score"}
+    elif isinstance(value, bool) or as_number(value) is None:
         raise TypeError(f"reward function {name} returned {type(value).__name__}; return a float, "
                         "a dict with 'score' or a RewardResult")
-    score = float(result.score)
-    if not math.isfinite(score):
-        raise ValueError(f"reward function {name} returned a non-finite score {score}")
-    return RewardResult(score, dict(result.extra))
+    else:
+        score, extra = value, {}
+    score_number = as_number(score)
+    if score_number is None:
+        raise TypeError(f"reward function {name} returned score {score!r} "
+                        f"({type(score).__name__}); the score is a number")
+    if not abs(score_number) <= FLOAT32_MAX:
+        raise ValueError(f"reward function {name} returned score {score_number}, non-finite "
+                         f"or beyond float32's range (|score| <= {FLOAT32_MAX:.3g}); the "
+                         "batch holds rewards as float32")
+    details = {}
+    for key, detail in extra.items():
+        number = as_number(detail)
+        metric = key in METRIC_KEYS or key.startswith("reward/")
+        if metric and (number is None or not math.isfinite(number)):
+            raise ValueError(f"reward function {name} returned detail {key!r}={detail!r} "
+                             f"({type(detail).__name__}); {key!r} is logged as a metric, so it "
+                             "is a finite number (e.g. 1.0 / 0.0); put text under another key")
+        details[key] = detail if number is None else number
+    return RewardResult(score_number, details)
+
+
+def as_number(value: Any) -> float | None:
+    """value as a float when it is a real number (bool, int, float, or a one-element numpy /
+    torch value), else None."""
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    item = getattr(value, "item", None)  # numpy and torch scalars
+    if callable(item) and not isinstance(value, (str, bytes)):
+        try:
+            value = item()
+        except (TypeError, ValueError, RuntimeError):  # more than one element
+            return None
+        if isinstance(value, (bool, int, float)):
+            return float(value)
+    return None
 
 
 def batched_inputs(trajectories: Sequence["Trajectory"], prompt_key: str = "prompt"

@@ -25,7 +25,7 @@ from tandem.rollout.adapter_stream import peek_stream, read_adapter, write_peft_
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags, checked_version
 from tandem.rollout.external import checked_buckets, safetensors_shapes, stop_reason
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
-from tandem.weight_layout import Chunk, flat_layout, view
+from tandem.weight_layout import Chunk, flat_layout, remove_orphans, shm_room, view
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +81,11 @@ class WeightSegment:
         layout, total = flat_layout((name, t.shape, t.dtype) for name, t in named_tensors)
         if total > self.buffer.numel():
             self.close()
-            free = shutil.disk_usage(self.directory).free
-            if free < total:  # writing past a full tmpfs is a SIGBUS, not an error
-                raise RuntimeError(f"update_weights: {self.directory} has {free >> 20} MiB free, "
-                                   f"the vLLM backend loads the weights through a {total >> 20} "
-                                   f"MiB file there; enlarge it (docker: --shm-size) or free it")
+            remove_orphans(self.directory)  # segments of adapters that were SIGKILLed
+            problem = shm_room(total, self.directory, "the vLLM backend's weight file")
+            if problem:
+                raise RuntimeError(f"update_weights: {problem} (it loads the weights through a "
+                                   "file there); enlarge it (docker: --shm-size) or free it")
             self.path = f"{self.directory}/tandem-vllm-{os.getpid()}-{next(_SEGMENT_IDS)}"
             self._unlink = weakref.finalize(self, _unlink_file, self.path)
             with open(self.path, "wb") as handle:

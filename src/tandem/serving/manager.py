@@ -173,13 +173,24 @@ class ServerManager:
         await call(self.balancer, "report_dead", server_id, 0, stalled)
 
     async def stop_replicas(self, replicas: list[RolloutReplica]) -> list[BaseException]:
-        """Shut replicas down (their engines, then their processes and the groups they own; a
-        dead server's replica only drops its group); returns the errors other than dead servers."""
-        answers = await self.control("shutdown", replicas=replicas, on_error="leave_out")
+        """Shut replicas down (their engines, then their processes and the groups they own);
+        returns the errors other than dead servers. A server the balancer removed (dead or
+        stalled) is not asked, and one that gives no answer is not an error: release() kills
+        both."""
+        try:
+            status = await self.status()
+            removed = {*status.dead_servers, *status.stalled_servers}
+        except Exception:  # the balancer is gone too: ask every server
+            removed = set()
+        asked = [replica for replica in replicas if replica.server_id not in removed]
+        answers = await self.control("shutdown", replicas=asked, on_error="leave_out")
         for replica in replicas:
             replica.release()
+        for error in answers.left_out.values():
+            if isinstance(error, ControlTimeout):
+                logger.warning("%s; its process was killed", error)
         return [error for error in answers.left_out.values()
-                if not isinstance(error, DEAD_SERVER_ERRORS)]
+                if not isinstance(error, (*DEAD_SERVER_ERRORS, ControlTimeout))]
 
     async def status(self) -> BalancerStatus:
         """The balancer's view: in-flight and total requests per server."""

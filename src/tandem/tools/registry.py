@@ -3,8 +3,9 @@
 A tool returns a ToolResult for anything the model got wrong (bad input, failing code); an
 exception from a tool means the host is broken and propagates (the agent loop fails that one
 session). A result's text is made valid UTF-8 here (lone surrogates escaped), so the tokenizer
-can always encode it. A tool must not block the event loop: run blocking work in a thread or subprocess,
-bounded, so the loop's per-call deadline (rollout.multi_turn.tool_timeout_seconds) holds.
+can always encode it. Tools run on an event loop of user code, not the rollout's
+(user_code.call_user_code): one that blocks or ignores its cancellation is abandoned at the
+deadline (rollout.multi_turn.tool_timeout_seconds) and never freezes the sessions.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
+
+from tandem.user_code import call_user_code
 
 JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
@@ -102,9 +105,12 @@ class ToolRegistry:
         """The `tools` list for the chat template."""
         return [tool_schema(tool) for tool in self._tools.values()]
 
-    async def call(self, name: str, arguments: Any, context: dict[str, Any] | None = None
-                   ) -> ToolResult:
-        """Run a tool; an unknown name or invalid arguments become an error result."""
+    async def call(self, name: str, arguments: Any, context: dict[str, Any] | None = None,
+                   timeout: float = 30.0) -> ToolResult:
+        """Run a tool; an unknown name or invalid arguments become an error result. The tool runs
+        off the event loop on copies of its arguments (user_code.call_user_code), within
+        `timeout` seconds (UserCodeTimeout past it); a plain str it returns is a successful
+        result, anything else but a ToolResult is a TypeError naming the tool."""
         if name not in self._tools:
             return ToolResult(f"Error: unknown tool {name!r}; available tools: {self.names()}",
                               ok=False)
@@ -112,8 +118,17 @@ class ToolRegistry:
         problem = validate_arguments(tool.parameters, arguments)
         if problem:
             return ToolResult(f"Error: invalid arguments for {name}: {problem}", ok=False)
-        result = await tool.execute(arguments, context or {})
-        return ToolResult(encodable(result.text), result.ok)
+        result = await call_user_code(tool.execute, (arguments, context or {}), name=f"tool {name}",
+                                      timeout=timeout, field=TIMEOUT_FIELD)
+        if isinstance(result, str):
+            result = ToolResult(result)
+        what = (type(result).__name__ if not isinstance(result, ToolResult)
+                else None if isinstance(result.text, str)
+                else f"a ToolResult whose text is {type(result.text).__name__}")
+        if what:
+            raise TypeError(f"tool {name} returned {what}; execute() returns a "
+                            "ToolResult(text, ok) or a str")
+        return ToolResult(encodable(result.text), bool(result.ok))
 
 
 def encodable(text: str) -> str:
@@ -129,6 +144,7 @@ def encodable(text: str) -> str:
 BUILTIN_TOOLS = {"calculator": "tandem.tools.calculator:CalculatorTool",
                  "python": "tandem.tools.python_tool:PythonTool"}
 FIELD = "rollout.multi_turn.tools"
+TIMEOUT_FIELD = "rollout.multi_turn.tool_timeout_seconds"
 
 
 def builtin_tool_names() -> tuple[str, ...]:

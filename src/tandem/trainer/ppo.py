@@ -75,6 +75,25 @@ def rollout_gap_metrics(batch: TensorDict, config: TandemConfig) -> dict[str, fl
                                           dense(batch, "response_mask"))
 
 
+def apply_overlong(batch: TensorDict, config: TandemConfig) -> dict[str, float]:
+    """algorithm.overlong on the batch: the soft length penalty added to each answer's reward,
+    truncated answers (stop_reason length) out of loss_mask; their share and the mean penalty."""
+    overlong = config.algorithm.overlong
+    real = ~batch["is_padding"]
+    truncated = torch.tensor([reason == "length" for reason in non_tensor_list(batch, "stop_reason")])
+    truncated &= real
+    metrics = {"overlong/truncated_fraction": float(truncated.sum()) / max(1, int(real.sum()))}
+    if overlong.buffer_len:
+        penalty = algorithms.overlong_penalty(field_lengths(batch["responses"]),
+                                              config.rollout.response_length, overlong.buffer_len,
+                                              overlong.penalty_factor) * real
+        batch["reward"] = batch["reward"].float() + penalty
+        metrics["overlong/penalty_mean"] = float(penalty.sum()) / max(1, int(real.sum()))
+    if overlong.filter:
+        set_dense(batch, "loss_mask", algorithms.keep_untruncated(truncated, dense(batch, "loss_mask")))
+    return metrics
+
+
 def apply_rollout_correction(batch: TensorDict, config: TandemConfig) -> dict[str, float]:
     """Compare rollout and actor log-probs; set importance_weights and the corrected loss_mask.
     Without rollout log-probs (rollout.calculate_log_probs=false) there is nothing to compare;

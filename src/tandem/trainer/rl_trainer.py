@@ -254,8 +254,10 @@ class RLTrainer:
             self._store(batch, "values", await self._per_worker("compute_values", batch))
 
     def compute_advantages(self, batch: TensorDict) -> dict[str, float]:
-        """Rollout correction and the gap metrics, then advantages (driver side, whole batch)."""
-        metrics = ppo.apply_rollout_correction(batch, self.config)
+        """Overlong answers, rollout correction and the gap metrics, then advantages (driver
+        side, whole batch)."""
+        metrics = ppo.apply_overlong(batch, self.config)
+        metrics.update(ppo.apply_rollout_correction(batch, self.config))
         metrics.update(ppo.compute_advantages(batch, self.config, self.kl_controller.value))
         if self.config.algorithm.use_kl_in_reward:  # n_steps: the trajectories of this batch
             self.kl_controller.update(metrics["kl_in_reward/kl"], int((~batch["is_padding"]).sum()))

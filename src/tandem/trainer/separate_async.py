@@ -56,9 +56,9 @@ async def fit_separate_async(trainer: RLTrainer,
             trajectories, batches, parts = [], [], []
             spilled = spill.spilled_tokens if spill else 0
             for _ in range(sync_step):
-                with timer.phase("wait_rollout"):
-                    groups, stale, buffer_metrics = await fleet.wait_for_rollout(
-                        buffer.take(mini_batch, trainer.step))
+                with timer.phase("wait_rollout"):  # a silent pool stops the run, or restarts
+                    groups, stale, buffer_metrics = await fleet.while_rollout_answers(
+                        buffer.take(mini_batch, trainer.step), "wait_rollout")
                 if spill is not None:
                     with timer.phase("spill_leave"):
                         await spill.leave()
@@ -114,8 +114,10 @@ async def fit_separate_async(trainer: RLTrainer,
         if spill is not None:
             await spill.leave()
         await producer.stop()
-        await fleet.abort()
-        await fleet.resume()
+    # after the run only (a failed one would wait on the server that failed it): what the
+    # stopped producer left running ends, and generation reopens for the last validation
+    await fleet.abort()
+    await fleet.resume()
     return await trainer.validate_last(on_validation, validation)
 
 

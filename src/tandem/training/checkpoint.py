@@ -16,12 +16,15 @@ refused on save. A run's `latest` pointer is replaced atomically (write_latest).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import random
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -38,6 +41,7 @@ from tandem.training.lora import is_lora_model
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
+FULL_BYTES = 1 << 20  # a write that fails with less free than this ran out of space
 
 
 class CheckpointError(ValueError):
@@ -56,25 +60,28 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=_FULL) if optimizer else None
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / MANIFEST).unlink(missing_ok=True)  # until the new one: incomplete
-        names = checkpointed_names(model)
-        save_file({name: weights[name].contiguous() for name in names}, str(directory / "model.safetensors"),
-                  metadata={"format": "pt"})
-        config = getattr(model, "config", None)
-        if config is not None:
-            config.save_pretrained(directory)
-        if optimizer is not None:
-            torch.save({"optimizer": optimizer_state,
-                        "scheduler": scheduler.state_dict() if scheduler is not None else None},
-                       directory / "optimizer.pt")
-        (directory / STATE).write_text(json.dumps({"step": step, "extra": extra or {}}))
+        with full_disk_named(directory):
+            (directory / MANIFEST).unlink(missing_ok=True)  # until the new one: incomplete
+            names = checkpointed_names(model)
+            save_file({name: weights[name].contiguous() for name in names},
+                      str(directory / "model.safetensors"), metadata={"format": "pt"})
+            config = getattr(model, "config", None)
+            if config is not None:
+                config.save_pretrained(directory)
+            if optimizer is not None:
+                torch.save({"optimizer": optimizer_state,
+                            "scheduler": scheduler.state_dict() if scheduler is not None else None},
+                           directory / "optimizer.pt")
+            (directory / STATE).write_text(json.dumps({"step": step, "extra": extra or {}}))
     if dist.is_initialized():
         dist.barrier()  # the directory exists before ranks > 0 write their RNG files
-    torch.save(_rng_state(), directory / f"rng_rank{rank}.pt")
+    with full_disk_named(directory):
+        torch.save(_rng_state(), directory / f"rng_rank{rank}.pt")
     if dist.is_initialized():
         dist.barrier()  # every RNG file is written before the manifest lists them
     if rank == 0:
-        write_manifest(directory)
+        with full_disk_named(directory):
+            write_manifest(directory)
     if dist.is_initialized():
         dist.barrier()  # no rank returns before the checkpoint is complete
     return directory
@@ -167,8 +174,36 @@ def verify_manifest(directory: str | Path, names: list[str]) -> None:
 def save_trainer_state(directory: str | Path, state: dict[str, Any]) -> None:
     """The driver's own trainer_state.json in a step directory, and that directory's manifest."""
     directory = Path(directory)
-    (directory / STATE).write_text(json.dumps(state))
-    write_manifest(directory)
+    with full_disk_named(directory):
+        (directory / STATE).write_text(json.dumps(state))
+        write_manifest(directory)
+
+
+@contextmanager
+def full_disk_named(directory: Path) -> Iterator[None]:
+    """Writes into a checkpoint `directory`: a disk that fills up is a CheckpointError that says
+    so and names the directory (torch reports it as "unexpected pos", safetensors as an I/O
+    error); `latest` still points at the previous complete step."""
+    try:
+        yield
+    except Exception as error:
+        free = shutil.disk_usage(directory).free if directory.exists() else None
+        chain = [error, *_causes(error)]
+        no_space = any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+                       or "no space left" in str(e).lower() for e in chain)
+        if not no_space and not (free is not None and free < FULL_BYTES):
+            raise
+        raise CheckpointError(f"{directory}: no space left on device while saving the checkpoint "
+                              f"({'?' if free is None else free >> 20} MiB free; "
+                              f"{type(error).__name__}: {error}); free space there, or set "
+                              "trainer.output_dir to a disk with room. The previous checkpoint "
+                              "stays the latest") from error
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    while error.__cause__ or error.__context__:
+        error = error.__cause__ or error.__context__
+        yield error
 
 
 def load_trainer_state(directory: str | Path) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from tandem.training.lora import (apply_lora, is_lora_model, iter_adapter_weight
                                   save_merged)
 from tandem.training.memory_budget import micro_batch_token_budget
 from tandem.training.micro_batches import split_by_token_budget, split_into
-from tandem.training.optim import build_lr_scheduler, build_optimizer
+from tandem.training.optim import build_lr_scheduler, build_optimizer, take_config_settings
 from tandem.training.packed_attention import uses_packed_sdpa
 
 logger = logging.getLogger(__name__)
@@ -309,15 +309,24 @@ class TrainingEngine:
                                           self.global_step, extra)
         if self.uses_lora:
             base = getattr(self.model.get_base_model().config, "_name_or_path", None)
-            save_adapter(self.model, path / "adapter", base)
-            if self.save_merged:
-                save_merged(self.model, path / "merged")
+            with checkpoint.full_disk_named(path):
+                save_adapter(self.model, path / "adapter", base)
+                if self.save_merged:
+                    save_merged(self.model, path / "merged")
         return path
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
-        """Resume from save_checkpoint's directory; returns its extra dict."""
+        """Resume from save_checkpoint's directory; returns its extra dict. The optimizer's lr,
+        betas and weight decay are the config's, not the checkpoint's (a change is logged)."""
         state = checkpoint.load_checkpoint(directory, self.model, self.optimizer, self.scheduler)
         self.global_step = state["step"]
+        if self.optimizer is not None:
+            changed = take_config_settings(self.optimizer, self.scheduler, self.optim_config)
+            if changed and self.rank == 0:
+                logger.warning("%s resumed from %s with the config's optimizer settings, not the "
+                               "checkpoint's: %s", self.role, directory, ", ".join(
+                                   f"{self.role}.optim.{key} {old} -> {new}"
+                                   for key, (old, new) in changed.items()))
         return state["extra"]
 
 

@@ -1,9 +1,10 @@
-"""AdamW and its learning-rate schedule (linear warm-up, then constant or cosine decay)."""
+"""AdamW and its learning-rate schedule (linear warm-up, then constant or cosine decay); on resume
+the config's settings, not the checkpoint's."""
 
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -41,3 +42,29 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig,
     """A LambdaLR following `lr_multiplier`; call .step() once after each optimizer step."""
     lr_multiplier(0, optim, total_steps)  # fail now, not at the first step, on a bad schedule
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, optim, total_steps))
+
+
+def take_config_settings(optimizer: torch.optim.Optimizer,
+                         scheduler: torch.optim.lr_scheduler.LambdaLR | None,
+                         optim: OptimConfig) -> dict[str, tuple[Any, Any]]:
+    """After a checkpoint's optimizer state was loaded (it brings the lr, betas and weight decay
+    it was saved with), put the config's back: a resumed run trains with what its config says,
+    the lr at the restored step of the schedule. Returns {setting: (checkpoint's, config's)} of
+    the settings that differed."""
+    wanted = {"lr": optim.lr, "weight_decay": optim.weight_decay,
+              "betas": (optim.betas[0], optim.betas[1])}
+    changed: dict[str, tuple[Any, Any]] = {}
+    for group in optimizer.param_groups:
+        saved = {"lr": group.get("initial_lr", group["lr"]), "weight_decay": group["weight_decay"],
+                 "betas": tuple(group["betas"])}
+        changed.update({key: (saved[key], value) for key, value in wanted.items()
+                        if saved[key] != value})
+        group["initial_lr"], group["weight_decay"], group["betas"] = (
+            optim.lr, optim.weight_decay, wanted["betas"])
+        group["lr"] = optim.lr
+    if scheduler is not None:  # the lr of the restored step, from the config's lr and schedule
+        scheduler.base_lrs = [optim.lr] * len(optimizer.param_groups)
+        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+            group["lr"] = optim.lr * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return changed

@@ -5,7 +5,8 @@ CPU: two files in /dev/shm (`tandem-sync-<sender pid>-...`) that every participa
 two device buffers whose IPC handles travel in the plan. The sender copies each byte in once and
 the receiver's consumer once out (receivers yield views of the buffer). The buffers outlive a
 sync (fresh pages cost a fault and zeroing) until `close()`; a new sender removes the files of
-senders that died. Control goes through the sender's TCPStore: `ready/k` holds bucket k's chunk
+senders that died (weight_layout.remove_orphans). Each buffer's pages are reserved before a bucket
+is written, so a shm_dir too small is an error naming the fix, not a SIGBUS. Control goes through the sender's TCPStore: `ready/k` holds bucket k's chunk
 list (empty: the end), `consumed/k/rank` frees its buffer for bucket k+2, `done`/`commit` end it.
 
 With `double_buffer` and receivers that map their weights in two shared slots (slots.py), the
@@ -15,7 +16,7 @@ sender writes each receiver's inactive slot directly instead (slot_transfer.py).
 from __future__ import annotations
 
 import asyncio
-import glob
+import errno
 import os
 import pickle
 import tempfile
@@ -26,7 +27,7 @@ from typing import Iterator
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from tandem.weight_layout import bucket_size
+from tandem.weight_layout import bucket_size, remove_orphans, shm_room
 from tandem.weight_sync.base import CheckpointEngine, NamedTensors, SyncPlan, WeightSyncError
 from tandem.weight_sync.bucketing import Unpacker, fill_bucket, tensor_buckets
 from tandem.weight_sync.control import (await_commit, commit, put, rendezvous, serve_store, take,
@@ -53,6 +54,7 @@ class ShmCheckpointEngine(CheckpointEngine):
         self._store = None
         self._buffers: list[torch.Tensor] = []
         self._paths: list[str] = []
+        self._reserved = [0] * N_BUFFERS  # bytes of each buffer file backed by shm_dir's pages
         self.bytes_sent = 0  # bucket bytes written into shared memory in the last sync
 
     def build_topology(self, n_receivers: int, version: int,
@@ -111,7 +113,7 @@ class ShmCheckpointEngine(CheckpointEngine):
             self._buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device="cuda")
                              for _ in range(N_BUFFERS)]
             return
-        _remove_orphans(self.shm_dir)
+        remove_orphans(self.shm_dir)
         for _ in range(N_BUFFERS):
             handle, path = tempfile.mkstemp(prefix=f"tandem-sync-{os.getpid()}-", dir=self.shm_dir)
             os.ftruncate(handle, self.bucket_bytes)
@@ -140,6 +142,7 @@ class ShmCheckpointEngine(CheckpointEngine):
             if index >= N_BUFFERS:
                 wait_keys(self._store, {f"consumed/{index - N_BUFFERS}/{r}": f"receiver {r}"
                                         for r in receivers}, self.plan.timeout_s, "send")
+            self._reserve(index % N_BUFFERS, bucket_size([chunk for chunk, _ in bucket]))
             chunks = fill_bucket(self._buffers[index % N_BUFFERS], bucket)
             if self.device == "cuda":
                 torch.cuda.current_stream().synchronize()
@@ -148,6 +151,28 @@ class ShmCheckpointEngine(CheckpointEngine):
             count = index + 1
         put(self._store, f"ready/{count}", b"", "send")
         commit(self._store, self.plan.n_receivers, self.plan.timeout_s)
+
+    def _reserve(self, buffer: int, nbytes: int) -> None:
+        """Back the first nbytes of a CPU buffer's file before writing them (the files are
+        sparse): a shm_dir too small is this error at the first sync, not a SIGBUS mid-write."""
+        if self.device == "cuda" or nbytes <= self._reserved[buffer]:
+            return
+        what = f"the shm transport's buffer {buffer}"
+        problem = shm_room(nbytes - self._reserved[buffer], self.shm_dir, what)
+        if problem is None:
+            try:
+                with open(self._paths[buffer], "r+b") as handle:
+                    os.posix_fallocate(handle.fileno(), 0, nbytes)
+            except OSError as error:
+                if error.errno == errno.ENOSPC:
+                    problem = f"{self.shm_dir} cannot hold {nbytes >> 20} MiB of {what} ({error})"
+        if problem:
+            raise WeightSyncError("send", None, f"{problem}; the ring holds two buffers of up to "
+                                  f"{self.bucket_bytes >> 20} MiB (rollout.checkpoint_engine."
+                                  "update_weights_bucket_megabytes). Enlarge it (docker: "
+                                  "--shm-size), set rollout.checkpoint_engine.engine_kwargs."
+                                  "shm_dir to a larger tmpfs, or lower the bucket size")
+        self._reserved[buffer] = nbytes
 
     def receive_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield views of the shared buffer, bucket by bucket (ranks >= 1); double-buffered,
@@ -188,6 +213,7 @@ class ShmCheckpointEngine(CheckpointEngine):
         """Sender: unlink and drop the shared buffers."""
         _unlink(self._paths)
         self._buffers, self._paths = [], []
+        self._reserved = [0] * N_BUFFERS
 
 
 _MAPPED: dict[str, torch.Tensor] = {}  # receiver side: path -> mapping, kept for the next sync
@@ -213,12 +239,4 @@ def _attach(details: dict, size: int) -> list[torch.Tensor]:
 def _unlink(paths: list[str]) -> None:
     for path in paths:
         if os.path.exists(path):
-            os.unlink(path)
-
-
-def _remove_orphans(directory: str) -> None:
-    """Unlink buffers whose sender process no longer exists (killed before it could)."""
-    for path in glob.glob(os.path.join(directory, "tandem-sync-*-*")):
-        pid = os.path.basename(path).split("-")[2]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             os.unlink(path)

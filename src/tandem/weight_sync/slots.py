@@ -6,14 +6,14 @@ the active slot. A sender maps the inactive slot (`SlotsDescriptor`, picklable) 
 next version into it, tensor by tensor, while the engine keeps generating on the other; the
 engine flips only after the whole version arrived and every tensor's checksum matched. Memory
 cost: two copies of the weights at the rollout dtype on the engine's host, for as long as the
-engine lives.
+engine lives; the files of an engine that was SIGKILLed are removed by the next one that creates
+its slots in that directory.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import shutil
 import tempfile
 import threading
 import weakref
@@ -23,7 +23,7 @@ from typing import Iterable
 import torch
 
 from tandem import cpu_kernels
-from tandem.weight_layout import Chunk, WeightSpec, flat_layout, view
+from tandem.weight_layout import Chunk, WeightSpec, flat_layout, remove_orphans, shm_room, view
 from tandem.weight_sync.base import WeightSyncError
 
 CHECKSUM_PIECE_BYTES = 1 << 20  # the torch path sums each piece right after writing it (cache-hot)
@@ -152,6 +152,7 @@ class WeightSlots:
         self.layout = layout
         self.paths: list[str] = []
         self.slots: list[torch.Tensor] = []
+        remove_orphans(shm_dir)  # slots (and buffers) of engines that were SIGKILLed
         for index in range(2):
             handle, path = tempfile.mkstemp(prefix=f"tandem-slot-{os.getpid()}-{index}-",
                                             dir=shm_dir)
@@ -180,25 +181,7 @@ class WeightSlots:
 
 def slots_fit(nbytes: int, shm_dir: str = "/dev/shm") -> str | None:
     """Why two slots of `nbytes` do not fit (free space of shm_dir, available memory), or None."""
-    need = 2 * nbytes
-    free = shutil.disk_usage(shm_dir).free
-    if free < need:
-        return f"{shm_dir} has {free >> 20} MiB free, two weight slots need {need >> 20} MiB"
-    available = _mem_available()
-    if available is not None and available < need:
-        return f"the host has {available >> 20} MiB available, two weight slots need {need >> 20} MiB"
-    return None
-
-
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) << 10
-    except OSError:
-        return None
-    return None
+    return shm_room(2 * nbytes, shm_dir, "two weight slots")
 
 
 def _unlink(paths: list[str]) -> None:

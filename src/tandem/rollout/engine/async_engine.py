@@ -5,7 +5,9 @@ event loop between steps and, within a long step, between decoder layers, so the
 calls. Steps run on the event loop's own thread, never in a helper thread (docs/engine.md, "One
 OpenMP team per process"). Control calls take the same lock as a step, so they never run in the
 middle of one: sleep/wake live in memory.py, weight updates in weight_staging.py, the
-double-buffered slots in slot_weights.py.
+double-buffered slots in slot_weights.py. With rollout.tensor_model_parallel_size > 1 this engine
+is rank 0 of a tensor-parallel replica: it schedules and samples once and sends each step's plan
+to the worker ranks (rank_worker.py), which run the same forward on their slices in lockstep.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tandem.rollout.engine.block_manager import BlockManager
 from tandem.rollout.engine.lora_merge import LoraState
 from tandem.rollout.engine.memory import MemoryControl, plan_num_blocks
 from tandem.rollout.engine.model_runner import ModelRunner, torch_dtype
+from tandem.rollout.engine.rank_worker import RankWorkers
 from tandem.rollout.engine.sampler import sample
 from tandem.rollout.engine.scheduler import ScheduledSequence, Scheduler
 from tandem.rollout.engine.sequence import Sequence, SequenceStatus
@@ -48,10 +51,23 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
         _check_config(config)
         self.config = config
         self.device = torch.device(device)
-        self.runner = ModelRunner(model_path, torch_dtype(dtype), self.device)
-        self.block_size = config.block_size
-        self.num_blocks = plan_num_blocks(config, self.runner, self.device)
-        self.runner.allocate_kv_cache(self.num_blocks, self.block_size)
+        # the other ranks of a tensor-parallel replica (None: this engine is the whole model)
+        self.ranks, tensor_parallel = (
+            RankWorkers.start(config.tensor_model_parallel_size, str(model_path), dtype,
+                              self.device)
+            if config.tensor_model_parallel_size > 1 else (None, None))
+        try:
+            self.runner = ModelRunner(model_path, torch_dtype(dtype), self.device, tensor_parallel)
+            self.block_size = config.block_size
+            self.num_blocks = plan_num_blocks(config, self.runner, self.device)
+            self.runner.allocate_kv_cache(self.num_blocks, self.block_size)
+            if self.ranks is not None:
+                self.ranks.wait_ready()
+                self.ranks.allocate_kv(self.num_blocks, self.block_size)  # rank 0's count
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.stop(gracefully=False)
+            raise
         self.blocks = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -142,6 +158,8 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
             self.counters["failed_steps"] += 1
             logger.exception("native engine step failed")
             self.blocks.clear_prefix_cache()  # blocks keyed for this step were never written
+            if self.ranks is not None and self.ranks.failure is None:  # out of lockstep now
+                error = self.ranks.fail(error)
             failure = RuntimeError(f"native engine step failed: {type(error).__name__}: {error}")
             failure.__cause__ = error
             for item in batch:
@@ -153,17 +171,26 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
 
     async def _step(self, batch: list[ScheduledSequence]) -> tuple[list[int], list[float]]:
         """Forward + sample, yielding to the loop between layers when the step runs long."""
-        layers = self.runner.forward_layers(batch)
+        plan = self.runner.plan_step(batch)
+        if self.ranks is not None:
+            self.ranks.step(plan)  # the other ranks run the same step, joining its collectives
+        layers = self.runner.forward_layers(plan)
         deadline = time.perf_counter() + YIELD_EVERY_S
-        while True:
-            try:
-                next(layers)
-            except StopIteration as done:
-                logits = done.value
-                break
-            if time.perf_counter() > deadline:
-                await asyncio.sleep(0)
-                deadline = time.perf_counter() + YIELD_EVERY_S
+        try:
+            while True:
+                try:
+                    next(layers)
+                except StopIteration as done:
+                    logits = done.value
+                    break
+                if time.perf_counter() > deadline:
+                    await asyncio.sleep(0)
+                    deadline = time.perf_counter() + YIELD_EVERY_S
+        except asyncio.CancelledError:
+            if self.ranks is not None:  # the other ranks are inside this step: finish it
+                for _ in layers:
+                    pass
+            raise
         sampling = [item.seq for item in batch if item.samples]
         if not sampling:
             return [], []
@@ -232,6 +259,8 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
         """Queue one request and await its result (stop, budget, or abort with partial tokens)."""
         if self.closed:
             raise RuntimeError("the native engine is shut down")
+        if self.ranks is not None and self.ranks.failure is not None:
+            raise RuntimeError(self.ranks.failure)
         self._ensure_loop()
         request_id = request.request_id
         params = SamplingParams.from_dict(request.sampling)
@@ -299,18 +328,25 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
                 "preemptions": self.scheduler.num_preemptions,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "num_blocks": self.blocks.num_blocks, "free_blocks": self.blocks.num_free_blocks,
-                "cached_blocks": self.blocks.num_cached_blocks}
+                "cached_blocks": self.blocks.num_cached_blocks,
+                "tensor_parallel_ranks": 1 + (len(self.ranks.processes) if self.ranks else 0)}
 
     async def shutdown(self) -> None:
+        """Abort everything and stop the loop (and the other ranks' processes)."""
         self.closed = True
         if self._task is not None:
             await self.abort_all()
-            self._task.cancel()
-            self._task = None
+            task, self._task = self._task, None
+            task.cancel()
+            if self.ranks is not None:  # a step in flight finishes before the ranks are told
+                await asyncio.gather(task, return_exceptions=True)
+        if self.ranks is not None:
+            self.ranks.stop()
 
 
 def _check_config(config: RolloutConfig) -> None:
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                 "tensor_model_parallel_size"):
         value = getattr(config, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"rollout.{name}={value!r}: must be a positive integer")

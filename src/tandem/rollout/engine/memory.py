@@ -54,6 +54,8 @@ class MemoryControl:
                 self.scheduler.preempt_all()
                 self.blocks.clear_prefix_cache()
                 self._release_weights()
+            if self.ranks is not None:
+                self.ranks.sleep(tags)
 
     async def wake_up(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
         tags = check_tags(tags)
@@ -65,6 +67,8 @@ class MemoryControl:
                 self.runner.allocate_kv_cache(self.num_blocks, self.block_size)
                 self.blocks.reset(self.num_blocks)
                 self.kv_released = False
+            if self.ranks is not None:
+                self.ranks.wake_up(tags)
             self._work.set()
 
     async def clear_kv_cache(self) -> None:
@@ -73,37 +77,24 @@ class MemoryControl:
             self.blocks.clear_prefix_cache()
 
     def memory_bytes(self) -> dict[str, int]:
-        weights = sum(p.numel() * p.element_size() for p in self.runner.named_parameters().values()
-                      if p.device.type == self.device.type)
-        return {"weights": weights + self.runner.packed_bytes(),
-                "kv_cache": self.runner.kv_cache_bytes()}
+        """Bytes of weights and KV cache the engine holds on its devices (with tensor
+        parallelism: all ranks, the others' as they last reported after a control call)."""
+        held = held_bytes(self.runner)
+        for rank in (self.ranks.memory if self.ranks is not None else []):
+            held = {kind: held[kind] + rank[kind] for kind in held}
+        return held
 
     def _release_weights(self) -> None:
         """GPU: move the weights to CPU memory. CPU: drop them, packed ones included
         (update_weights refills them)."""
-        parameters = self.runner.named_parameters()
-        self.weight_shapes = {name: p.shape for name, p in parameters.items()}
-        for param in parameters.values():
-            if self.device.type == "cpu":
-                param.data = torch.empty(0, dtype=param.dtype)
-            else:
-                param.data = param.data.to("cpu")
-        self.runner.release_packed()  # packed weights exist on CPU only
+        self.weights_state, self.weight_shapes = release_weights(self.runner)
         if self.device.type == "cpu":  # the refill is a full stream, which is the new base
             self.lora = LoraState()
         self._forget_slots()
-        self.weights_state = "dropped" if self.device.type == "cpu" else "offloaded"
 
     def _restore_weights(self) -> None:
-        parameters = self.runner.named_parameters()
-        for name, param in parameters.items():
-            if self.weights_state == "offloaded":
-                param.data = param.data.to(self.device)
-            else:
-                param.data = torch.empty(self.weight_shapes[name], dtype=param.dtype,
-                                         device=self.device)
-        if self.weights_state == "dropped":
-            self.unfilled_weights = set(parameters) | set(self.runner.packed_linears)
+        self.unfilled_weights = restore_weights(self.runner, self.weights_state,
+                                                self.weight_shapes)
         self.weights_state = "loaded"
 
     def _weights_missing_message(self) -> str:
@@ -114,3 +105,37 @@ class MemoryControl:
         return (f"the engine's weights were dropped by sleep(['weights']) on CPU and "
                 f"{len(missing)} tensors are not refilled yet (e.g. {missing[:3]}); call "
                 "update_weights with the full state dict after wake_up(['weights'])")
+
+
+def held_bytes(runner: Any) -> dict[str, int]:
+    """Bytes of weights (packed ones included) and KV cache a runner holds on its device."""
+    weights = sum(p.numel() * p.element_size() for p in runner.named_parameters().values()
+                  if p.device.type == runner.device.type)
+    return {"weights": weights + runner.packed_bytes(), "kv_cache": runner.kv_cache_bytes()}
+
+
+def release_weights(runner: Any) -> tuple[str, dict[str, torch.Size]]:
+    """Free a runner's weights: moved to CPU memory on GPU ("offloaded"), dropped on CPU
+    ("dropped", packed ones included). Returns that state and the dense weights' shapes."""
+    parameters = runner.named_parameters()
+    shapes = {name: p.shape for name, p in parameters.items()}
+    on_cpu = runner.device.type == "cpu"
+    for param in parameters.values():
+        param.data = torch.empty(0, dtype=param.dtype) if on_cpu else param.data.to("cpu")
+    runner.release_packed()  # packed weights exist on CPU only
+    return ("dropped" if on_cpu else "offloaded"), shapes
+
+
+def restore_weights(runner: Any, state: str, shapes: dict[str, torch.Size]) -> set[str]:
+    """Bring back what release_weights freed: offloaded weights are copied back, dropped ones
+    allocated uninitialised. Returns the names a full update_weights must refill (none after an
+    offload)."""
+    parameters = runner.named_parameters()
+    for name, param in parameters.items():
+        if state == "offloaded":
+            param.data = param.data.to(runner.device)
+        else:
+            param.data = torch.empty(shapes[name], dtype=param.dtype, device=runner.device)
+    if state == "offloaded":
+        return set()
+    return set(parameters) | set(runner.packed_linears)

@@ -13,17 +13,20 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Generator
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from tandem import cpu_kernels
-from tandem.rollout.engine.attention import (AttentionMetadata, CascadeGroup, build_cascade_group,
+from tandem.rollout.engine.attention import (AttentionMetadata, build_cascade_group,
                                              build_decode_group, build_group, paged_attention,
                                              write_kv)
 from tandem.rollout.engine.scheduler import ScheduledSequence
+from tandem.rollout.engine.tensor_parallel import TensorParallel
 
 # Decode attention splits shared prefixes off (cascade) when that avoids reading at least this
 # fraction of the decode group's K/V.
@@ -95,6 +98,22 @@ def pack_linears(model: nn.Module) -> dict[str, PackedLinear]:
     return packed
 
 
+@dataclass
+class StepPlan:
+    """One step as plain lists: rank 0 plans it from the scheduled batch, and every rank of a
+    tensor-parallel replica runs it (rank_worker.py). The flat tokens in attention-group order,
+    their positions and KV slots; the attention groups, each `(kind, *arguments)` of its build
+    function (prefill: build_group's starts, lengths, block tables; decode: build_decode_group's
+    tables and contexts; cascade: build_cascade_group's tables, contexts, shared blocks,
+    families); the flat index of each sampling sequence's last token, in batch order."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    groups: list[tuple]
+    sample_index: list[int]
+
+
 def attention_buckets(batch: list[ScheduledSequence]) -> list[list[ScheduledSequence]]:
     """Split a step into attention groups of similar query length (within 2x) and context
     (within 1.5x): a group is padded to its longest member, so this bounds the wasted work."""
@@ -147,9 +166,12 @@ def fused_kernels_supported(model) -> bool:
 
 
 class ModelRunner:
-    """Holds the HF model and the KV cache; `forward` computes one step's logits."""
+    """Holds the HF model and the KV cache; `forward_layers` computes one step's logits. With
+    `tensor_parallel` it holds that rank's slice of the model (tensor_parallel.py) and its
+    step sums and gathers over the replica's ranks."""
 
-    def __init__(self, model_path: str | Path, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model_path: str | Path, dtype: torch.dtype, device: torch.device,
+                 tensor_parallel: TensorParallel | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.device = device
@@ -159,6 +181,12 @@ class ModelRunner:
         config = model.config
         self.config = config
         _check_supported(model)
+        self.tensor_parallel = tensor_parallel
+        # HF name -> full shape; with tensor parallelism the parameters hold this rank's slice
+        self.full_shapes = (tensor_parallel.shard(model, model.model.layers[0].self_attn.head_dim)
+                            if tensor_parallel is not None else
+                            {name: p.shape for name, p in model.named_parameters()})
+        self.reduce = tensor_parallel.all_reduce if tensor_parallel is not None else _unchanged
         decoder = model.model
         self.embed_tokens = decoder.embed_tokens
         self.layers = list(decoder.layers)
@@ -176,8 +204,9 @@ class ModelRunner:
         attention = self.layers[0].self_attn
         self.head_dim = attention.head_dim
         self.scale = attention.scaling
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        layout = tensor_parallel.layout if tensor_parallel is not None else None
+        self.num_heads = layout.local_heads if layout else config.num_attention_heads
+        self.num_kv_heads = layout.local_kv_heads if layout else config.num_key_value_heads
         self.max_model_len = config.max_position_embeddings
         self.vocab_size = config.vocab_size
         self.eos_token_ids = _eos_token_ids(model)
@@ -215,19 +244,18 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in self.key_caches + self.value_caches)
 
     # ---- forward --------------------------------------------------------------------------
-    def prepare(self, batch: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor,
-                                                               AttentionMetadata, torch.Tensor]:
-        """Flat input ids and positions [T], attention metadata, and the index [S] of the
-        last token of each sequence that samples this step (in batch order)."""
+    def plan_step(self, batch: list[ScheduledSequence]) -> StepPlan:
+        """The step's flat tokens, their positions and slots, its attention groups and sampling
+        rows, as plain lists (StepPlan); `forward_layers` runs it."""
         size = self.block_size
         decode = [item for item in batch if item.num_new == 1]
         # the tokens that attend from one query position: one kernel call for all of them, or
         # cascade attention if shared prefixes make it worth it, or the ordinary buckets
         if self.kernels is not None and decode:
-            decode_group = build_decode_group([item.seq.block_table for item in decode],
-                                              [item.start + 1 for item in decode], self.device)
+            decode_group = ("decode", [item.seq.block_table for item in decode],
+                            [item.start + 1 for item in decode])
         else:
-            decode_group = self._cascade_group(decode) if len(decode) > 1 else None
+            decode_group = self._cascade_plan(decode) if len(decode) > 1 else None
         if decode_group is None:
             buckets = attention_buckets(batch)
         else:
@@ -243,9 +271,8 @@ class ModelRunner:
             for position in range(start, end):
                 positions.append(position)
                 slots.append(table[position // size] * size + position % size)
-        groups = [build_group([item.start for item in group], [item.num_new for item in group],
-                              [item.seq.block_table for item in group], size, self.num_kv_heads,
-                              self.head_dim, self.dtype, self.device)
+        groups = [("prefill", [item.start for item in group], [item.num_new for item in group],
+                   [item.seq.block_table for item in group])
                   for group in (buckets if decode_group is None else buckets[:-1])]
         if decode_group is not None:
             groups.append(decode_group)
@@ -254,12 +281,27 @@ class ModelRunner:
             last_index += item.num_new
             flat_end[id(item)] = last_index - 1
         sample_index = [flat_end[id(item)] for item in batch if item.samples]
-        to = dict(dtype=torch.long, device=self.device)
-        meta = AttentionMetadata(slots=torch.tensor(slots, **to), groups=groups)
-        return (torch.tensor(ids, **to), torch.tensor(positions, **to), meta,
-                torch.tensor(sample_index, **to))
+        return StepPlan(ids, positions, slots, groups, sample_index)
 
-    def _cascade_group(self, decode: list[ScheduledSequence]) -> CascadeGroup | None:
+    def _tensors(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                torch.Tensor]:
+        """Flat input ids and positions [T], attention metadata (this rank's KV heads), and
+        the index [S] of the last token of each sequence that samples."""
+        to = dict(dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(slots=torch.tensor(plan.slots, **to),
+                                 groups=[self._build_group(*group) for group in plan.groups])
+        return (torch.tensor(plan.input_ids, **to), torch.tensor(plan.positions, **to), meta,
+                torch.tensor(plan.sample_index, **to))
+
+    def _build_group(self, kind: str, *arguments) -> Any:
+        """One attention group of a StepPlan as the attention code takes it."""
+        if kind == "decode":
+            return build_decode_group(*arguments, self.device)
+        build = build_group if kind == "prefill" else build_cascade_group
+        return build(*arguments, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
+                     self.device)
+
+    def _cascade_plan(self, decode: list[ScheduledSequence]) -> tuple | None:
         """Cascade metadata for the decode tokens if their shared prefixes are worth it.
         A row's shared prefix is its leading blocks that other decoding rows hold too; rows
         whose shared prefix ends in the same block form a family (blocks are shared only by
@@ -284,27 +326,29 @@ class ModelRunner:
         blocks_of = {key: (blocks if key in in_family else 0) for key, blocks in shared.items()}
         decode.sort(key=lambda item: blocks_of[id(item)] * size - item.start)
         row = {id(item): index for index, item in enumerate(decode)}
-        return build_cascade_group(
-            [item.seq.block_table for item in decode], [item.start + 1 for item in decode],
-            [blocks_of[id(item)] for item in decode],
-            [[row[id(item)] for item in items] for items in families],
-            size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        return ("cascade", [item.seq.block_table for item in decode],
+                [item.start + 1 for item in decode], [blocks_of[id(item)] for item in decode],
+                [[row[id(item)] for item in items] for items in families])
 
     @torch.inference_mode()
-    def forward_layers(self, batch: list[ScheduledSequence]) -> Generator[None, None,
-                                                                           torch.Tensor]:
+    def forward_layers(self, plan: StepPlan) -> Generator[None, None, torch.Tensor | None]:
         """One step's forward as a generator that pauses after every decoder layer (the engine
         yields to its event loop there during long steps); its return value is the fp32 logits
-        [S, vocab] of the sequences that sample."""
-        input_ids, positions, meta, sample_index = self.prepare(batch)
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        [S, vocab] of the sequences that sample (None on the other ranks of a replica)."""
+        input_ids, positions, meta, sample_index = self._tensors(plan)
+        tensor_parallel = self.tensor_parallel
+        if tensor_parallel is None:
+            hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        else:
+            hidden = tensor_parallel.embed(input_ids, self.embed_tokens.weight)
         if self.kernels is not None:
             hidden = yield from self._layers_fused(hidden, positions, meta, sample_index)
         else:
             hidden = yield from self._layers_torch(hidden, positions, meta, sample_index)
         if self.tied_lm_head:
-            self._refresh_tied_lm_head()
-        return self.lm_head(hidden).float()
+            self.refresh_tied_lm_head()
+        logits = self.lm_head(hidden).float()
+        return logits if tensor_parallel is None else tensor_parallel.gather_logits(logits)
 
     def _layers_torch(self, hidden: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata, sample_index: torch.Tensor) -> Generator:
@@ -321,9 +365,9 @@ class ModelRunner:
             k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
             write_kv(k, v, key_cache, value_cache, meta.slots)
             out = paged_attention(q, key_cache, value_cache, meta, self.scale)
-            hidden = residual + attention.o_proj(out)
+            hidden = residual + self.reduce(attention.o_proj(out))
             residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = residual + self.reduce(layer.mlp(layer.post_attention_layernorm(hidden)))
             yield
         return self.norm(hidden.index_select(0, sample_index))
 
@@ -342,10 +386,11 @@ class ModelRunner:
                                 value_cache)
             out = paged_attention(q, key_cache, value_cache, meta, self.scale)
             norm = layer.post_attention_layernorm
-            normed = ops.add_rms_norm_(hidden, attention.o_proj(out), norm.weight,
+            normed = ops.add_rms_norm_(hidden, self.reduce(attention.o_proj(out)), norm.weight,
                                        norm.variance_epsilon)
             mlp = layer.mlp
-            down = mlp.down_proj(ops.silu_and_mul(mlp.gate_proj(normed), mlp.up_proj(normed)))
+            down = self.reduce(mlp.down_proj(ops.silu_and_mul(mlp.gate_proj(normed),
+                                                              mlp.up_proj(normed))))
             if index + 1 < len(layers):
                 norm = layers[index + 1].input_layernorm
                 normed = ops.add_rms_norm_(hidden, down, norm.weight, norm.variance_epsilon)
@@ -365,7 +410,7 @@ class ModelRunner:
             q, k = attention.q_norm(q), attention.k_norm(k)
         return q, k, v
 
-    def _refresh_tied_lm_head(self) -> None:
+    def refresh_tied_lm_head(self) -> None:
         """Re-pack the tied lm_head if the embedding was written (update_weights, a refill after
         sleep, or any in-place edit: each bumps the tensor's version counter)."""
         embedding = self.embed_tokens.weight
@@ -414,6 +459,10 @@ class ModelRunner:
             linear.release()
         if self.tied_lm_head:
             self.lm_head.release()
+
+
+def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _version_key(tensor: torch.Tensor) -> tuple[int, int]:

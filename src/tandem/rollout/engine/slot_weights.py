@@ -28,8 +28,10 @@ class SlotServing:
     def weight_slot_specs(self) -> tuple[list, dict[str, str]] | None:
         """(name, shape, dtype) of every weight and the aliases senders may use, for the two
         slots the server lays out; None when the engine cannot serve from slots now (weights
-        dropped, or an adapter merged: slots hold full versions)."""
-        if self.weights_state != "loaded" or self.unfilled_weights or self.lora.adapter:
+        dropped, or an adapter merged: slots hold full versions) or ever (tensor parallel: each
+        rank would need slots of its own slices, not built yet)."""
+        if (self.weights_state != "loaded" or self.unfilled_weights or self.lora.adapter
+                or self.ranks is not None):
             return None
         return slot_specs(self.runner, self._accepted_shapes())
 

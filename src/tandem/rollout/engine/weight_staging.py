@@ -4,7 +4,9 @@ without touching the engine, then swapped in between two steps (committed).
 `WeightUpdates` is that part of AsyncEngine's API (the engine mixes it in): stage_weights,
 commit_weights (a full or partial stream, a delta's patches, a merged adapter, or a flip to a
 weight slot staged by slot_weights.py), update_weights (both at once) and the reads a delta sync
-checks against.
+checks against. A tensor-parallel engine stages each rank's slices (stage_shards): rank 0
+checks its own at staging; the other ranks receive and check theirs at commit, and only when
+every rank has staged does any install (rank_worker.RankWorkers.stage).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from tandem.rollout.adapter_stream import is_adapter_name, peek_stream
 from tandem.rollout.base import all_finite, check_coverage, checked_version
 from tandem.rollout.engine.lora_merge import StagedAdapter, stage_adapter
+from tandem.rollout.engine.tensor_parallel import reshard
 from tandem.types import WeightPatch
 
 
@@ -39,6 +42,23 @@ class SlotStage:
     names: set[str]
     packed: dict[str, torch.Tensor] = field(default_factory=dict)
     lm_head: torch.Tensor | None = None  # the tied lm_head packed from the slot's embedding
+
+
+@dataclass
+class ShardedStage:
+    """An update cut for a tensor-parallel replica: rank 0's checked slices (as stage_weights
+    returns them) and, for ranks 1.., the host copies of their slices, still to send and check."""
+
+    local: dict[str, torch.Tensor]
+    others: list[dict[str, torch.Tensor]]
+
+
+def accepted_shapes(runner: Any) -> dict[str, torch.Size]:
+    """HF name -> shape (this rank's slice under tensor parallelism) of every weight an update
+    sets (dense and packed)."""
+    shapes = {name: p.shape for name, p in runner.named_parameters().items()}
+    shapes.update((name, linear.weight_shape) for name, linear in runner.packed_linears.items())
+    return shapes
 
 
 def weight_key(name: str, shapes: Mapping[str, torch.Size], model_config: Any) -> str:
@@ -82,6 +102,26 @@ def stage_weights(runner: Any, shapes: Mapping[str, torch.Size],
                                  f"{runner.dtype}); the engine keeps version {version}")
             staged[key] = runner.stage_form(key, copy)
     return staged
+
+
+def stage_shards(runner: Any, shapes: Mapping[str, torch.Size],
+                 named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> ShardedStage:
+    """Reshard a full stream (tensor_parallel.reshard) as it arrives: rank 0's slice of each
+    tensor is staged (checked) like a whole one, the other ranks' slices are copied to host
+    tensors of the engine's dtype (a transport's buffers are reused) to be sent at commit."""
+    layouts = runner.tensor_parallel.layout.all_ranks()
+    others: list[dict[str, torch.Tensor]] = [{} for _ in layouts[1:]]
+    tied = weight_key("lm_head.weight", runner.full_shapes, runner.config)
+
+    def rank_zero() -> Iterable[tuple[str, torch.Tensor]]:
+        for key, parts in reshard(named_tensors, layouts, runner.full_shapes,
+                                  {"lm_head.weight": tied}):
+            for held, part in zip(others, parts[1:]):
+                held[key] = (torch.empty(part.shape, dtype=runner.dtype).copy_(part)
+                             if part.is_floating_point() else part.clone())
+            yield key, parts[0]
+
+    return ShardedStage(stage_weights(runner, shapes, rank_zero(), version), others)
 
 
 def stage_patch(runner: Any, key: str, name: str, patch: WeightPatch, version: int
@@ -133,35 +173,43 @@ class WeightUpdates:
         """HF name -> shape of every weight update_weights accepts (dense and packed)."""
         if self.weights_state != "loaded":
             raise RuntimeError(self._weights_missing_message())
-        shapes = {name: p.shape for name, p in self.runner.named_parameters().items()}
-        shapes.update((name, linear.weight_shape)
-                      for name, linear in self.runner.packed_linears.items())
-        return shapes
+        return accepted_shapes(self.runner)
 
     def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
-                      ) -> dict[str, torch.Tensor] | StagedAdapter:
-        """Checked host copies of the stream (stage_weights below), or, for an adapter stream,
-        the merged weights (lora_merge.stage_adapter); the engine itself is not touched. Reads
-        only the weights, so it may run in another thread (commit_weights re-checks that they
-        were not put to sleep meanwhile)."""
+                      ) -> dict[str, torch.Tensor] | StagedAdapter | ShardedStage:
+        """Checked host copies of the stream (stage_weights below), for an adapter stream the
+        merged weights (lora_merge.stage_adapter), for a tensor-parallel engine each rank's
+        slices (stage_shards); the engine itself is not touched and no rank is contacted, so it
+        may run in another thread (commit_weights re-checks that the weights were not put to
+        sleep meanwhile)."""
         adapter, stream = peek_stream(named_tensors)
         if stream is None:
             return {}
+        if self.ranks is not None:
+            if adapter:
+                raise NotImplementedError("update_weights: LoRA adapters into a tensor-parallel "
+                                          "native engine are not built yet; send merged weights")
+            return stage_shards(self.runner, self._accepted_shapes(), stream, self.version)
         if adapter:
             if self.unfilled_weights:  # dropped by sleep: there is no base to merge into
                 raise RuntimeError(self._weights_missing_message())
             return stage_adapter(self.runner, self._accepted_shapes(), stream, self.lora)
         return stage_weights(self.runner, self._accepted_shapes(), stream, self.version)
 
-    async def commit_weights(self, staged: Mapping[str, torch.Tensor] | StagedAdapter | SlotStage,
-                             version: int, partial: bool = False) -> float:
+    async def commit_weights(self, staged: Mapping[str, torch.Tensor] | StagedAdapter | SlotStage
+                             | ShardedStage, version: int, partial: bool = False) -> float:
         """Swap staged tensors (stage_weights), merge a staged adapter, or flip to a staged slot
         (stage_slot_weights), under the step lock, and stamp `version` (an integer, never below
         the current one); the update must hold every weight unless `partial` (an adapter always
-        is). Returns the seconds generation stood still (swap or flip plus KV invalidation)."""
+        is). A tensor-parallel engine first has every other rank receive and check its slices:
+        if one refuses, this raises and no rank installs anything. Returns the seconds
+        generation stood still (swap or flip plus KV invalidation; with tensor parallelism the
+        other ranks' transfer too)."""
         self._ensure_loop()
         adapter = staged if isinstance(staged, StagedAdapter) else None
+        sharded = staged if isinstance(staged, ShardedStage) else None
         staged = adapter.weights if adapter is not None else staged
+        staged = sharded.local if sharded is not None else staged
         replaced: list[torch.Tensor] = []  # freed after the lock: a step need not wait for it
         async with self._lock:
             started = time.perf_counter()
@@ -173,6 +221,8 @@ class WeightUpdates:
                 self._check_inactive_slot(staged.index)
             check_coverage(staged.names if slot else staged, self._accepted_shapes(),
                            (partial or adapter is not None) and not slot, version)
+            if sharded is not None:  # phase one on the other ranks; raises if one refuses
+                self.ranks.stage(sharded.others, version)
             # nothing computed with the old weights is matched again; running requests recompute
             # their KV cache, unless a flip keeps it (rollout.in_flight_kv=keep)
             if not (slot and self.config.in_flight_kv == "keep"):
@@ -182,6 +232,8 @@ class WeightUpdates:
                 replaced = self._flip_to_slot(staged)
             else:
                 install_staged(self.runner, staged)  # swaps; a delta's patches in place
+                if sharded is not None:
+                    self.ranks.commit()
                 self.unfilled_weights.difference_update(staged)
                 self._forget_slots()
                 if adapter is not None:
@@ -209,17 +261,24 @@ class WeightUpdates:
             if name not in self.lora.adapter:
                 raise KeyError(f"current_weight: no adapter tensor {name!r} is served")
             return self.lora.adapter[name].clone()
+        self._refuse_split_reads()
         key = weight_key(name, self._accepted_shapes(), self.runner.config)
         return self.runner.dense_weight(key).to("cpu", copy=True)
 
     def current_values(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Host copies of the served weight `name` at flat positions `index` (a delta sync's
         check: O(len(index)) for a dense weight; a packed linear is unpacked)."""
+        self._refuse_split_reads()
         key = weight_key(name, self._accepted_shapes(), self.runner.config)
         if key in self.unfilled_weights:  # dropped by sleep: what it holds is no version
             raise RuntimeError(self._weights_missing_message())
         flat = self.runner.dense_weight(key).reshape(-1)
         return flat.index_select(0, index.to(self.device)).cpu()
+
+    def _refuse_split_reads(self) -> None:
+        if self.ranks is not None:
+            raise NotImplementedError("a tensor-parallel engine's weights are split over its "
+                                      "ranks; reading them back (a delta sync) is not built yet")
 
     def patches_in_place(self, name: str) -> bool:
         """Model weights (dense ones in place at commit, packed linears re-packed at staging);

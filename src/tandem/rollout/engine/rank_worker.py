@@ -1,0 +1,366 @@
+"""The ranks of a tensor-parallel native replica on one host: rank 0 is the AsyncEngine (it
+schedules, samples and answers calls); ranks 1..TP-1 are worker processes that hold their slice
+of the model and of the KV cache and run, in lockstep, whatever rank 0 broadcasts.
+
+Rank 0 sends every command to all workers over the replica's gloo group (`RankWorkers`, under
+the engine's step lock, so commands never interleave): a step's plan (they run the same forward,
+joining its all-reduces and the logits gather), sleep / wake, KV allocation, the two phases of
+a weight update (stage: each rank gets only its slices, point to point, and checks them; then
+commit or discard on all), a read of the weights for checks, stop. Replies come back point to
+point. A worker that fails exits; its sockets close and rank 0's next collective fails at once,
+naming the rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import traceback
+import weakref
+from datetime import timedelta
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from tandem.quiet import quiet_libraries
+from tandem.rollout.engine.memory import held_bytes, release_weights, restore_weights
+from tandem.rollout.engine.model_runner import ModelRunner, StepPlan, torch_dtype
+from tandem.rollout.engine.tensor_parallel import TensorParallel, make_groups
+from tandem.rollout.engine.weight_staging import accepted_shapes, install_staged, stage_weights
+
+logger = logging.getLogger(__name__)
+
+# A collective of a step or a weight transfer waits at most this long for a peer (a dead peer
+# fails it at once: its sockets close); start-up (spawn, imports, loading) shares it.
+COLLECTIVE_TIMEOUT_S = 300.0
+# An idle worker waits this long for its next command (rank 0 may have nothing to do for
+# hours); rank 0's exit closes the sockets and ends the wait at once.
+IDLE_WAIT = timedelta(days=365)
+# Most commands (a decode step's plan) fit in one broadcast of this many bytes.
+COMMAND_BYTES = 16 << 10
+SLICE_TAG = 2  # point-to-point tags: 0 and 1 carry replies, 2.. a weight update's slices
+WORKER_MAIN = ("import json, sys; from tandem.rollout.engine.rank_worker import run_worker; "
+               "run_worker(*json.loads(sys.argv[1]))")
+
+
+# ---- messages over the control group ------------------------------------------------------
+def broadcast_command(group: Any, command: tuple, timeout: timedelta | None = None) -> None:
+    """Rank 0: one pickled command to every rank, in one broadcast when it fits COMMAND_BYTES
+    (a send completes once every rank posted its receive: `timeout` bounds that wait)."""
+    payload = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+    first = torch.zeros(COMMAND_BYTES, dtype=torch.uint8)
+    first[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+    head = payload[:COMMAND_BYTES - 8]
+    first[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    group.broadcast(first, 0, timeout).wait()
+    if len(payload) > len(head):
+        rest = torch.frombuffer(bytearray(payload[len(head):]), dtype=torch.uint8)
+        group.broadcast(rest, 0, timeout).wait()
+
+
+def receive_command(group: Any) -> tuple:
+    """Ranks >= 1: the next command of rank 0 (waits as long as rank 0 lives)."""
+    first = torch.empty(COMMAND_BYTES, dtype=torch.uint8)
+    group.broadcast(first, 0, IDLE_WAIT).wait()
+    length = int(first[:8].view(torch.int64))
+    payload = first[8:8 + min(length, COMMAND_BYTES - 8)].numpy().tobytes()
+    if length > COMMAND_BYTES - 8:
+        rest = torch.empty(length - (COMMAND_BYTES - 8), dtype=torch.uint8)
+        group.broadcast(rest, 0).wait()
+        payload += rest.numpy().tobytes()
+    return pickle.loads(payload)
+
+
+def send_reply(group: Any, reply: Any) -> None:
+    payload = torch.frombuffer(bytearray(pickle.dumps(reply)), dtype=torch.uint8)
+    group.send([torch.tensor([payload.numel()], dtype=torch.int64)], 0, 0).wait()
+    group.send([payload], 0, 1).wait()
+
+
+def receive_reply(group: Any, rank: int) -> Any:
+    length = torch.empty(1, dtype=torch.int64)
+    group.recv([length], rank, 0).wait()
+    payload = torch.empty(int(length), dtype=torch.uint8)
+    group.recv([payload], rank, 1).wait()
+    return pickle.loads(payload.numpy().tobytes())
+
+
+# ---- ranks 1..TP-1 ------------------------------------------------------------------------
+class RankWorker:
+    """One worker rank: its runner (its slice of the model and KV cache) and what it has
+    staged; `serve` executes rank 0's commands until told to stop."""
+
+    def __init__(self, runner: ModelRunner, group: Any) -> None:
+        self.runner, self.group = runner, group
+        self.weights_state = "loaded"  # loaded | offloaded | dropped, as rank 0's
+        self.weight_shapes: dict[str, torch.Size] = {}
+        self.kv_shape: tuple[int, int] | None = None  # (num_blocks, block_size) when allocated
+        self.staged: dict[str, torch.Tensor] | None = None
+
+    def serve(self) -> None:
+        while True:
+            verb, *arguments = receive_command(self.group)
+            if verb == "stop":
+                return
+            reply = getattr(self, verb)(*arguments)
+            if verb != "step":  # a step answers through its collectives
+                send_reply(self.group, reply)
+
+    def step(self, plan: StepPlan) -> None:
+        for _ in self.runner.forward_layers(plan):
+            pass
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> dict[str, int]:
+        self.runner.allocate_kv_cache(num_blocks, block_size)
+        self.kv_shape = (num_blocks, block_size)
+        return self.memory_bytes()
+
+    def sleep(self, tags: list[str]) -> dict[str, int]:
+        if "kv_cache" in tags:
+            self.runner.free_kv_cache()
+        if "weights" in tags and self.weights_state == "loaded":
+            self.weights_state, self.weight_shapes = release_weights(self.runner)
+        return self.memory_bytes()
+
+    def wake_up(self, tags: list[str]) -> dict[str, int]:
+        if "weights" in tags and self.weights_state != "loaded":
+            restore_weights(self.runner, self.weights_state, self.weight_shapes)
+            self.weights_state = "loaded"
+        if "kv_cache" in tags and not self.runner.key_caches:
+            self.runner.allocate_kv_cache(*self.kv_shape)
+        return self.memory_bytes()
+
+    def stage(self, headers: dict[int, list[tuple[str, tuple, torch.dtype]]], version: int
+              ) -> str | None:
+        """Receive this rank's slices and check them like rank 0 does its own, one at a time
+        (a received slice is staged before the next arrives); returns the error or None."""
+        def received():
+            for tag, (name, shape, dtype) in enumerate(headers[self.group.rank()],
+                                                       start=SLICE_TAG):
+                tensor = torch.empty(shape, dtype=dtype)
+                self.group.recv([tensor], 0, tag).wait()
+                yield name, tensor
+
+        stream = received()
+        try:
+            self.staged = stage_weights(self.runner, accepted_shapes(self.runner), stream,
+                                        version)
+        except Exception as error:  # reported to rank 0, which discards the update everywhere
+            self.staged = None
+            for _ in stream:  # every send of rank 0 must still complete
+                pass
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    def commit(self, install: bool) -> dict[str, int]:
+        if install:
+            install_staged(self.runner, self.staged)
+            if self.runner.tied_lm_head:  # now rather than at the next step: the report counts it
+                self.runner.refresh_tied_lm_head()
+        self.staged = None
+        return self.memory_bytes()
+
+    def weights(self, names: list[str] | None) -> dict[str, torch.Tensor]:
+        """Host copies of this rank's slices (all weights when `names` is None)."""
+        names = list(accepted_shapes(self.runner)) if names is None else names
+        return {name: self.runner.dense_weight(name).to("cpu", copy=True) for name in names}
+
+    def memory_bytes(self) -> dict[str, int]:
+        return held_bytes(self.runner)
+
+
+def run_worker(rank: int, size: int, port: int, model_path: str, dtype: str, device: str,
+               threads: int | None, parent: int) -> None:
+    """A worker process's main: join the replica's groups, load this rank's slice, report, then
+    serve rank 0's commands. Any failure ends the process (rank 0 sees its sockets close)."""
+    _die_with(parent)
+    quiet_libraries()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
+    control, compute = make_groups(store, rank, size, device, timeout)
+    try:
+        runner = ModelRunner(model_path, torch_dtype(dtype), device,
+                             TensorParallel(rank, size, compute))
+    except Exception as error:
+        send_reply(control, f"{type(error).__name__}: {error}")
+        raise
+    send_reply(control, None)
+    try:
+        RankWorker(runner, control).serve()
+    except Exception:
+        traceback.print_exc()
+        os._exit(1)  # the sockets close: rank 0's next collective fails instead of waiting
+
+
+# ---- rank 0 -------------------------------------------------------------------------------
+class RankWorkers:
+    """Rank 0's handle on the worker ranks: every call broadcasts one command and, except a
+    step, collects each worker's reply. Call only under the engine's step lock (or before the
+    engine loop runs)."""
+
+    def __init__(self, processes: list[subprocess.Popen], group: Any, store: dist.Store,
+                 threads_before: int) -> None:
+        self.processes, self.group = processes, group
+        self.store = store  # the rendezvous server lives as long as the groups
+        self.threads_before = threads_before  # this process's torch threads, restored at stop
+        self.memory = [{"weights": 0, "kv_cache": 0} for _ in processes]  # as last replied
+        self.failure: str | None = None  # set once a rank failed: the replica cannot step
+        self._finalizer = weakref.finalize(self, _terminate, processes)
+
+    @classmethod
+    def start(cls, size: int, model_path: str, dtype: str, device: torch.device
+              ) -> tuple["RankWorkers", TensorParallel]:
+        """Spawn ranks 1..size-1 and join their groups; returns the handle and rank 0's
+        TensorParallel (the workers load their slices while rank 0 loads its own). On CPU each
+        rank, this process included, takes 1/size of this process's torch threads."""
+        threads_before, threads = torch.get_num_threads(), None
+        if device.type == "cpu":
+            threads = max(1, threads_before // size)
+            torch.set_num_threads(threads)
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                              timeout=timeout)
+        # a fresh interpreter per rank (not multiprocessing's spawn, which re-imports the
+        # caller's __main__: a script without a main guard would start engines recursively)
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        processes = []
+        for rank in range(1, size):
+            rank_device = str(device) if device.type != "cuda" else \
+                f"cuda:{(device.index or 0) + rank}"
+            arguments = [rank, size, store.port, str(model_path), dtype, rank_device, threads,
+                         os.getpid()]
+            processes.append(subprocess.Popen(
+                [sys.executable, "-c", WORKER_MAIN, json.dumps(arguments)], env=environment))
+        try:
+            control, compute = make_groups(store, 0, size, device, timeout)
+        except Exception:
+            _terminate(processes)
+            torch.set_num_threads(threads_before)
+            raise
+        return cls(processes, control, store, threads_before), TensorParallel(0, size, compute)
+
+    def wait_ready(self) -> None:
+        """After rank 0 loaded its slice: every worker's start-up report."""
+        errors = {rank: self._reply(rank) for rank in range(1, len(self.processes) + 1)}
+        failed = {rank: error for rank, error in errors.items() if error}
+        if failed:
+            raise RuntimeError(f"tensor-parallel ranks failed to start: {failed}")
+
+    def step(self, plan: StepPlan) -> None:
+        self._command("step", plan)
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        self._fan_out("allocate_kv", num_blocks, block_size)
+
+    def sleep(self, tags: list[str]) -> None:
+        self._fan_out("sleep", tags)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self._fan_out("wake_up", tags)
+
+    def stage(self, slices: list[dict[str, torch.Tensor]], version: int) -> None:
+        """Phase one of an update: each worker gets its slices (`slices[rank - 1]`) and checks
+        them. If any refuses, all discard (phase two with install=False) and this raises,
+        naming the ranks: every rank stays on the old version."""
+        headers = {rank: [(name, tuple(t.shape), t.dtype) for name, t in part.items()]
+                   for rank, part in enumerate(slices, start=1)}
+        self._command("stage", headers, version)
+        works = [self.group.send([tensor], rank, tag)
+                 for rank, part in enumerate(slices, start=1)
+                 for tag, tensor in enumerate(part.values(), start=SLICE_TAG)]
+        for work in works:
+            work.wait()
+        errors = {rank: self._reply(rank) for rank in headers}
+        failed = {rank: error for rank, error in errors.items() if error}
+        if failed:
+            self._fan_out("commit", False)
+            raise ValueError(f"update_weights: tensor-parallel rank(s) refused their slices "
+                             f"{failed}; every rank keeps version {version}")
+
+    def commit(self) -> None:
+        """Phase two: every worker installs what it staged."""
+        self._fan_out("commit", True)
+
+    def weights(self, names: list[str] | None = None) -> list[dict[str, torch.Tensor]]:
+        """Each worker's slices (for checks), ranks 1.. in order."""
+        return self._fan_out("weights", names)
+
+    def stop(self, gracefully: bool = True, timeout_s: float = 30.0) -> None:
+        """Tell every worker to exit and wait for it; one that does not, or every one when not
+        `gracefully` (a failed start: a worker may be blocked sending its report), is killed."""
+        if gracefully and self.failure is None:
+            try:
+                broadcast_command(self.group, ("stop",), timedelta(seconds=timeout_s))
+                for process in self.processes:
+                    process.wait(timeout_s)
+            except Exception:  # a dead or stuck peer: terminated below
+                pass
+        self._finalizer()
+        torch.set_num_threads(self.threads_before)
+
+    def _fan_out(self, verb: str, *arguments: Any) -> list[Any]:
+        self._command(verb, *arguments)
+        replies = [self._reply(rank) for rank in range(1, len(self.processes) + 1)]
+        if verb != "weights":
+            self.memory = replies
+        return replies
+
+    def _command(self, verb: str, *arguments: Any) -> None:
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        try:
+            broadcast_command(self.group, (verb, *arguments))
+        except Exception as error:
+            raise self.fail(error) from error
+
+    def _reply(self, rank: int) -> Any:
+        try:
+            return receive_reply(self.group, rank)
+        except Exception as error:
+            raise self.fail(error) from error
+
+    def fail(self, error: BaseException) -> RuntimeError:
+        """Mark the replica failed (a rank died or a collective broke: the ranks are no longer
+        in lockstep) and return the error to raise, naming the ranks that exited."""
+        exited = {rank: process.poll() for rank, process in enumerate(self.processes, start=1)
+                  if process.poll() is not None}
+        self.failure = (f"tensor-parallel replica failed ({type(error).__name__}: {error}); "
+                        f"exited ranks and codes: {exited or 'none yet'}; the replica must be "
+                        "restarted")
+        return RuntimeError(self.failure)
+
+
+def _terminate(processes: Iterable[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel kill this worker when rank 0's process ends (Linux), even while it is
+    still loading and not yet connected to rank 0's sockets."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != parent:  # rank 0 ended before the request took effect
+        os._exit(1)
+

@@ -1,0 +1,219 @@
+"""Tensor parallelism of the native engine: which slice of each HF weight a rank holds, the
+resharding of a full state-dict stream into those slices, and the collectives of a step.
+
+A replica of TP ranks splits the model Megatron-style (docs/engine.md, "Tensor parallelism"):
+  q/k/v_proj, gate/up_proj  column-parallel: the output rows of the rank's heads / of its share
+                            of the intermediate size (their biases alike); no communication
+  o_proj, down_proj         row-parallel: the matching input columns; the partial outputs are
+                            summed by one all-reduce each (a bias: rank 0 holds it, the others
+                            zeros, so the sum adds it once)
+  embed_tokens, lm_head     vocab-parallel: rows [start, end) of the vocabulary. A lookup finds
+                            each id on one rank (zeros elsewhere) and an all-reduce sums them,
+                            exactly; the lm_head's logits are gathered to rank 0, which samples
+                            from the full vocabulary
+  norms, Qwen3 q/k norms    replicated
+KV heads are split like the query heads; with fewer KV heads than ranks each KV head is
+replicated on the TP / num_key_value_heads ranks whose query heads use it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias")
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Rank `rank` of `size`: the rows (heads, intermediate units, vocabulary) it holds."""
+
+    rank: int
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, config: Any, head_dim: int, rank: int, size: int) -> "ShardLayout":
+        """The layout of an HF config's model; what does not split evenly is refused by name."""
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        fix = "choose a rollout.tensor_model_parallel_size that divides it"
+        if heads % size:
+            raise ValueError(f"rollout.tensor_model_parallel_size={size}: the model's "
+                             f"num_attention_heads={heads} do not split over {size} ranks; {fix}")
+        if kv_heads % size and size % kv_heads:
+            raise ValueError(f"rollout.tensor_model_parallel_size={size}: the model's "
+                             f"num_key_value_heads={kv_heads} neither split over {size} ranks nor "
+                             f"replicate evenly onto them; {fix} (or a multiple of it)")
+        if config.intermediate_size % size:
+            raise ValueError(f"rollout.tensor_model_parallel_size={size}: the model's "
+                             f"intermediate_size={config.intermediate_size} does not split over "
+                             f"{size} ranks; {fix}")
+        return cls(rank, size, heads, kv_heads, head_dim, config.intermediate_size,
+                   config.vocab_size)
+
+    def all_ranks(self) -> list["ShardLayout"]:
+        """The layouts of every rank of this one's replica, in rank order."""
+        return [replace(self, rank=rank) for rank in range(self.size)]
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.size)
+
+    def head_rows(self) -> slice:
+        """Rows of q_proj (columns of o_proj) of this rank's query heads."""
+        width = self.local_heads * self.head_dim
+        return slice(self.rank * width, (self.rank + 1) * width)
+
+    def kv_rows(self) -> slice:
+        """Rows of k_proj / v_proj of the KV heads this rank's query heads use."""
+        replicas = max(1, self.size // self.num_kv_heads)  # ranks sharing one KV head
+        first = (self.rank // replicas) * self.local_kv_heads
+        return slice(first * self.head_dim, (first + self.local_kv_heads) * self.head_dim)
+
+    def mlp_rows(self) -> slice:
+        width = self.intermediate_size // self.size
+        return slice(self.rank * width, (self.rank + 1) * width)
+
+    @property
+    def vocab_per_rank(self) -> int:
+        return math.ceil(self.vocab_size / self.size)
+
+    def vocab_rows(self) -> slice:
+        """This rank's vocabulary ids (the last rank's share is shorter when it does not split)."""
+        start = min(self.rank * self.vocab_per_rank, self.vocab_size)
+        return slice(start, min(start + self.vocab_per_rank, self.vocab_size))
+
+    def slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of HF weight `name` (a view where it is one; replicated: the tensor)."""
+        if name in VOCAB_PARALLEL:
+            return tensor[self.vocab_rows()]
+        module, _, kind = name.rpartition(".")
+        leaf = module.rpartition(".")[2]
+        if leaf in COLUMN_PARALLEL:
+            rows = self.kv_rows() if leaf in ("k_proj", "v_proj") else \
+                self.head_rows() if leaf == "q_proj" else self.mlp_rows()
+            return tensor[rows]
+        if leaf in ROW_PARALLEL:
+            if kind == "bias":  # added once: by rank 0 before the all-reduce
+                return tensor if self.rank == 0 else torch.zeros_like(tensor)
+            return tensor[:, self.head_rows() if leaf == "o_proj" else self.mlp_rows()]
+        return tensor
+
+
+def shard_model(model: nn.Module, layout: ShardLayout) -> dict[str, torch.Size]:
+    """Keep only `layout`'s slice of every parameter of an HF model (in place, before packing);
+    returns the full shapes by HF name. A linear layer this module does not know how to split
+    is refused: it would silently compute a wrong result."""
+    known = COLUMN_PARALLEL + ROW_PARALLEL + ("lm_head",)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.rpartition(".")[2] not in known:
+            raise NotImplementedError(f"tensor parallelism: linear layer {name!r} is none of "
+                                      f"{known}; the native engine cannot split this model")
+    full_shapes = {}
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            full_shapes[name] = parameter.shape
+            part = layout.slice(name, parameter.data)
+            if part is not parameter.data:
+                parameter.data = part.clone(memory_format=torch.contiguous_format)
+    return full_shapes
+
+
+def reshard(named_tensors: Iterable[tuple[str, torch.Tensor]], layouts: list[ShardLayout],
+            full_shapes: dict[str, torch.Size], alias: dict[str, str]
+            ) -> Iterator[tuple[str, list[torch.Tensor]]]:
+    """The resharding plan: every (HF name, full tensor) of a state-dict stream becomes
+    (engine name, [the slice of rank 0, rank 1, ...]), views where slicing allows. Names and full
+    shapes are checked here, before any rank sees the tensor; `alias` maps the names the engine
+    serves under another one (a tied lm_head -> the embedding)."""
+    for name, tensor in named_tensors:
+        key = alias.get(name, name)
+        shape = full_shapes.get(key)
+        if shape is None:
+            raise ValueError(f"update_weights: unknown weight {name!r} (expected HF names such "
+                             f"as {next(iter(full_shapes))!r})")
+        if not isinstance(tensor, torch.Tensor):
+            raise NotImplementedError(f"update_weights: {name!r} is a {type(tensor).__name__}; a "
+                                      "tensor-parallel engine takes full tensors only (delta "
+                                      "patches into its slices are not built yet)")
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the "
+                             f"model expects {tuple(shape)}")
+        yield key, [layout.slice(key, tensor) for layout in layouts]
+
+
+class TensorParallel:
+    """One rank's share of a replica: its layout and the collectives of a step over `group`
+    (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, rank: int, size: int, group: Any) -> None:
+        self.rank, self.size, self.group = rank, size, group
+        self.layout: ShardLayout | None = None  # set by shard(), once the model is loaded
+
+    def shard(self, model: nn.Module, head_dim: int) -> dict[str, torch.Size]:
+        """Cut the loaded HF model down to this rank's slice; returns the full shapes."""
+        self.layout = ShardLayout.of(model.config, head_dim, self.rank, self.size)
+        return shard_model(model, self.layout)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place (the row-parallel layers' partial outputs)."""
+        self.group.allreduce([tensor]).wait()
+        return tensor
+
+    def embed(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """[T] ids -> [T, hidden] through the vocab-parallel embedding `weight` [V / TP, hidden]:
+        each id is found on one rank, zeros elsewhere, so the all-reduce's sum is exact."""
+        local = input_ids - self.layout.vocab_rows().start
+        outside = (local < 0) | (local >= weight.shape[0])
+        hidden = F.embedding(local.masked_fill(outside, 0), weight)
+        hidden.masked_fill_(outside[:, None], 0.0)
+        return self.all_reduce(hidden)
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
+        """This rank's logits [S, V / TP] -> on rank 0 the full [S, vocab] (rank order is
+        vocabulary order), None elsewhere. Shares are padded to one width for the gather."""
+        width = self.layout.vocab_per_rank
+        if local.shape[1] < width:
+            local = F.pad(local, (0, width - local.shape[1]))
+        local = local.contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else []
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        self.group.gather([parts] if self.rank == 0 else [], [local], options).wait()
+        if self.rank != 0:
+            return None
+        return torch.cat(parts, dim=1)[:, :self.layout.vocab_size]
+
+
+def make_groups(store: dist.Store, rank: int, size: int, device: torch.device,
+                timeout: timedelta) -> tuple[Any, Any]:
+    """(control, compute) process groups of a replica on one host, private (never the default
+    group, which training code may own): control is gloo (step plans, replies, weight slices
+    as host tensors); compute is the same group on CPU, NCCL on CUDA."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, size, options)
+    if device.type != "cuda":
+        return control, control
+    nccl_options = dist.ProcessGroupNCCL.Options()
+    nccl_options._timeout = timeout
+    compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute/", store), rank, size, nccl_options)
+    return control, compute
