@@ -2,11 +2,12 @@
 # The GPU check (docs/gpu.md) for the machine this project is lent: one NVIDIA GPU, the machine's
 # own python3 (3.12, torch 2.11, transformers), no network, no Ray, vLLM or SGLang. It installs
 # only the wheels carried with the tree (`make gpu-wheels` -> .gpu-wheels/), runs each step under
-# its own time limit (they add up to under 9 minutes) and writes every step's command, output tail and
-# exit status, then the targets, to one results file. --dry-run (no GPU needed) checks that every
+# its own time limit (they add up to about 11 minutes; a device call runs at most 10, so a full
+# check is two calls, see --steps) and writes every step's command, output tail and exit status,
+# then the targets, to one results file. --dry-run (no GPU needed) checks that every
 # file a step runs and every wheel of bench/gpu_wheels.txt is there, and writes the plan.
-# --steps runs some steps only (keys: device,install,build,engine,train,update,handoff,tests; a fresh
-# machine needs install, and build before engine or train).
+# --steps runs some steps only (keys: device,install,build,engine,train,update,profile,handoff,
+# tests; a fresh machine needs install, and build before engine, train, update or profile).
 #
 # TANDEM_COMMIT names the tree in the results file (the device tool's copy has the base commit's
 # .git under the session's working tree, so `git rev-parse` there names the wrong commit).
@@ -51,8 +52,9 @@ STEPS=(
     "engine|engine: native vs HF generate, bf16 and fp32|240|$PYTHON bench/gpu_engine.py --device cuda"
     "train|training step: packed vs padded, forward + backward + optimizer|55|$PYTHON bench/gpu_train_step.py --device cuda"
     "update|weight updates into a generating engine: full and LoRA, per-token versions|60|$PYTHON bench/gpu_update.py --device cuda"
+    "profile|where a decode step's time goes (torch.profiler: launches, device busy, host parts)|60|$PYTHON bench/gpu_profile.py --device cuda"
     "handoff|weight handoff: shm over CUDA IPC between two processes|30|$PYTHON bench/sync.py --device cuda --sizes 1000 --engines naive,shm"
-    "tests|gpu-marked tests (none needs Ray, vLLM or SGLang; those skip)|80|$PYTEST -q -rs -m gpu $GPU_TESTS"
+    "tests|gpu-marked tests, TP=2 ranks on one GPU among them (none needs Ray, vLLM or SGLang; those skip)|150|$PYTEST -q -rs -m gpu $GPU_TESTS"
 )
 
 # the files a command names (bench/..., tests/...): each must exist

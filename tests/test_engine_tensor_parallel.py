@@ -46,10 +46,10 @@ def qwen2_path():
     return build_tiny_model(SPECS["qwen2"])
 
 
-def make(model_path, tp: int, **overrides) -> NativeRollout:
+def make(model_path, tp: int, device: str = "cpu", **overrides) -> NativeRollout:
     config = RolloutConfig(kv_cache_memory_bytes=8 << 20, block_size=4,
                            tensor_model_parallel_size=tp, **overrides)
-    return NativeRollout.create(model_path, config)
+    return NativeRollout.create(model_path, config, device=device)
 
 
 def random_prompts(count: int, vocab: int, low: int, high: int, seed: int) -> list[list[int]]:
@@ -71,7 +71,7 @@ def rank_slices(rollout: NativeRollout) -> list[dict[str, torch.Tensor]]:
     """What every rank serves, rank 0 first (dense copies of its slices)."""
     runner = rollout.runner
     names = list(rollout.ranks.weights()[0])
-    own = {name: runner.dense_weight(name).clone() for name in names}
+    own = {name: runner.dense_weight(name).to("cpu", copy=True) for name in names}
     return [own] + rollout.ranks.weights()
 
 
@@ -135,6 +135,48 @@ async def test_greedy_equals_one_rank_with_batching_and_the_prefix_cache(model_p
         assert_within(torch.tensor(two[index].log_probs), exact, bound, "TP=2 vs exact")
         assert_within(torch.tensor(two[index].log_probs), torch.tensor(one[index].log_probs),
                       2 * bound, "TP=2 vs TP=1")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_on_cuda_greedy_equals_one_rank_and_an_update_reaches_every_rank(model_path,
+                                                                              tmp_path):
+    """TP=2 on CUDA (on one GPU the ranks share it and compute over gloo, rank_devices): the
+    same greedy tokens as TP=1 on CUDA, log-probs within the float32 bound of the exact forward,
+    and a resharded update lands on both ranks."""
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    prompts = random_prompts(6, hf.config.vocab_size, 3, 40, seed=11)
+    one = await run_all(make(model_path, 1, "cuda"), prompts, GREEDY)
+    two_ranks = make(model_path, 2, "cuda")
+    try:
+        two = await run_all(two_ranks, prompts, GREEDY)
+        new_state = perturbed_model(model_path, tmp_path / "new")
+        await two_ranks.update_weights(new_state.items(), version=1)
+        assert_ranks_hold(two_ranks, new_state)
+        updated = await run_all(two_ranks, prompts, GREEDY, prefix="u")
+    finally:
+        await two_ranks.shutdown()
+    assert [out.token_ids for out in two] == [out.token_ids for out in one]
+    for prompt, out in zip(prompts, two):
+        assert_within(torch.tensor(out.log_probs),
+                      *token_logprob_bounds(hf, prompt, out.token_ids), "TP=2 on CUDA vs exact")
+    fresh = await run_all(make(tmp_path / "new", 1, "cuda"), prompts, GREEDY)
+    assert [out.token_ids for out in updated] == [out.token_ids for out in fresh]
+    assert all(out.extra_fields["global_steps"] == 1 for out in updated)
+
+
+def test_cuda_ranks_take_gpus_of_their_own_or_share_one(monkeypatch, caplog):
+    """Consecutive GPUs when there are enough; all on one (logged) when there are not."""
+    from tandem.rollout.engine.tensor_parallel import rank_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert rank_devices(torch.device("cuda", 1), 2) == [torch.device("cuda", 1),
+                                                        torch.device("cuda", 2)]
+    assert rank_devices(torch.device("cpu"), 3) == [torch.device("cpu")] * 3
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with caplog.at_level("WARNING"):
+        assert rank_devices(torch.device("cuda"), 2) == [torch.device("cuda", 0)] * 2
+    assert "share cuda:0" in caplog.text and "gloo" in caplog.text
 
 
 async def test_seeded_sampling_reproduces(qwen2_path):

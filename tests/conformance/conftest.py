@@ -33,12 +33,14 @@ MARKS = {"native": (), "vllm": (pytest.mark.vllm,), "sglang": (pytest.mark.gpu,)
 
 def backend_params() -> list:
     """One pytest param (backend, device or None, tensor-parallel size) per registered backend,
-    with the marker that gates it, native once more with two ranks and once more on CUDA."""
+    with the marker that gates it, native once more with two ranks, on CUDA with one and with two."""
     params = [pytest.param((name, None, 1), marks=MARKS.get(name, (pytest.mark.gpu,)), id=name)
               for name in rollout_backend_names()]
     return params + [pytest.param(("native", "cpu", 2), id="native-tp2"),
                      pytest.param(("native", "cuda", 1), marks=(pytest.mark.gpu,),
-                                  id="native-cuda")]
+                                  id="native-cuda"),
+                     pytest.param(("native", "cuda", 2), marks=(pytest.mark.gpu,),
+                                  id="native-cuda-tp2")]
 
 
 def device_for(name: str) -> str:

@@ -15,10 +15,17 @@ that kv head: no repeat of K/V for grouped-query attention.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# SDPA backends on CUDA. cuDNN's attention (torch's first choice on Hopper for a masked call)
+# builds a graph for every new shape, and a decode step's context grows by one token each step:
+# on the first GPU run that was 1.4 ms of host time per call, most of a 0.5B model's step.
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -117,6 +124,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """query [T, H, D] of the step's tokens -> output [T, H * D]. The step's keys and values
     must already be in the cache."""
+    with sdpa_kernel(NO_CUDNN) if query.is_cuda else nullcontext():
+        return _paged_attention(query, key_cache, value_cache, meta, scale)
+
+
+def _paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     kv_heads, _, block_size, head_dim = key_cache.shape
     groups_per_kv = query.shape[1] // kv_heads
     outputs = []

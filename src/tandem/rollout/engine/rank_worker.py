@@ -32,7 +32,7 @@ import torch.distributed as dist
 from tandem.quiet import quiet_libraries
 from tandem.rollout.engine.memory import held_bytes, release_weights, restore_weights
 from tandem.rollout.engine.model_runner import ModelRunner, StepPlan, torch_dtype
-from tandem.rollout.engine.tensor_parallel import TensorParallel, make_groups
+from tandem.rollout.engine.tensor_parallel import TensorParallel, make_groups, rank_devices
 from tandem.rollout.engine.weight_staging import accepted_shapes, install_staged, stage_weights
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class RankWorker:
 
 
 def run_worker(rank: int, size: int, port: int, model_path: str, dtype: str, device: str,
-               threads: int | None, parent: int) -> None:
+               shared_device: bool, threads: int | None, parent: int) -> None:
     """A worker process's main: join the replica's groups, load this rank's slice, report, then
     serve rank 0's commands. Any failure ends the process (rank 0 sees its sockets close)."""
     _die_with(parent)
@@ -189,7 +189,7 @@ def run_worker(rank: int, size: int, port: int, model_path: str, dtype: str, dev
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
-    control, compute = make_groups(store, rank, size, device, timeout)
+    control, compute = make_groups(store, rank, size, device, timeout, shared_device)
     try:
         runner = ModelRunner(model_path, torch_dtype(dtype), device,
                              TensorParallel(rank, size, compute))
@@ -235,16 +235,16 @@ class RankWorkers:
         # a fresh interpreter per rank (not multiprocessing's spawn, which re-imports the
         # caller's __main__: a script without a main guard would start engines recursively)
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        devices = rank_devices(device, size)
+        shared = device.type == "cuda" and len(set(devices)) < size
         processes = []
         for rank in range(1, size):
-            rank_device = str(device) if device.type != "cuda" else \
-                f"cuda:{(device.index or 0) + rank}"
-            arguments = [rank, size, store.port, str(model_path), dtype, rank_device, threads,
-                         os.getpid()]
+            arguments = [rank, size, store.port, str(model_path), dtype, str(devices[rank]),
+                         shared, threads, os.getpid()]
             processes.append(subprocess.Popen(
                 [sys.executable, "-c", WORKER_MAIN, json.dumps(arguments)], env=environment))
         try:
-            control, compute = make_groups(store, 0, size, device, timeout)
+            control, compute = make_groups(store, 0, size, devices[0], timeout, shared)
         except Exception:
             _terminate(processes)
             torch.set_num_threads(threads_before)

@@ -18,6 +18,7 @@ replicated on the TP / num_key_value_heads ranks whose query heads use it.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -27,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -202,16 +205,33 @@ class TensorParallel:
         return torch.cat(parts, dim=1)[:, :self.layout.vocab_size]
 
 
+def rank_devices(device: torch.device, size: int) -> list[torch.device]:
+    """The device of each rank: CPU ranks share the host; CUDA ranks take consecutive GPUs from
+    `device`'s, or all share `device` when fewer are visible (a test layout, e.g. the GPU check
+    on one GPU: NCCL refuses two ranks on one GPU, so make_groups then computes over gloo)."""
+    if device.type != "cuda":
+        return [device] * size
+    first = device.index or 0
+    if first + size > torch.cuda.device_count():
+        logger.warning("rollout.tensor_model_parallel_size=%d from cuda:%d but %d CUDA devices "
+                       "are visible: the ranks share cuda:%d and their collectives run over gloo "
+                       "(a test layout, slower than one rank)", size, first,
+                       torch.cuda.device_count(), first)
+        return [torch.device("cuda", first)] * size
+    return [torch.device("cuda", first + rank) for rank in range(size)]
+
+
 def make_groups(store: dist.Store, rank: int, size: int, device: torch.device,
-                timeout: timedelta) -> tuple[Any, Any]:
+                timeout: timedelta, shared_device: bool = False) -> tuple[Any, Any]:
     """(control, compute) process groups of a replica on one host, private (never the default
     group, which training code may own): control is gloo (step plans, replies, weight slices
-    as host tensors); compute is the same group on CPU, NCCL on CUDA."""
+    as host tensors); compute is the same group on CPU or on one shared GPU, NCCL on GPUs of
+    their own."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, size, options)
-    if device.type != "cuda":
+    if device.type != "cuda" or shared_device:
         return control, control
     nccl_options = dist.ProcessGroupNCCL.Options()
     nccl_options._timeout = timeout
