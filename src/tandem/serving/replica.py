@@ -161,7 +161,7 @@ class RolloutReplica:
         for server in self.servers:
             ray.kill(server, no_restart=True)
 
-    async def start_again(self, server_id: str) -> "RolloutReplica":
+    async def start_again(self, server_id: str) -> RolloutReplica:
         """A replica like this killed one, named `server_id`, started in the same bundle (or, if
         its own placement group is gone, in a new one); it takes over the placement group, which
         comes back to this replica on an error (so start_again can be tried again)."""
