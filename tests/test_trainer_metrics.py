@@ -85,7 +85,7 @@ def test_every_timed_phase_has_its_own_timeline_colour():
              for name in re.findall(r'phase\("([a-z_]+)"\)', path.read_text())}
     assert timed <= set(TIMELINE_PHASES), f"not on the timeline: {timed - set(TIMELINE_PHASES)}"
     colours = phase_colours()
-    assert len(set(colours.values())) == len(TIMELINE_PHASES) + len(SYNC_PARTS) == 16
+    assert len(set(colours.values())) == len(TIMELINE_PHASES) + len(SYNC_PARTS) == 17
 
 
 def test_timeline_draws_reward_overlapping_generate(tmp_path, monkeypatch):

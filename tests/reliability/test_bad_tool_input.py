@@ -176,6 +176,12 @@ async def test_fit_sync_skips_a_step_whose_sessions_all_fail(tmp_path, caplog):
             self.log.append(f"sync {version}")
             return {}
 
+        async def follow_schedule(self, step):  # no rollout.elastic schedule: nothing resizes
+            pass
+
+        async def wait_for_rollout(self, work):  # no health check: the work as it is
+            return await work
+
     class Trainer:
         skip_step = RLTrainer.skip_step
         sync_weights = RLTrainer.sync_weights

@@ -190,6 +190,34 @@ async def test_a_pool_that_answers_is_waited_for_however_long_it_generates(scrip
     assert await fleet.while_rollout_answers(slow_groups(), "wait_rollout") == "groups"
 
 
+async def test_with_fault_tolerance_the_health_check_watches_the_wait_instead(
+        scripted_backend) -> None:
+    """rollout.fault_tolerance: a silent pool is the health check's to restart, so the wait
+    outlives the weight_version deadline and ends only with the check's failure."""
+    from tandem.fleet.health import FleetHealth, ServerRestartError
+
+    manager = await local_manager(servers=1)
+    stall_locally(manager, "replica-0")
+    fleet = fleet_of(manager, timeout_s=0.2)
+    fleet.health = FleetHealth(fleet.config.rollout.fault_tolerance, [])
+
+    async def groups_after_a_restart():
+        await asyncio.sleep(1.0)  # five deadlines long
+        return "groups"
+
+    assert await fleet.while_rollout_answers(groups_after_a_restart(), "wait_rollout") == "groups"
+    assert (await manager.status()).stalled_servers == []  # not reported: the check decides
+
+    async def fail_soon():
+        await asyncio.sleep(0.1)
+        await fleet.health._fail(ServerRestartError("replica-0 stalled; past max_restarts=0"))
+
+    failing = asyncio.ensure_future(fail_soon())
+    with pytest.raises(ServerRestartError, match="past max_restarts=0"):
+        await fleet.while_rollout_answers(asyncio.Event().wait(), "wait_rollout")
+    await failing
+
+
 async def test_a_server_silent_at_shutdown_is_killed_not_raised(scripted_backend, caplog) -> None:
     manager = await local_manager(servers=2)
     stall_locally(manager, "replica-1")

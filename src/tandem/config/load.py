@@ -2,7 +2,7 @@
 
 Every error is a ConfigError whose message names the field and the fix. The checks live by
 concern beside this file (ranges, choices, rollout, footprint, trainer, sync, lora, training,
-reward); those that need registries, data, the model or memory are tandem.preflight's.
+reward, pool); those that need registries, data, the model or memory are tandem.preflight's.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from tandem.config.choices import ConfigError, choice_problem
 from tandem.config.footprint import fleet_problem
 from tandem.config.lora_check import derive_lora_rank, lora_problem
+from tandem.config.pool_check import pool_problem
 from tandem.config.ranges import out_of_range
 from tandem.config.reward_check import served_reward_problem
 from tandem.config.rollout_check import rollout_problem
@@ -217,7 +218,7 @@ def _all_keys(cls: type, prefix: str = "") -> Iterator[str]:
 # tandem.preflight, before Ray or torch start.
 CHECKS: tuple[Callable[[TandemConfig], str | None], ...] = (
     out_of_range, choice_problem, fleet_problem, rollout_problem, trainer_problem, sync_problem,
-    lora_problem, training_problem, served_reward_problem)
+    lora_problem, training_problem, served_reward_problem, pool_problem)
 
 
 def validate(config: TandemConfig) -> None:

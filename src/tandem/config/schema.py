@@ -103,6 +103,26 @@ class EnvironmentConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """Standalone rollout servers and served-reward servers that die or stall are restarted,
+    re-synced to the trainer's version and put back (docs/serving.md, "Restarts")."""
+
+    enable: bool = False
+    max_restarts: int = 3  # restarts of the whole run; one more ends it, naming the server
+    # seconds between health checks; a server answering no probe within 3 x this is stalled
+    health_interval_s: float = 10.0
+
+
+@dataclass
+class ElasticConfig:
+    """The standalone rollout pool's size by step (docs/trainer.md, "An elastic pool")."""
+
+    # [[step, replicas], ...]: from the weight sync of `step` on, the pool has `replicas`
+    # replicas (added ones serve that version before their first request); empty: fixed size
+    schedule: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
 class RolloutConfig:
     """The rollout engine, its servers and the sampling used in training."""
 
@@ -139,6 +159,8 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     openai_agent: OpenAIAgentConfig = field(default_factory=OpenAIAgentConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     agent_concurrency: int = 64  # agent-loop sessions in flight at once
     torch_threads: int = 0  # CPU threads of each standalone rollout server (separate_async); 0: auto
     # Devices of a standalone rollout pool (separate_async); 0 means "share the actor's".

@@ -2,7 +2,9 @@
 client each mode uses and the one weight-sync seam, behind the calls a mode's phase order names. The
 layout is chosen once from the config (config/footprint.py): HYBRID, the engines inside the training
 workers, or STANDALONE replicas when the rollout has devices of its own; the mode only decides the
-order of the calls."""
+order of the calls. Standalone replicas form a pool that can grow and shrink between steps
+(fleet/rollout_pool.py); with rollout.fault_tolerance a health check restarts the servers of their
+own that die or stall (fleet/health.py). A training worker is never restarted."""
 
 from __future__ import annotations
 
@@ -16,14 +18,17 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from tandem.config.footprint import rollout_devices
 from tandem.config.schema import TandemConfig
+from tandem.config.pool_check import HYBRID_IS_FATAL
 from tandem.serving.client import DEAD_SERVER_ERRORS
-from tandem.serving.manager import ServerManager
+from tandem.serving.manager import Answers, ServerManager
 from tandem.serving.placement import in_bundle
 from tandem.serving.remote import NoAnswerError, call
 from tandem.serving.replica import ReplicaLayout, ServerOptions
 from tandem.serving.resumable_client import ResumableClient
 from tandem.fleet import placement
+from tandem.fleet.health import FleetHealth
 from tandem.fleet.hybrid_worker import HybridWorkerActor
+from tandem.fleet.rollout_pool import RolloutPool, scheduled_size
 from tandem.fleet.served_rewards import ServedRewards
 from tandem.fleet.startup import StartupClock
 from tandem.fleet.weight_sync import (CrossProcessSync, InProcessSync, WeightSync,
@@ -31,6 +36,12 @@ from tandem.fleet.weight_sync import (CrossProcessSync, InProcessSync, WeightSyn
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# worker calls that change the actor's weights: a replica started after one waits for the next sync
+ACTOR_WRITES = ("update_actor", "update_actor_on_policy", "load_checkpoint")
+
+
+class TrainingWorkerLost(RuntimeError):
+    """A training worker's process died: the run stops (workers are never restarted)."""
 
 
 class Fleet:
@@ -47,6 +58,8 @@ class Fleet:
         self.worker_addresses: list[str] = []  # where each rank runs, for error messages
         self.placement_group: PlacementGroup | None = None
         self.rollout: ServerManager | None = None
+        self.pool: RolloutPool | None = None  # the standalone replicas (None: hybrid)
+        self.health: FleetHealth | None = None  # rollout.fault_tolerance.enable
         self.weight_sync: WeightSync | None = None
         self.transport = "naive"  # the checkpoint engine the sync uses (resolved at start)
         self.rewards = ServedRewards(config)  # reward.model / reward.judge servers
@@ -90,6 +103,7 @@ class Fleet:
                 engine_kwargs["double_buffer"] = False
             self.weight_sync = CrossProcessSync(self.workers, self.rollout, self.transport,
                                                 ckpt.timeout_s, engine_kwargs)
+            self.pool = RolloutPool("rollout", self.rollout, self.weight_sync)
         else:
             self.rollout = await ServerManager.create(config.rollout, options, "hybrid",
                                                       hosts=self.workers)
@@ -97,6 +111,12 @@ class Fleet:
                                              ckpt.timeout_s)
         placement.log_torch_threads(config, await self.on_workers("torch_threads"), self.rollout)
         await self.rewards.start(self.placement_group)
+        if config.rollout.fault_tolerance.enable:
+            if self.pool is not None:
+                self.pool.restarts = True
+            pools = ([self.pool] if self.pool else []) + self.rewards.pools()
+            self.health = FleetHealth(config.rollout.fault_tolerance, pools)
+            await self.health.start()
         self.startup.mark("servers")
 
     def client(self) -> Any:
@@ -115,15 +135,24 @@ class Fleet:
         args_per_rank = args_per_rank or [()] * len(self.workers)
 
         async def one(rank: int, args: tuple) -> Any:
+            where = (self.worker_addresses[rank] if rank < len(self.worker_addresses)
+                     else "address unknown")
             try:
                 return await call(self.workers[rank], method, *args, timeout_s=timeout_s)
             except NoAnswerError:
-                where = (self.worker_addresses[rank] if rank < len(self.worker_addresses)
-                         else "address unknown")
                 raise NoAnswerError(f"{method}: training worker {rank} ({where}) gave no answer "
                                     f"within {timeout_s} s (trainer.worker_timeout_s): stalled, "
                                     "or a step longer than that; the run stops") from None
+            except DEAD_SERVER_ERRORS as error:
+                raise TrainingWorkerLost(
+                    f"{method}: training worker {rank} ({where}) died ({type(error).__name__}). "
+                    "A training worker holds the actor's state (and in the hybrid layout a rollout "
+                    "engine) and is never restarted: rollout.fault_tolerance restarts standalone "
+                    "rollout servers and served-reward servers only. The run stops; resume it from "
+                    "its last checkpoint (trainer.resume=true)") from error
 
+        if self.pool is not None and method in ACTOR_WRITES:
+            await self.pool.actor_changes()  # a replica started from now on waits for the sync
         return list(await asyncio.gather(*(one(rank, args)
                                            for rank, args in enumerate(args_per_rank))))
 
@@ -132,12 +161,26 @@ class Fleet:
     async def abort(self) -> int:
         """Pause generation on every server and abort what runs (the resumable client keeps the
         tokens); returns how many requests were running."""
-        answers = await self.rollout.control("abort_all_requests")
+        answers = await self._control("abort_all_requests")
         return sum(sum(counts) for counts in answers.results.values())
 
     async def resume(self) -> None:
         """Reopen generation everywhere; re-asked requests proceed."""
-        await self.rollout.control("resume_generation")
+        await self._control("resume_generation")
+
+    async def _control(self, verb: str) -> Answers:
+        """`verb` on every rollout server; while the health check restarts failed servers, one
+        that died or gives no answer is left to it instead of failing the run."""
+        if self.health is None or self.pool is None:
+            return await self.rollout.control(verb)
+        answers = await self.rollout.control(verb, on_error="leave_out")
+        for server_id, error in answers.left_out.items():
+            if not isinstance(error, (*DEAD_SERVER_ERRORS, NoAnswerError)):
+                error.add_note(f"{verb}() on server {server_id!r}")
+                raise error
+            logger.warning("%s() on server %r: %s: %s; the health check restarts it", verb,
+                           server_id, type(error).__name__, error)
+        return answers
 
     async def sleep_rollout(self) -> None:
         """Free the engines' KV cache and weights while the actor trains on the same devices
@@ -157,7 +200,10 @@ class Fleet:
         servers are asked weight_version() in turn, each within rollout.checkpoint_engine.
         timeout_s: when none answers, nothing can come, so `work` is cancelled, the servers are
         reported stalled (the balancer stops routing there) and NoAnswerError names the phase
-        and every server. A pool that answers, however slowly it generates, is waited for."""
+        and every server. A pool that answers, however slowly it generates, is waited for. With
+        rollout.fault_tolerance the health check watches instead (wait_for_rollout)."""
+        if self.health is not None:  # it restarts stalled servers and fails the run past its budget
+            return await self.wait_for_rollout(work)
         timeout_s = self.config.rollout.checkpoint_engine.timeout_s
         task = asyncio.ensure_future(work)
         probe: asyncio.Future | None = None
@@ -191,17 +237,76 @@ class Fleet:
                 "a server that is stalled (stopped, hung) or dead; the run stops")
 
     async def sync_weights(self, version: int) -> dict[str, float]:
-        """The actor's weights into every engine as `version` through the layout's seam; the
-        step's sync metrics."""
-        report = await self.weight_sync.sync(version)
+        """The actor's weights into every engine as `version` through the layout's seam (then
+        standalone replicas started since the last sync join); the step's sync metrics."""
+        if self.health is not None:
+            self.health.raise_if_failed()
+        if self.pool is not None:
+            report = await self.pool.sync(version)
+        else:
+            report = await self.weight_sync.sync(version)
         if report.behind():
             logger.warning("servers not on version %d after the sync: %s (left out: %s)",
                            version, report.behind(), report.left_out)
         return report.metrics()
 
+    async def wait_for_rollout(self, work: Awaitable[T]) -> T:
+        """Await `work` that needs the rollout's data (a buffer take, a generation), unless the
+        health check fails the run first (its failure is raised, naming the server)."""
+        if self.health is None:
+            return await work
+        if self.pool is not None:
+            self.pool.awaiting_rollout = True
+        try:
+            return await self.health.unless_failed(work)
+        finally:
+            if self.pool is not None:
+                self.pool.awaiting_rollout = False
+
+    async def fault_metrics(self) -> dict[str, float]:
+        """The step's fault metrics: dead, stalled and restarted servers of the rollout and the
+        served rewards, retried requests, the standalone pool's size (fleet/replicas: restarting
+        replicas count; serving/servers counts those registered)."""
+        metrics = await self.rollout.fault_metrics()
+        metrics.update(await self.rewards.fault_metrics())
+        if self.pool is not None:
+            metrics["fleet/replicas"] = float(self.pool.size())
+        if self.health is not None:
+            metrics.update(self.health.metrics())
+        return metrics
+
+    # ---- the elastic pool (standalone replicas, between steps) -----------------------------
+
+    async def add_replicas(self, count: int) -> list[str]:
+        """Start `count` standalone replicas; each serves the trainer's current version before
+        its first request (loaded now if the actor holds it, else right after the next sync)."""
+        return await self._standalone("add_replicas").add(count)
+
+    async def remove_replicas(self, count: int) -> list[str]:
+        """Stop the `count` newest standalone replicas; their running requests continue on the
+        others with the tokens they have (remove with abort, drained). At least one stays."""
+        return await self._standalone("remove_replicas").remove(count)
+
+    async def follow_schedule(self, step: int) -> None:
+        """Resize the standalone pool to rollout.elastic.schedule's size at `step` (call it right
+        after the sync of `step`, so added replicas load that version at once)."""
+        replicas = scheduled_size(self.config.rollout.elastic.schedule, step)
+        if replicas is not None:
+            await self._standalone("follow_schedule").resize(replicas)
+
+    def _standalone(self, what: str) -> RolloutPool:
+        if self.pool is None:
+            raise RuntimeError(f"{what}: {HYBRID_IS_FATAL}; only standalone replicas (rollout "
+                               "devices of their own) are added and removed")
+        return self.pool
+
     async def stop(self) -> None:
         """Stop the servers and workers and free the placement group; leave Ray to its owner."""
+        if self.health is not None:
+            await self.health.stop()
         await self.rewards.stop()
+        if self.pool is not None:
+            await self.pool.stop()
         if self.rollout is not None:
             await self.rollout.shutdown()
         for worker in self.workers:

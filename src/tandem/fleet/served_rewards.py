@@ -1,6 +1,8 @@
 """The served rewards of a run (reward.model, reward.judge): the fleet starts them on reward
 pools of their own (n_devices > 0) or on the training workers' bundles (n_devices = 0), and
-hands the scorer one weighted reward function per served model."""
+hands the scorer one weighted reward function per served model. With rollout.fault_tolerance the
+fleet's health check restarts their servers (pools()); without, a pool that lost its last
+server stops the run (check_serving) instead of failing every later sample's reward."""
 
 from __future__ import annotations
 
@@ -16,7 +18,13 @@ from tandem.rewards.scorer import RewardFunction
 from tandem.rewards.served import JudgeReward, RewardModelReward, same_tokenizer
 from tandem.serving.manager import ServerManager
 from tandem.serving.replica import ServerOptions
+from tandem.serving.remote import call
 from tandem.serving.reward_pool import RewardModelPool
+from tandem.fleet.rollout_pool import RolloutPool
+
+
+class ServedRewardLost(RuntimeError):
+    """A served reward has no server left and none is being restarted."""
 
 
 def judge_rollout_config(judge: RewardJudgeConfig) -> RolloutConfig:
@@ -35,6 +43,7 @@ class ServedRewards:
         self.config = config
         self.reward_model: RewardModelPool | None = None
         self.judge: ServerManager | None = None
+        self.judge_pool: RolloutPool | None = None  # the judge's replicas, for restarts
         self.paths: dict[str, Path] = {}
 
     async def start(self, training_group: PlacementGroup | None) -> None:
@@ -62,6 +71,27 @@ class ServedRewards:
                 self.judge = await ServerManager.create(
                     dataclasses.replace(rollout, nnodes=0, n_gpus_per_node=0), options,
                     "colocated", placement_group=training_group, bundle_indices=[0])
+            self.judge_pool = RolloutPool("judge", self.judge, None)
+
+    def pools(self) -> list:
+        """The pools the fleet's health check restarts servers of."""
+        return [pool for pool in (self.reward_model, self.judge_pool) if pool is not None]
+
+    async def check_serving(self) -> None:
+        """ServedRewardLost when a served reward has no server left and none is restarting
+        (rollout.fault_tolerance off, or a pool of one): every later sample would fail its
+        reward while the run went on."""
+        for pool in self.pools():
+            status = await call(pool.balancer, "status")
+            if not status.servers and not status.expected:
+                lost = ", ".join([*(f"{sid} died" for sid in status.dead_servers),
+                                  *(f"{sid} stalled" for sid in status.stalled_servers)])
+                field = "reward.model" if pool.name == "reward_model" else "reward.judge"
+                raise ServedRewardLost(
+                    f"{field}: no {pool.name} server is left ({lost or 'all removed'}), so every "
+                    "later sample would fail its reward; the run stops. Set "
+                    "rollout.fault_tolerance.enable=true to restart them, or give it more "
+                    f"servers ({field}.n_devices)")
 
     def functions(self, policy_tokenizer: Any) -> list[RewardFunction]:
         """One weighted "served" reward function per started model."""
@@ -83,14 +113,14 @@ class ServedRewards:
         return functions
 
     async def fault_metrics(self) -> dict[str, float]:
-        """Dead servers and retried calls of the judge and the reward model."""
+        """Dead and stalled servers (found by clients or the health check) and retried calls of
+        the judge and the reward model."""
         metrics: dict[str, float] = {}
-        for name, balancer in (("reward_model", self.reward_model and self.reward_model.balancer),
-                               ("judge", self.judge and self.judge.balancer)):
-            if balancer is not None:
-                status = await balancer.status.remote()
-                metrics[f"serving/{name}_dead_servers"] = float(len(status.dead_servers))
-                metrics[f"serving/{name}_retried_requests"] = float(status.retried_requests)
+        for pool in self.pools():
+            status = await call(pool.balancer, "status")
+            metrics[f"serving/{pool.name}_dead_servers"] = float(len(status.dead_servers))
+            metrics[f"serving/{pool.name}_stalled_servers"] = float(len(status.stalled_servers))
+            metrics[f"serving/{pool.name}_retried_requests"] = float(status.retried_requests)
         return metrics
 
     async def stop(self) -> None:
@@ -99,5 +129,6 @@ class ServedRewards:
             await self.reward_model.shutdown()
             self.reward_model = None
         if self.judge is not None:
+            await self.judge_pool.stop()
             await self.judge.shutdown()
-            self.judge = None
+            self.judge, self.judge_pool = None, None

@@ -6,7 +6,10 @@ The fit loop joins right after a sync, before the bound admits the new version's
 request sticks to its server, so only groups that start while the engines are in the balancer
 run there. Leaving removes them with abort (the resumable client continues their requests on
 the standalone servers) and puts them to sleep. These engines live inside the training workers
-and must be loaded before they join, so they get the in-process seam (InProcessSync).
+and must be loaded before they join, so they get the in-process seam (InProcessSync). They share
+the elastic pool's registration and draining removal (ServerManager.add_replica / remove_replica),
+not Fleet.add_replicas: there is no process to start or stop, and a training worker is never
+restarted (docs/trainer.md, "An elastic pool").
 """
 
 from __future__ import annotations

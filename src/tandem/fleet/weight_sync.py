@@ -138,20 +138,22 @@ class CrossProcessSync:
         self.timeout_s = timeout_s
         self.engine_kwargs = dict(engine_kwargs or {})  # receivers build the same engine
 
-    async def sync(self, version: int) -> SyncReport:
-        """One sync of the actor's weights as `version`; raises WeightSyncError on failure
-        (after resuming generation everywhere it paused it)."""
+    async def sync(self, version: int, replicas: Sequence[RolloutReplica] | None = None
+                   ) -> SyncReport:
+        """One sync of the actor's weights as `version` into `replicas` (default: every replica
+        of the fleet; a restarted or added one joins this way before it is registered); raises
+        WeightSyncError on failure (after resuming generation everywhere it paused it)."""
         timings: dict[str, float] = {}
         left_out: dict[str, str] = {}
         start = time.perf_counter()
+        targets = list(self.servers.replicas.values() if replicas is None else replicas)
         await self._encode_ahead(version, timings)
         paused_at = time.perf_counter()
-        slots, replicas = await self._offered_slots(list(self.servers.replicas.values()),
-                                                    timings, left_out)
+        slots, replicas = await self._offered_slots(targets, timings, left_out)
         if slots is not None:  # double-buffered: generation goes on; each engine flips
             await self._transfer(replicas, version, timings, slots)
             timings["sync/pause_s"] = timings.get("sync/flip_s", 0.0)
-            return await self._report(version, timings, start, left_out)
+            return await self._report(version, targets, timings, start, left_out)
         paused = _answered(replicas, await self._each(replicas, "abort", timings, left_out,
                                                       "abort_all_requests"))
         try:
@@ -167,7 +169,7 @@ class CrossProcessSync:
             await self._each(paused, "resume_generation", timings, left_out, "resume_generation")
         # abort .. resume: nothing generates (encoding ahead came before)
         timings["sync/pause_s"] = time.perf_counter() - paused_at
-        return await self._report(version, timings, start, left_out)
+        return await self._report(version, targets, timings, start, left_out)
 
     async def _encode_ahead(self, version: int, timings: dict[str, float]) -> None:
         """Every training rank's encode_weights_ahead (rank 0's sender prepares `version`; a
@@ -178,11 +180,16 @@ class CrossProcessSync:
             "prepare", f"sender rank {rank}") for rank, trainer in enumerate(self.trainers)))
         timings["sync/encode_s"] = time.perf_counter() - begin
 
-    async def _report(self, version: int, timings: dict[str, float], start: float,
+    async def _report(self, version: int, targets: list[RolloutReplica],
+                      timings: dict[str, float], start: float,
                       left_out: dict[str, str]) -> SyncReport:
         timings["sync/total_s"] = time.perf_counter() - start
         timings["sync/copy_s"] = timings.get("sync/send_s", 0.0)  # the sender's pass over the weights
-        return SyncReport(version, timings, await self.servers.weight_versions(), left_out)
+        answers = await self.servers.control("weight_version", replicas=targets,
+                                             timeout_s=self.timeout_s, on_error="leave_out")
+        served = {r.server_id: answers.results[r.server_id][0]
+                  if r.server_id in answers.results else None for r in targets}
+        return SyncReport(version, timings, served, left_out)
 
     async def _offered_slots(self, replicas: list[RolloutReplica], timings: dict[str, float],
                              left_out: dict[str, str]) -> tuple[list | None, list[RolloutReplica]]:

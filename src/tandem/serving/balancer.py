@@ -32,6 +32,7 @@ class BalancerStatus:
     dead_servers: list[str] = field(default_factory=list)  # removed because their actor died
     retried_requests: int = 0  # calls that found their server dead (each tried again elsewhere)
     stalled_servers: list[str] = field(default_factory=list)  # removed: alive, answering nothing
+    expected: list[str] = field(default_factory=list)  # being restarted: acquire() says wait
 
     def in_flight(self) -> dict[str, int]:
         """server_id -> requests in flight."""
@@ -40,6 +41,10 @@ class BalancerStatus:
 
 class NoServerError(RuntimeError):
     """Every server was removed (or none was ever added); nothing can serve the request."""
+
+
+class NoServerYet(NoServerError):
+    """No server is registered, but one is being restarted (expect()): ask again shortly."""
 
 
 class LoadBalancer:
@@ -56,12 +61,15 @@ class LoadBalancer:
         self._dead: list[str] = []
         self._stalled: list[str] = []
         self._retried = 0
+        self._expected: set[str] = set()
+        self._restarting = False  # a server reported dead is started again: expect it back
 
     def add_server(self, server_id: str, handle: Any = None) -> None:
         """Register a server and what clients that lack it get back from server_handle() (the
         manager passes [ObjectRef of its Ray handle], None for an in-process server)."""
         if server_id in self._loads:
             raise ValueError(f"server {server_id!r} is already registered")
+        self._expected.discard(server_id)
         self._loads[server_id] = ServerLoad(server_id, 0, 0)
         self._handles[server_id] = handle
 
@@ -88,7 +96,32 @@ class LoadBalancer:
             return False
         self.remove_server(server_id)
         (self._stalled if stalled else self._dead).append(server_id)
+        if self._restarting:  # until the fleet names the server it starts in its place
+            self._expected.add(server_id)
         return True
+
+    def restart_dead(self) -> None:
+        """From now on a server reported dead or stalled is expected back (the fleet restarts
+        it): clients wait while no server is registered, until expect(None)."""
+        self._restarting = True
+
+    def expect(self, server_id: str | None, expected: bool = True) -> None:
+        """A server of this id is being started (a restart): while none is registered, acquire()
+        raises NoServerYet, which clients wait on, instead of NoServerError. It ends when the id
+        is added, or with expected=False; expect(None) ends every one and restart_dead() (the
+        fleet gave up: waiting clients fail now)."""
+        if server_id is None:
+            self._expected.clear()
+            self._restarting = False
+        elif expected:
+            self._expected.add(server_id)
+        else:
+            self._expected.discard(server_id)
+
+    def in_flight_on(self, server_id: str) -> int:
+        """Requests acquired on server_id and not released yet (registered or removed)."""
+        load = self._loads.get(server_id)
+        return (load.in_flight if load else 0) + self._removed_in_flight.get(server_id, 0)
 
     def server_handle(self, server_id: str) -> Any:
         """The handle registered with a server id."""
@@ -102,6 +135,8 @@ class LoadBalancer:
 
     def acquire(self, request_id: str) -> str:
         """Choose the server for request_id and count one more request in flight on it."""
+        if not self._loads and self._expected:
+            raise NoServerYet(f"no server is registered while {sorted(self._expected)} restart")
         if not self._loads:
             raise NoServerError("the load balancer has no servers: every server was removed or "
                                 "none was added; add one with add_server() before generating")
@@ -132,11 +167,11 @@ class LoadBalancer:
 
     def status(self) -> BalancerStatus:
         """In-flight and total counts per server, sticky-map size, requests on removed servers,
-        dead and stalled servers and retried requests."""
+        dead and stalled servers, retried requests and the servers expected back."""
         return BalancerStatus([ServerLoad(l.server_id, l.in_flight, l.requests)
                                for l in self._loads.values()], len(self._sticky),
                               sum(self._removed_in_flight.values()), list(self._dead),
-                              self._retried, list(self._stalled))
+                              self._retried, list(self._stalled), sorted(self._expected))
 
 
 # Tiny and synchronous: no CPU reservation, so it never competes with servers for placement.

@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from ray.exceptions import RayActorError
 
+from tandem.serving.balancer import NoServerYet
 from tandem.serving.remote import call, is_actor, resolve, submit
 from tandem.types import GenerateRequest, TokenOutput
 
@@ -27,6 +28,8 @@ DEAD_SERVER_ERRORS = (RayActorError,)
 # While a request waits, its server must answer a cheap call (weight_version) within this long;
 # far above a busy engine step, so only a server that answers nothing at all is called stalled.
 STALL_TIMEOUT_S = 60.0
+# How often a request asks again while no server is registered but one is being restarted.
+NO_SERVER_YET_POLL_S = 0.2
 
 
 class ServerStalled(RuntimeError):
@@ -66,9 +69,14 @@ async def route(balancer: Any, request_id: str, attempt: Callable[[str], Awaitab
     """attempt(server_id) on the server the balancer picks for request_id, which is always
     released. A server that died (DEAD_SERVER_ERRORS) or stalled (ServerStalled) is reported
     to the balancer, which stops routing there, and the attempt runs again on another; none
-    left: NoServerError. The generation and reward-model clients' one routing path."""
+    left: NoServerError, unless one is being restarted (NoServerYet): then it waits for it. The
+    generation and reward-model clients' one routing path."""
     while True:  # ends: each failure removes a server, which acquire() never returns again
-        server_id = await _acquire(balancer, request_id)
+        try:
+            server_id = await _acquire(balancer, request_id)
+        except NoServerYet:  # the fleet restarts one; it ends the wait, or gives up (expect(None))
+            await asyncio.sleep(NO_SERVER_YET_POLL_S)
+            continue
         try:
             return await attempt(server_id)
         except (*DEAD_SERVER_ERRORS, ServerStalled) as error:
@@ -142,15 +150,21 @@ class ServerClient:
             f"generate({request.request_id!r}) on server {server_id!r}"), self.stall_timeout_s)
 
     async def _server(self, server_id: str) -> Any:
-        server = self.servers.get(server_id)
-        if server is None:
-            if not is_actor(self.balancer):
-                raise KeyError(f"server {server_id!r} is registered in the balancer but this "
-                               "client was not given it; pass it in `servers`")
-            registered = await resolve(submit(self.balancer, "server_handle", server_id))
-            if registered is None:
-                raise KeyError(f"server {server_id!r} was registered without a Ray handle; "
-                               "in-process servers must be passed to the client in `servers`")
-            server = await resolve(registered[0])  # [ObjectRef of the handle] (ServerManager)
-            self.servers[server_id] = server
-        return server
+        return await server_for(self.servers, self.balancer, server_id)
+
+
+async def server_for(servers: dict[str, Any], balancer: Any, server_id: str) -> Any:
+    """The handle of `server_id`: from `servers`, else (a server added after this client was
+    made or pickled: a restart, an added replica) from the balancer, then kept in `servers`."""
+    server = servers.get(server_id)
+    if server is None:
+        if not is_actor(balancer):
+            raise KeyError(f"server {server_id!r} is registered in the balancer but this "
+                           "client was not given it; pass it in `servers`")
+        registered = await resolve(submit(balancer, "server_handle", server_id))
+        if registered is None:
+            raise KeyError(f"server {server_id!r} was registered without a Ray handle; "
+                           "in-process servers must be passed to the client in `servers`")
+        server = await resolve(registered[0])  # [ObjectRef of the handle] (add_server's caller)
+        servers[server_id] = server
+    return server

@@ -50,6 +50,7 @@ class ServerManager:
         self.balancer = balancer
         self.replicas: dict[str, RolloutReplica] = {}
         self.servers: dict[str, Any] = {}  # server_id -> main server; clients share this dict
+        self.next_rank = 0  # of the next replica start_replicas() makes
 
     @classmethod
     async def create(cls, config: RolloutConfig, options: ServerOptions,
@@ -75,6 +76,7 @@ class ServerManager:
                                "first")
         balancer = LoadBalancerActor.remote() if remote else LoadBalancer()
         manager = cls(config, options, layout, balancer)
+        manager.next_rank = count
         if layout is ReplicaLayout.HYBRID:
             inits = [r.init_hybrid(hosts[r.replica_rank * world_size:][:world_size])
                      for r in replicas]
@@ -106,7 +108,25 @@ class ServerManager:
         """A client that resumes aborted requests across weight updates."""
         return ResumableClient(self.client(timeout_s), resume, max_aborts_without_progress)
 
-    # -- servers at run time (spillover) ---------------------------------------------------
+    # -- servers at run time (spillover, the elastic pool, restarts) ------------------------
+
+    async def start_replicas(self, count: int) -> list[RolloutReplica]:
+        """Start `count` more standalone replicas (placement groups of their own), not yet
+        registered: the caller loads their weights, then add_replica(). A failed start stops
+        the ones started and raises."""
+        if self.layout is not ReplicaLayout.STANDALONE:
+            raise RuntimeError(f"start_replicas: the {self.layout.value} layout places its servers "
+                               "with another role's devices; only standalone replicas are added")
+        replicas = [RolloutReplica(self.next_rank + i, self.config, self.options)
+                    for i in range(count)]
+        self.next_rank += count
+        results = await asyncio.gather(*(r.init_standalone() for r in replicas),
+                                       return_exceptions=True)
+        failures = [result for result in results if isinstance(result, BaseException)]
+        if failures:
+            await self.stop_replicas(replicas)
+            raise failures[0]
+        return replicas
 
     async def add_replica(self, replica: RolloutReplica) -> None:
         """Open generation on an initialised replica (undoing a remove_replica(abort=True)) and
@@ -132,7 +152,45 @@ class ServerManager:
         replica = self.replicas.pop(server_id)
         if abort:
             await self.control("abort_all_requests", True, replicas=[replica])
+            await self._drain(server_id)
         return replica
+
+    async def _drain(self, server_id: str) -> None:
+        """Wait (up to control_timeout_s) until every request routed to a removed server has come
+        back: in reroute mode late ones come back "aborted" at once, so this takes a moment."""
+        deadline = asyncio.get_running_loop().time() + self.options.control_timeout_s
+        while await call(self.balancer, "in_flight_on", server_id):
+            if asyncio.get_running_loop().time() > deadline:
+                logger.warning("replica %r: requests still routed there %s s after its removal",
+                               server_id, self.options.control_timeout_s)
+                return
+            await asyncio.sleep(0.01)
+
+    async def discard(self, server_id: str, stalled: bool = False) -> None:
+        """A server found dead (or stalled) leaves the fleet and the balancer, counted in
+        status().dead_servers (stalled_servers) unless a client reported it first."""
+        self.replicas.pop(server_id, None)
+        await call(self.balancer, "report_dead", server_id, 0, stalled)
+
+    async def stop_replicas(self, replicas: list[RolloutReplica]) -> list[BaseException]:
+        """Shut replicas down (their engines, then their processes and the groups they own);
+        returns the errors other than dead servers. A server the balancer removed (dead or
+        stalled) is not asked, and one that gives no answer is not an error: release() kills
+        both."""
+        try:
+            status = await self.status()
+            removed = {*status.dead_servers, *status.stalled_servers}
+        except Exception:  # the balancer is gone too: ask every server
+            removed = set()
+        asked = [replica for replica in replicas if replica.server_id not in removed]
+        answers = await self.control("shutdown", replicas=asked, on_error="leave_out")
+        for replica in replicas:
+            replica.release()
+        for error in answers.left_out.values():
+            if isinstance(error, ControlTimeout):
+                logger.warning("%s; its process was killed", error)
+        return [error for error in answers.left_out.values()
+                if not isinstance(error, (*DEAD_SERVER_ERRORS, ControlTimeout))]
 
     async def status(self) -> BalancerStatus:
         """The balancer's view: in-flight and total requests per server."""
@@ -211,25 +269,11 @@ class ServerManager:
             raise errors[0]
 
     async def _stop(self, replicas: list[RolloutReplica]) -> list[BaseException]:
-        """Shut the engines down, free the replicas' processes and groups, kill the balancer;
-        returns the errors other than dead servers. A server the balancer removed (dead or
-        stalled) is not asked, and one that gives no answer is not an error: release() kills both."""
-        try:
-            status = await self.status()
-            removed = {*status.dead_servers, *status.stalled_servers}
-        except Exception:  # the balancer is gone too: ask every server
-            removed = set()
-        asked = [replica for replica in replicas if replica.server_id not in removed]
-        answers = await self.control("shutdown", replicas=asked, on_error="leave_out")
-        for replica in replicas:
-            replica.release()
+        """stop_replicas(), then kill the balancer; returns the errors other than dead servers."""
+        errors = await self.stop_replicas(replicas)
         if is_actor(self.balancer):
             ray.kill(self.balancer)
-        for server_id, error in answers.left_out.items():
-            if isinstance(error, ControlTimeout):
-                logger.warning("%s; its process was killed", error)
-        return [error for error in answers.left_out.values()
-                if not isinstance(error, (*DEAD_SERVER_ERRORS, ControlTimeout))]
+        return errors
 
 
 async def _on_server(replica: RolloutReplica, index: int, verb: str, args: tuple,

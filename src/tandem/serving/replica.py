@@ -77,6 +77,7 @@ class RolloutReplica:
         self.infos: list[ServerInfo] = []
         self.placement_group: PlacementGroup | None = None
         self._owns_placement_group = False
+        self._bundle: tuple[int, dict[str, float]] | None = None  # (index, resources) placed on
 
     # -- the three init paths ---------------------------------------------------------------
 
@@ -109,12 +110,20 @@ class RolloutReplica:
         """Reserve world_size devices as one bundle of a placement group of its own and start a
         server holding all of them (load-time checks keep a footprint within one node)."""
         self._begin(ReplicaLayout.STANDALONE)
+        bundle = await self.init_standalone_group()
+        await self._start([self._place_server(self.placement_group, 0, bundle)],
+                          self.options.threads())
+
+    async def init_standalone_group(self) -> dict[str, float]:
+        """Reserve this replica's own placement group: one bundle of world_size devices."""
         bundle = {name: amount * self.world_size for name, amount in self.options.bundle().items()}
-        group = await reserve([bundle], "STRICT_PACK", self.options.start_timeout_s,
-                              f"standalone replica {self.replica_rank} ({bundle}; "
-                              "rollout.nnodes / rollout.n_gpus_per_node)")
-        self.placement_group, self._owns_placement_group = group, True
-        await self._start([self._place_server(group, 0, bundle)], self.options.threads())
+        self.placement_group = await reserve(
+            [bundle], "STRICT_PACK", self.options.start_timeout_s,
+            f"standalone replica {self.server_id!r} ({bundle}; rollout.nnodes / "
+            "rollout.n_gpus_per_node)")
+        self._owns_placement_group = True
+        self._bundle = (0, bundle)
+        return bundle
 
     def _begin(self, layout: ReplicaLayout) -> None:
         if self.layout is not None:
@@ -124,6 +133,7 @@ class RolloutReplica:
 
     def _place_server(self, group: PlacementGroup, bundle_index: int,
                       resources: dict[str, float]) -> Any:
+        self._bundle = (bundle_index, resources)
         return RolloutServerActor.options(**in_bundle(group, bundle_index, resources)).remote(
             self.server_id, self.options.pause_timeout_s, self.options.drain_timeout_s)
 
@@ -139,6 +149,49 @@ class RolloutReplica:
             raise ControlTimeout(f"replica {self.replica_rank} ({self.server_id!r}): the "
                                  f"{self.config.name} engine did not start within "
                                  f"{options.start_timeout_s} s (trainer.timeout_s)") from None
+
+    # -- a restart --------------------------------------------------------------------------
+
+    def kill(self) -> None:
+        """Kill the server processes now (a dead or stalled server: no shutdown call), keeping
+        the placement group, whose bundle start_again() starts the next server in."""
+        if self.layout is ReplicaLayout.HYBRID:
+            raise RuntimeError(f"replica {self.server_id!r} lives in a training worker, which is "
+                               "never killed or restarted")
+        for server in self.servers:
+            ray.kill(server, no_restart=True)
+
+    async def start_again(self, server_id: str) -> RolloutReplica:
+        """A replica like this killed one, named `server_id`, started in the same bundle (or, if
+        its own placement group is gone, in a new one); it takes over the placement group, which
+        comes back to this replica on an error (so start_again can be tried again)."""
+        if self.layout is None or self.layout is ReplicaLayout.HYBRID or self._bundle is None:
+            raise RuntimeError(f"replica {self.server_id!r} ({self.layout}) cannot be started "
+                               "again: only placed standalone or colocated servers can")
+        again = RolloutReplica(self.replica_rank, self.config, self.options)
+        again.server_id = server_id
+        again._begin(self.layout)
+        group, owned = self.placement_group, self._owns_placement_group
+        self.placement_group, self._owns_placement_group, self.servers = None, False, []
+        try:
+            if owned and not _placed(group):  # its node went away: Ray removed or re-places it
+                if group is not None:
+                    remove_placement_group(group)
+                await again.init_standalone_group()
+            else:
+                again.placement_group, again._owns_placement_group = group, owned
+                await wait_placed(group, self.options.start_timeout_s,
+                                  f"replica {server_id!r} (a restart of {self.server_id!r})")
+            index, resources = self._bundle
+            await again._start([again._place_server(again.placement_group, index, resources)],
+                               self.options.threads())
+        except BaseException:  # the placement goes back to this replica: a retry starts there
+            for server in again.servers:
+                ray.kill(server, no_restart=True)
+            self.placement_group = again.placement_group
+            self._owns_placement_group = again._owns_placement_group
+            raise
+        return again
 
     # -- what the manager and balancer see --------------------------------------------------
 
@@ -164,3 +217,9 @@ class RolloutReplica:
             remove_placement_group(self.placement_group)
             self.placement_group = None
         self.servers = []
+
+
+def _placed(group: PlacementGroup | None) -> bool:
+    """Whether a placement group still exists (not removed)."""
+    return group is not None and (
+        ray.util.placement_group_table(group).get("state") not in ("REMOVED", None))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from tandem.serving.client import STALL_TIMEOUT_S, route, unless_stalled
+from tandem.serving.client import STALL_TIMEOUT_S, route, server_for, unless_stalled
 from tandem.serving.remote import resolve, submit
 
 
@@ -28,7 +28,7 @@ class RewardModelClient:
                            "reward server")
 
     async def _score_on(self, server_id: str, sequences: list[list[int]]) -> list[float | None]:
-        server = self.servers[server_id]
+        server = await server_for(self.servers, self.balancer, server_id)
         return await unless_stalled(server, server_id, resolve(
             submit(server, "score", sequences), self.timeout_s,
             f"score() on reward server {server_id!r}"), self.stall_timeout_s)

@@ -1,10 +1,13 @@
 """The reward-model pool: one RewardModelServer actor per reserved device, each on a placement
 group of its own (as standalone rollout replicas are), or sharing the training workers' bundles
-(n_devices=0), registered with a load balancer of its own; hands out RewardModelClients."""
+(n_devices=0), registered with a load balancer of its own; hands out RewardModelClients. A server
+found dead or stalled can be started again in its place (retire, start_again: the fleet's health
+check, rollout.fault_tolerance)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import ray
@@ -18,15 +21,23 @@ from tandem.serving.remote import call
 from tandem.serving.reward_client import RewardModelClient
 from tandem.serving.reward_server import RewardModelServerActor, RewardServerInfo
 
+logger = logging.getLogger(__name__)
+
 
 class RewardModelPool:
     """The reward servers of a run, their placement groups and their balancer."""
 
+    name = "reward_model"  # in the fleet's errors and metrics
+
     def __init__(self) -> None:
         self.balancer: Any = None
-        self.servers: dict[str, Any] = {}
+        self.servers: dict[str, Any] = {}  # the serving ones; clients share this dict
         self.infos: dict[str, RewardServerInfo] = {}
+        self.lock = asyncio.Lock()  # the health check's: restarts are its only membership change
         self._groups: list[PlacementGroup] = []
+        self._options: dict[str, dict] = {}  # server_id -> its actor options (its bundle)
+        self._start: tuple = ()  # start()'s arguments, the same for every server
+        self._start_timeout_s = 600.0
 
     @classmethod
     async def create(cls, model_path: str, config: RewardModelConfig, dtype: str = "float32",
@@ -36,22 +47,69 @@ class RewardModelPool:
         0) and register them; a failed start stops what was started."""
         pool = cls()
         pool.balancer = LoadBalancerActor.remote()
+        pool._start = (model_path, dtype, device, config.torch_threads, config.max_batch_size,
+                       config.max_length)
+        pool._start_timeout_s = start_timeout_s
         try:
             placements = await pool._placements(config, device, shared_group, start_timeout_s)
-            for index, options in enumerate(placements):
-                pool.servers[f"reward-{index}"] = RewardModelServerActor.options(**options).remote(
-                    f"reward-{index}")
-            infos = await asyncio.gather(*(
-                call(server, "start", model_path, dtype, device, config.torch_threads,
-                     config.max_batch_size, config.max_length, timeout_s=start_timeout_s)
-                for server in pool.servers.values()))
-            for server_id, info in zip(pool.servers, infos):
-                pool.infos[server_id] = info
-                await call(pool.balancer, "add_server", server_id)
+            await asyncio.gather(*(pool._start_server(f"reward-{index}", options)
+                                   for index, options in enumerate(placements)))
+            for server_id, server in pool.servers.items():
+                await pool._register(server_id, server)
         except BaseException:
             await pool.shutdown()
             raise
         return pool
+
+    async def _start_server(self, server_id: str, options: dict) -> Any:
+        """Start one server with `options` (its bundle) and load the model."""
+        self._options[server_id] = options
+        server = RewardModelServerActor.options(**options).remote(server_id)
+        self.servers[server_id] = server
+        self.infos[server_id] = await call(server, "start", *self._start,
+                                           timeout_s=self._start_timeout_s)
+        return server
+
+    async def _register(self, server_id: str, server: Any) -> None:
+        # the handle inside an object reference, as ServerManager.add_replica does
+        await call(self.balancer, "add_server", server_id, [ray.put(server)])
+
+    # -- restarts (the fleet's health check) -------------------------------------------------
+
+    def probe_targets(self) -> dict[str, Any]:
+        """server_id -> server of every member (the health check probes them)."""
+        return dict(self.servers)
+
+    def joining(self) -> set[str]:
+        """Members not registered on purpose: none (a restarted server registers at once)."""
+        return set()
+
+    def changes(self) -> int:
+        """Weight changes a probe could have been slowed by: none, the weights are fixed."""
+        return 0
+
+    async def retire(self, server_id: str, stalled: bool) -> str:
+        """A server found dead or stalled leaves the balancer (counted) and is killed; returns
+        what start_again() takes."""
+        await call(self.balancer, "report_dead", server_id, 0, stalled)
+        server = self.servers.pop(server_id)
+        self.infos.pop(server_id, None)
+        ray.kill(server, no_restart=True)
+        return server_id
+
+    async def start_again(self, retired: str, server_id: str) -> None:
+        """Start `server_id` in the bundle of the retired server and register it."""
+        options = self._options.pop(retired)
+        try:
+            await self._register(server_id, await self._start_server(server_id, options))
+        except BaseException:  # the bundle stays the retired one's: a retry starts there
+            server = self.servers.pop(server_id, None)
+            if server is not None:
+                ray.kill(server, no_restart=True)
+            self._options.pop(server_id, None)
+            self.infos.pop(server_id, None)
+            self._options[retired] = options
+            raise
 
     async def _placements(self, config: RewardModelConfig, device: str,
                           shared_group: PlacementGroup | None, timeout_s: float) -> list[dict]:
@@ -93,5 +151,6 @@ class RewardModelPool:
             ray.kill(self.balancer)
         for group in self._groups:
             remove_placement_group(group)
-        self.servers, self._groups, self.balancer = {}, [], None
+        self.servers.clear()
+        self._groups, self.balancer = [], None
 

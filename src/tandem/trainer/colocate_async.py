@@ -26,6 +26,7 @@ async def fit_colocate_async(trainer: RLTrainer,
     await fleet.wake_rollout(["weights"])
     await fleet.sync_weights(trainer.step)
     await fleet.wake_rollout(["kv_cache"])
+    await fleet.follow_schedule(trainer.step)  # rollout.elastic (standalone replicas only)
     trainer.startup.mark("weights")
     validation = await trainer.validate_first(on_validation)
     batch_size = trainer.config.data.train_batch_size
@@ -38,7 +39,8 @@ async def fit_colocate_async(trainer: RLTrainer,
         for _ in bar:
             timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{trainer.algorithm_name} [{phase}]"))
             with timer.phase("wait_rollout"):
-                groups, stale, buffer_metrics = await buffer.take(batch_size, trainer.step)
+                groups, stale, buffer_metrics = await fleet.wait_for_rollout(
+                    buffer.take(batch_size, trainer.step))
             if policy.on_stale == "regenerate":
                 for group in stale:
                     producer.resubmit(group)
@@ -66,6 +68,8 @@ async def fit_colocate_async(trainer: RLTrainer,
                 await fleet.wake_rollout(["weights"])
                 metrics.update(await fleet.sync_weights(trainer.step))
                 await fleet.wake_rollout(["kv_cache"])
+            with timer.phase("resize"):
+                await fleet.follow_schedule(trainer.step)
             buffer.serving(trainer.step)  # the bound now admits groups that start at this version
             with timer.phase("resume"):
                 await fleet.resume()

@@ -9,7 +9,8 @@ from tandem.extras import install_command
 from tandem.trainer.metrics import read_metrics
 
 TIMELINE_PHASES = ("generate", "wait_rollout", "spill_join", "spill_leave", "abort", "sleep", "reward",
-                   "old_log_prob", "ref_log_prob", "values", "advantages", "update", "sync", "resume")
+                   "old_log_prob", "ref_log_prob", "values", "advantages", "update", "sync", "resize",
+                   "resume")
 # the parts of a cross-process sync drawn inside its bar (the rest of the sync stays "sync")
 SYNC_PARTS = {"sync_copy": "sync copy (generation continues)",
               "sync_pause": "sync flip / pause (generation stopped)"}
@@ -20,7 +21,8 @@ def phase_colours() -> dict[str, tuple[float, ...]]:
     from matplotlib import colormaps
 
     palette = colormaps["tab20"]
-    colours = {phase: tuple(palette(index)) for index, phase in enumerate(TIMELINE_PHASES)}
+    free = [index for index in range(palette.N) if index not in (14, 18)]  # the sync parts'
+    colours = {phase: tuple(palette(index)) for index, phase in zip(free, TIMELINE_PHASES)}
     return colours | {"sync_copy": tuple(palette(18)), "sync_pause": tuple(palette(14))}
 
 

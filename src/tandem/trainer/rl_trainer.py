@@ -186,10 +186,12 @@ class RLTrainer:
     async def compute_rewards(self, trajectories: list[Trajectory]) -> None:
         """Colocated order: score trajectories after sampling when reward.placement=
         after_sampling (with agent_loop the loops scored them already); batched reward
-        functions see them all at once."""
+        functions see them all at once. A served reward left with no server stops the run
+        here, before an update trains on rewards that failed for want of one."""
         if self.config.reward.placement == "after_sampling":
             await self.rewards.score([t for t in trajectories if not continued_later(t)])
             share_split_rewards(trajectories)
+        await self.fleet.rewards.check_serving()
 
     # ---- weights outside a mode (tandem eval / serve) ----------------------------------
 
@@ -351,8 +353,7 @@ class RLTrainer:
                                     self.mini_batch_trajectories()))
         record.update(timer.metrics())
         record.update(rollout_metrics(trajectories, timer.times))
-        record.update(await self.fleet.rollout.fault_metrics())  # dead servers, retried requests
-        record.update(await self.fleet.rewards.fault_metrics())
+        record.update(await self.fleet.fault_metrics())  # dead, stalled, restarted servers
         if self.reward_worker is not None:  # scoring that overlapped generation (timeline)
             record["time/reward_overlapped"] = self.reward_worker.take_busy_seconds()
         record["rollout/failed_sessions"] = len(self.runner.take_failures())

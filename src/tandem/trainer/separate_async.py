@@ -3,7 +3,8 @@ generating while the actor trains on the hybrid workers (seed §12.3; docs/train
 
 A producer keeps prompt groups generating into the rollout buffer without pause;
 `fit_separate_async` below is a step's phase order: parameter_sync_step mini-batch updates, then
-one weight sync through the checkpoint engine (the servers never sleep, so nothing is woken).
+one weight sync through the checkpoint engine (the servers never sleep, so nothing is woken),
+then the pool takes rollout.elastic's size for the new step.
 With trainer.separate_async.spillover the training workers' engines generate too while the
 trainer waits (fleet/spillover.py). Resume is as in colocate_async.
 """
@@ -33,6 +34,7 @@ async def fit_separate_async(trainer: RLTrainer,
     if config.resume:
         await trainer.load_latest_checkpoint()
     await fleet.sync_weights(trainer.step)
+    await fleet.follow_schedule(trainer.step)  # rollout.elastic: the pool's size at this step
     trainer.startup.mark("weights")
     validation = await trainer.validate_first(on_validation)
     spill = None
@@ -54,7 +56,7 @@ async def fit_separate_async(trainer: RLTrainer,
             trajectories, batches, parts = [], [], []
             spilled = spill.spilled_tokens if spill else 0
             for _ in range(sync_step):
-                with timer.phase("wait_rollout"):  # a pool that answers nothing stops the run
+                with timer.phase("wait_rollout"):  # a silent pool stops the run, or restarts
                     groups, stale, buffer_metrics = await fleet.while_rollout_answers(
                         buffer.take(mini_batch, trainer.step), "wait_rollout")
                 if spill is not None:
@@ -84,6 +86,8 @@ async def fit_separate_async(trainer: RLTrainer,
             trainer.step += 1
             with timer.phase("sync"):
                 sync_metrics = await fleet.sync_weights(trainer.step)
+            with timer.phase("resize"):  # added replicas load the version just synced
+                await fleet.follow_schedule(trainer.step)
             # the actor holds the served version until the next update; joining before the bound
             # admits this version's groups lets them start on the spill engines too
             if spill is not None and spill.should_join(buffer.depth, trainer.step,

@@ -23,6 +23,7 @@ async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = No
     await fleet.wake_rollout(["weights"])
     await fleet.sync_weights(trainer.step)
     await fleet.wake_rollout(["kv_cache"])
+    await fleet.follow_schedule(trainer.step)  # rollout.elastic (standalone replicas only)
     trainer.startup.mark("weights")
     validation = await trainer.validate_first(on_validation)
     bar = progress_bar(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
@@ -33,8 +34,8 @@ async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = No
         try:
             with timer.phase("generate"):
                 trajectories = (load_rollouts(debug.load_rollouts, trainer.step + 1)
-                                if debug.train_only else
-                                await trainer.generate(trainer.train_rows(trainer.step), trainer.step))
+                                if debug.train_only else await fleet.wait_for_rollout(
+                                    trainer.generate(trainer.train_rows(trainer.step), trainer.step)))
         except AllSessionsFailed as error:
             await trainer.skip_step(error)
             continue
@@ -64,6 +65,8 @@ async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = No
             await fleet.wake_rollout(["weights"])
             metrics.update(await fleet.sync_weights(trainer.step))
             await fleet.wake_rollout(["kv_cache"])
+        with timer.phase("resize"):
+            await fleet.follow_schedule(trainer.step)
         metrics = await trainer.step_record(trajectories, [batch], metrics, timer)
         if trainer.validation_due():
             metrics.update(await trainer.validate_and_report(on_validation))

@@ -1,0 +1,274 @@
+"""Issue 42 end to end on a tiny model, trainer_mode=separate_async: standalone servers SIGKILLed
+and SIGSTOPped mid-run are restarted, re-synced and rejoin while training goes on
+(rollout.fault_tolerance), past the budget the run fails naming the server; the pool grows from
+1 to 3 replicas and back (rollout.elastic.schedule), each new replica on the trainer's version
+before its first request. No trajectory is lost or trained twice, and the tokens the engines
+returned are exactly the trained ones."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections import Counter
+
+import pytest
+from test_trainer_colocate_async import CountingClient
+from test_trainer_sync import tiny_config
+
+from tandem.fleet.health import ServerRestartError
+from tandem.serving.remote import call
+from tandem.trainer.metrics import read_metrics
+from tandem.trainer.rl_trainer import RLTrainer
+from tandem.trainer.separate_async import fit_separate_async
+from tandem.types import GenerateRequest
+
+QUICK = ["trainer.trainer_mode=separate_async", "rollout.multi_turn.enable=false",
+         "rollout.multi_turn.tools=[]", "rollout.response_length=24",
+         "trainer.async_rollout.max_staleness=2", "data.val_files=[]"]
+FAULTS = ["rollout.fault_tolerance.enable=true", "rollout.fault_tolerance.health_interval_s=1"]
+
+
+async def until(predicate, timeout_s: float = 120.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+class Run:
+    """A trainer with spies: trained trajectories, the tokens the client got back, and hooks
+    called after the sync of a version (`after_sync[version]`) or in a step's first update
+    (`in_update[step]`)."""
+
+    def __init__(self, config) -> None:
+        self.trainer = RLTrainer(config)
+        self.trained: list[tuple[str, int, int]] = []  # (uid, session, policy tokens)
+        self.after_sync: dict[int, object] = {}
+        self.in_update: dict[int, object] = {}
+        self.counter: CountingClient | None = None
+
+    async def start(self) -> None:
+        trainer = self.trainer
+        await trainer.start()
+        self.counter = CountingClient(trainer.runner.loop.client.client)
+        trainer.runner.loop.client.client = self.counter
+        make_batch, sync, update = trainer.make_batch, trainer.fleet.sync_weights, trainer.update
+
+        def batch_spy(trajectories):
+            self.trained += [(t.uid, t.session_id, int(t.response_mask.sum())) for t in trajectories]
+            return make_batch(trajectories)
+
+        async def sync_spy(version):
+            metrics = await sync(version)
+            hook = self.after_sync.pop(version, None)
+            if hook is not None:
+                await hook()
+            return metrics
+
+        async def update_spy(batch):
+            hook = self.in_update.pop(trainer.step, None)
+            if hook is not None:
+                await hook()
+            return await update(batch)
+
+        trainer.make_batch, trainer.fleet.sync_weights, trainer.update = batch_spy, sync_spy, update_spy
+
+    def check_whole(self) -> None:
+        """Every group of every step trained once, with exactly the tokens the client got."""
+        config = self.trainer.config
+        keys = Counter((uid, session) for uid, session, _ in self.trained)
+        assert len(keys) == config.trainer.total_steps * config.data.train_batch_size * config.rollout.n
+        assert set(keys.values()) == {1}
+        for uid, session, tokens in self.trained:
+            assert self.counter.tokens[f"{uid}-{session}"] == tokens
+
+    async def greedy_per_replica(self) -> dict[str, tuple[int, list[int], list[int]]]:
+        """server_id -> (its version, its greedy tokens, the actor's) on one prompt."""
+        trainer = self.trainer
+        prompt = trainer.runner.loop.chat_format.prompt_ids(trainer.train_rows(0)[0].messages)
+        actor = await trainer.workers[0].actor_greedy.remote(prompt, 8)
+        answers = {}
+        for server_id, replica in trainer.fleet.rollout.replicas.items():
+            output = await call(replica.main_server, "generate", GenerateRequest(
+                f"greedy-{server_id}", prompt, {"temperature": 0.0, "max_tokens": 8}))
+            answers[server_id] = (output.extra_fields["global_steps"], output.token_ids, actor)
+        return answers
+
+
+def records_of(tmp_path) -> list[dict]:
+    return [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "time/update" in r]
+
+
+def test_killed_and_stalled_servers_come_back_on_the_trainers_version(tmp_path, ray_cluster):
+    config = tiny_config(tmp_path, *QUICK, *FAULTS, "trainer.total_steps=8",
+                         "rollout.nnodes=1", "rollout.n_gpus_per_node=2",
+                         "rollout.fault_tolerance.max_restarts=2")
+    run = Run(config)
+    stopped = []
+
+    async def main():
+        await run.start()
+        fleet = run.trainer.fleet
+
+        async def kill_mid_step():  # the actor is moving on: the new one joins at the next sync
+            ray_kill(fleet.rollout.replicas["replica-1"].main_server)
+            await until(lambda: fleet.health.restarts == 1)
+
+        async def stall_after_sync():  # the actor holds the version: the new one loads it now
+            stopped.append(fleet.rollout.replicas["replica-0"].infos[0].pid)
+            os.kill(stopped[0], signal.SIGSTOP)
+            await until(lambda: "replica-0-r1" in fleet.rollout.replicas)
+
+        run.in_update[2] = kill_mid_step
+        run.after_sync[5] = stall_after_sync
+        try:
+            await fit_separate_async(run.trainer)
+            return run.trainer.step, await run.greedy_per_replica()
+        finally:
+            if stopped:
+                _continue(stopped[0])
+            await run.trainer.stop()
+
+    step, greedy = asyncio.run(main())
+    assert step == 8
+    # both restarted, both serve the trainer's version: greedy tokens are the actor's
+    assert sorted(greedy) == ["replica-0-r1", "replica-1-r1"]
+    for version, tokens, actor in greedy.values():
+        assert version == 8 and tokens == actor
+    run.check_whole()
+    records = records_of(tmp_path)
+    assert [r["fleet/restarts_total"] for r in records][-1] == 2
+    assert sum(r["fleet/restarts"] for r in records) == 2
+    assert records[-1]["serving/dead_servers"] == 1 and records[-1]["serving/stalled_servers"] == 1
+    assert all(r["fleet/replicas"] == 2 for r in records)
+    assert all(r["weight_version"] == r["step"] for r in records)
+    with pytest.raises(ProcessLookupError):
+        os.kill(stopped[0], 0)  # the stalled process was killed
+
+
+def test_past_max_restarts_the_run_fails_naming_the_server(tmp_path, ray_cluster):
+    config = tiny_config(tmp_path, *QUICK, *FAULTS, "trainer.total_steps=6",
+                         "rollout.fault_tolerance.max_restarts=0")
+    run = Run(config)
+
+    async def main():
+        await run.start()
+        replica = run.trainer.fleet.rollout.replicas["replica-0"]
+
+        async def kill():
+            ray_kill(replica.main_server)
+
+        run.after_sync[1] = kill
+        try:
+            await fit_separate_async(run.trainer)
+        finally:
+            await run.trainer.stop()
+
+    with pytest.raises(ServerRestartError, match=r"rollout server 'replica-0' died .* past "
+                                                 r"rollout.fault_tolerance.max_restarts=0: the run "
+                                                 r"stops. Raise max_restarts"):
+        asyncio.run(asyncio.wait_for(main(), 240))
+
+
+def test_the_pool_grows_from_one_to_three_and_back_each_new_replica_on_the_version(
+        tmp_path, ray_cluster):
+    config = tiny_config(tmp_path, *QUICK, "trainer.total_steps=6",
+                         "rollout.elastic.schedule=[[2,3],[4,1]]")
+    run = Run(config)
+    joined = []  # (server_id, its version, the pool's, requests it had served) at registration
+
+    async def main():
+        await run.start()
+        pool = run.trainer.fleet.pool
+        add_replica = pool.manager.add_replica
+
+        async def spy(replica):
+            stats = await call(replica.main_server, "stats")
+            joined.append((replica.server_id, stats["weight_version"], pool.version,
+                           stats["requests"]))
+            await add_replica(replica)
+
+        pool.manager.add_replica = spy
+        try:
+            await fit_separate_async(run.trainer)
+            return run.trainer.step, sorted(run.trainer.fleet.rollout.replicas)
+        finally:
+            await run.trainer.stop()
+
+    step, replicas = asyncio.run(main())
+    assert step == 6 and replicas == ["replica-0"]
+    assert [(sid, version, served) for sid, version, served, _ in joined] == [
+        ("replica-1", 2, 2), ("replica-2", 2, 2)]
+    assert all(requests == 0 for *_, requests in joined)  # synced before its first request
+    run.check_whole()
+    records = records_of(tmp_path)
+    assert [r["fleet/replicas"] for r in records] == [1, 3, 3, 1, 1, 1]
+    assert all("throughput/generated_tokens_per_second" in r for r in records)
+    assert all(r["serving/retried_requests"] == 0 and r["serving/dead_servers"] == 0
+               for r in records)
+
+
+def ray_kill(server) -> None:
+    import ray
+
+    ray.kill(server, no_restart=True)
+
+
+def _continue(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+SERVED = ["reward.placement=after_sampling", "reward.rule_weight=0", "reward.model.enable=true",
+          "reward.model.path=tiny:reward", "rollout.multi_turn.enable=false",
+          "rollout.multi_turn.tools=[]", "rollout.response_length=8", "data.val_files=[]",
+          "trainer.total_steps=3"]
+
+
+@pytest.mark.parametrize("restarts", [True, False])
+def test_a_killed_reward_server_is_restarted_or_the_run_stops_clearly(tmp_path, ray_cluster,
+                                                                      restarts):
+    from tandem.fleet.served_rewards import ServedRewardLost
+    from tandem.rewards.scorer import FAILED
+    from tandem.trainer.sync import fit_sync
+
+    config = tiny_config(tmp_path, *SERVED, *(FAULTS if restarts else []))
+    trainer = RLTrainer(config)
+    scored = []
+
+    async def main():
+        await trainer.start()
+        rewards, sync, make_batch = trainer.fleet.rewards, trainer.fleet.sync_weights, trainer.make_batch
+
+        async def sync_spy(version):
+            metrics = await sync(version)
+            if version == 1:  # between step 1 and step 2: the reward pool's only server dies
+                ray_kill(rewards.reward_model.servers["reward-0"])
+            return metrics
+
+        def batch_spy(trajectories):
+            scored.extend(dict(t.reward_extra) for t in trajectories)
+            return make_batch(trajectories)
+
+        trainer.fleet.sync_weights, trainer.make_batch = sync_spy, batch_spy
+        try:
+            await fit_sync(trainer)
+            return trainer.step
+        finally:
+            await trainer.stop()
+
+    if not restarts:
+        with pytest.raises(ServedRewardLost, match=r"reward.model: no reward_model server is "
+                                                   r"left \(reward-0 died\)"):
+            asyncio.run(main())
+        assert [r["step"] for r in records_of(tmp_path)] == [1]  # step 2 never trained
+        return
+    assert asyncio.run(main()) == 3
+    assert len(scored) == 3 * 2 * 2 and not any(extra.get(FAILED) for extra in scored)
+    records = records_of(tmp_path)
+    assert records[-1]["fleet/restarts_total"] == 1
+    assert records[-1]["serving/reward_model_dead_servers"] == 1
