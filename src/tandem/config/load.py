@@ -21,6 +21,7 @@ from tandem.config.choices import ConfigError, choice_problem
 from tandem.config.footprint import fleet_problem
 from tandem.config.lora_check import derive_lora_rank, lora_problem
 from tandem.config.ranges import out_of_range
+from tandem.config.replay_check import derive_replay_sampling_mask, replay_problem
 from tandem.config.reward_check import served_reward_problem
 from tandem.config.rollout_check import rollout_problem
 from tandem.config.schema import TandemConfig
@@ -61,6 +62,7 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None,
                           "Fix the value's type or spelling in the YAML or override.") from None
     derive_separate_async(config, given)
     derive_lora_rank(config, given)
+    derive_replay_sampling_mask(config, given)
     validate(config)
     return config
 
@@ -217,7 +219,7 @@ def _all_keys(cls: type, prefix: str = "") -> Iterator[str]:
 # tandem.preflight, before Ray or torch start.
 CHECKS: tuple[Callable[[TandemConfig], str | None], ...] = (
     out_of_range, choice_problem, fleet_problem, rollout_problem, trainer_problem, sync_problem,
-    lora_problem, training_problem, served_reward_problem)
+    lora_problem, training_problem, served_reward_problem, replay_problem)
 
 
 def validate(config: TandemConfig) -> None:
