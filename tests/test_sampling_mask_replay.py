@@ -26,7 +26,7 @@ from tandem.rollout.engine.sequence import Sequence
 from tandem.rollout.native import NativeRollout
 from tandem.rollout.vllm import VLLMRollout
 from tandem.training.engine import TrainingEngine
-from tandem.training.forward import token_entropy, token_log_probs
+from tandem.training.forward import actor_forward, token_entropy, token_log_probs
 from tandem.training.lm_head import chunked_log_probs
 from tandem.types import GenerateRequest, KeptSets, SamplingParams, TokenOutput
 
@@ -133,7 +133,7 @@ def test_config_turns_replay_on_for_truncated_native_sampling_and_refuses_it_els
                                "actor.replay_sampling_mask=true"])
     with pytest.raises(ConfigError, match="actor.replay_sampling_mask: .*keep the whole vocabulary"):
         load_config(overrides=["actor.replay_sampling_mask=true"])
-    with pytest.raises(ConfigError, match="rollout.return_kept_sets: is derived"):
+    with pytest.raises(ConfigError, match="rollout.return_kept_sets: is True but actor.replay"):
         load_config(overrides=["rollout.return_kept_sets=true"])
     with pytest.raises(ValueError, match="return_kept_sets"):
         VLLMRollout.check_request(GenerateRequest("r", [1], {"return_kept_sets": True}))
@@ -182,5 +182,20 @@ async def test_replay_closes_the_rollout_gap_to_float32_noise(tiny_path):
     print(f"rollout_gap/abs_diff_mean: replay on {replay_on:.2e}, off {replay_off:.4f}; "
           f"mean -log S {mean_log_s:.4f}")
     assert replay_on < 1e-5
+    full_logits = actor_forward(model, batch, True, 0.8, logits_chunk_bytes=None).padded("log_probs")
+    assert logprob_gap_metrics(padded_field(batch["rollout_log_probs"]), full_logits.detach(),
+                               padded_field(batch["response_mask"]))["rollout_gap/abs_diff_mean"] < 1e-5
     assert mean_log_s > 0.05  # the filters really truncate
     assert replay_off == pytest.approx(mean_log_s, rel=1e-3)
+
+
+def test_recorded_rollouts_keep_their_kept_sets(tmp_path):
+    from tandem.trainer.rollout_files import load_rollouts, save_rollouts
+
+    builder = ResponseBuilder([5, 6])
+    builder.add_model_output(TokenOutput([9, 4], [-0.1, -0.2], "completed", {"global_steps": 0},
+                                         KeptSets(torch.tensor([2, 0], dtype=torch.int32),
+                                                  torch.tensor([3, 9], dtype=torch.int32))), 8)
+    save_rollouts(tmp_path, 1, [builder.to_trajectory("u", 0, 2, "completed")])
+    (back,) = load_rollouts(tmp_path, 1)
+    assert back.kept_sets.counts.tolist() == [2, 0] and back.kept_sets.ids.tolist() == [3, 9]

@@ -19,11 +19,12 @@ def truncates(config: TandemConfig) -> bool:
 def derive_replay_sampling_mask(config: TandemConfig, given: set[str]) -> None:
     """Resolve actor.replay_sampling_mask and set rollout.return_kept_sets from it."""
     actor, rollout = config.actor, config.rollout
-    if "rollout.return_kept_sets" in given:
-        raise ConfigError("rollout.return_kept_sets: is derived from actor.replay_sampling_mask; "
-                          "leave it unset and set actor.replay_sampling_mask instead")
     if actor.replay_sampling_mask is None:
         actor.replay_sampling_mask = rollout.name in KEPT_SET_BACKENDS and truncates(config)
+    if "rollout.return_kept_sets" in given and rollout.return_kept_sets != actor.replay_sampling_mask:
+        raise ConfigError(f"rollout.return_kept_sets: is {rollout.return_kept_sets} but "
+                          f"actor.replay_sampling_mask={actor.replay_sampling_mask}; it is derived "
+                          "from actor.replay_sampling_mask, leave it unset")
     rollout.return_kept_sets = bool(actor.replay_sampling_mask)
 
 
