@@ -199,3 +199,26 @@ def test_recorded_rollouts_keep_their_kept_sets(tmp_path):
     save_rollouts(tmp_path, 1, [builder.to_trajectory("u", 0, 2, "completed")])
     (back,) = load_rollouts(tmp_path, 1)
     assert back.kept_sets.counts.tolist() == [2, 0] and back.kept_sets.ids.tolist() == [3, 9]
+
+
+async def test_resumable_client_joins_kept_sets_across_resumes():
+    from tandem.serving.resumable_client import ResumableClient
+
+    def kept(counts, ids):
+        return KeptSets(torch.tensor(counts, dtype=torch.int32), torch.tensor(ids, dtype=torch.int32))
+
+    class Scripted:
+        def __init__(self):
+            self.outputs = [
+                TokenOutput([7, 8], [-0.1, -0.2], "aborted", {"global_steps": 2}, kept([2, 1], [7, 9, 8])),
+                TokenOutput([], [], "aborted", {"global_steps": 3}),  # the server's empty abort: no sets
+                TokenOutput([5], [-0.3], "completed", {"global_steps": 3}, kept([2], [4, 5])),
+            ]
+
+        async def generate(self, request):
+            assert request.sampling["return_kept_sets"] is True
+            return self.outputs.pop(0)
+
+    out = await ResumableClient(Scripted()).generate(
+        GenerateRequest("r", [1], {"max_tokens": 5, "return_kept_sets": True}))
+    assert out.kept_sets.counts.tolist() == [2, 1, 2] and out.kept_sets.ids.tolist() == [7, 9, 8, 4, 5]
