@@ -7,7 +7,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +28,7 @@ class TokenOutput:
     log_probs: list[float] | None
     stop_reason: str
     extra_fields: dict[str, Any] = field(default_factory=dict)
+    kept_sets: KeptSets | None = None  # with sampling return_kept_sets: each token's kept set
 
     def __post_init__(self) -> None:
         if self.stop_reason not in STOP_REASONS:
@@ -35,6 +36,9 @@ class TokenOutput:
         if self.log_probs is not None and len(self.log_probs) != len(self.token_ids):
             raise ValueError(f"{len(self.log_probs)} log_probs for {len(self.token_ids)} tokens; "
                              "a backend must return exactly one logprob per sampled token")
+        if self.kept_sets is not None and len(self.kept_sets) != len(self.token_ids):
+            raise ValueError(f"{len(self.kept_sets)} kept sets for {len(self.token_ids)} tokens; "
+                             "a backend must return exactly one kept set per sampled token")
 
     @property
     def global_steps(self) -> int:
@@ -53,6 +57,46 @@ class TokenOutput:
             raise ValueError(f"version_runs {runs} do not cover the {len(self.token_ids)} tokens "
                              "exactly once; a backend must stamp every token with one version")
         return runs
+
+
+@dataclass(frozen=True)
+class KeptSets:
+    """The token ids each sampled token was drawn from (what top-k / top-p kept), flat: `counts`
+    [R] int32 and `ids` [sum counts] int32, each token's ids ascending. Count 0 means no set: the
+    full distribution (a context token, a greedy token, or a filter that removed nothing). Costs 4
+    bytes per kept id: top_k=20 is 84 bytes a token; a top_p-only set may reach the vocabulary."""
+
+    counts: torch.Tensor
+    ids: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.counts.ndim != 1 or self.ids.ndim != 1 or int(self.counts.sum()) != self.ids.numel():
+            raise ValueError(f"KeptSets: counts {tuple(self.counts.shape)} summing to "
+                             f"{int(self.counts.sum())} for ids {tuple(self.ids.shape)}; the counts "
+                             "must sum to the number of ids")
+
+    def __len__(self) -> int:
+        return self.counts.numel()
+
+    @classmethod
+    def none(cls, num_tokens: int) -> "KeptSets":
+        """`num_tokens` tokens without a set (full distribution)."""
+        import torch
+
+        return cls(torch.zeros(num_tokens, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+
+    @classmethod
+    def join(cls, parts: "Sequence[KeptSets]") -> "KeptSets":
+        """The sets of consecutive token runs, in order."""
+        import torch
+
+        return cls(torch.cat([torch.zeros(0, dtype=torch.int32), *(p.counts for p in parts)]),
+                   torch.cat([torch.zeros(0, dtype=torch.int32), *(p.ids for p in parts)]))
+
+    def head(self, num_tokens: int) -> "KeptSets":
+        """The sets of the first `num_tokens` tokens."""
+        counts = self.counts[:num_tokens]
+        return KeptSets(counts.clone(), self.ids[:int(counts.sum())].clone())
 
 
 def append_version_run(runs: list[list[int]], version: int, count: int = 1) -> None:
@@ -142,6 +186,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    return_kept_sets: bool = False  # record each token's top-k / top-p kept set (native only)
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any]) -> "SamplingParams":
@@ -165,7 +210,7 @@ class SamplingParams:
             _set(self, name, _real(name, getattr(self, name)))
         for name in ("top_k", "max_tokens"):
             _set(self, name, _integer(name, getattr(self, name)))
-        for name in ("logprobs", "ignore_eos"):
+        for name in ("logprobs", "ignore_eos", "return_kept_sets"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sampling {name}={getattr(self, name)!r}: must be true or false "
                                  f"(a boolean, not {type(getattr(self, name)).__name__})")

@@ -232,7 +232,8 @@ def cut_at_stop_strings(output: TokenOutput, stops: Sequence[str], chat_format: 
             low = middle + 1
     log_probs = None if output.log_probs is None else output.log_probs[:low]
     extra = {**output.extra_fields, "version_runs": cut_version_runs(output.version_runs, low)}
-    return TokenOutput(output.token_ids[:low], log_probs, "completed", extra), True
+    kept_sets = None if output.kept_sets is None else output.kept_sets.head(low)
+    return TokenOutput(output.token_ids[:low], log_probs, "completed", extra, kept_sets), True
 
 
 class ChatRecorder:

@@ -1,4 +1,5 @@
-"""The growing response of one session: tokens, mask, logprobs and weight versions -> Trajectory."""
+"""The growing response of one session: tokens, mask, logprobs, weight versions and kept sets ->
+Trajectory."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ from typing import Any, Sequence
 import torch
 
 from tandem.batch.trajectory import CONTEXT_VERSION, Trajectory
-from tandem.types import TokenOutput, expand_version_runs
+from tandem.types import KeptSets, TokenOutput, expand_version_runs
 
 
 @dataclass
 class ResponseBuilder:
     """Appends policy tokens (mask 1, sampled logprob, the weight version that sampled it) and
-    context tokens (mask 0, logprob 0.0, version -1). With expect_log_probs a missing logprob is an
-    error; without, policy tokens get 0.0 too (nothing may read rollout_log_probs then)."""
+    context tokens (mask 0, logprob 0.0, version -1, no kept set). With expect_log_probs a missing
+    logprob is an error; without, policy tokens get 0.0 too (nothing may read rollout_log_probs
+    then). Kept sets go to the trajectory when any generate call returned them."""
 
     prompt_ids: list[int]
     expect_log_probs: bool = True
@@ -25,6 +27,8 @@ class ResponseBuilder:
     versions: list[int] = field(default_factory=list)  # per token; -1 on context tokens
     min_version: int | None = None
     max_version: int | None = None
+    kept_sets: list[KeptSets] = field(default_factory=list)  # per call / context run, in order
+    has_kept_sets: bool = False
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -48,6 +52,8 @@ class ResponseBuilder:
         self.versions.extend(expand_version_runs(output.version_runs))
         self.token_ids.extend(int(token) for token in output.token_ids)
         self.response_mask.extend([1] * len(output.token_ids))
+        self.has_kept_sets |= output.kept_sets is not None
+        self.kept_sets.append(output.kept_sets or KeptSets.none(len(output.token_ids)))
         if output.log_probs is None or not self.expect_log_probs:
             self.log_probs.extend([0.0] * len(output.token_ids))
         else:
@@ -59,6 +65,7 @@ class ResponseBuilder:
         self.response_mask.extend([0] * len(token_ids))
         self.log_probs.extend([0.0] * len(token_ids))
         self.versions.extend([CONTEXT_VERSION] * len(token_ids))
+        self.kept_sets.append(KeptSets.none(len(token_ids)))
 
     def to_trajectory(self, uid: str, session_id: int, num_turns: int, stop_reason: str,
                       data_source: str = "", ground_truth: Any = None,
@@ -75,4 +82,5 @@ class ResponseBuilder:
             min_global_steps=self.min_version, max_global_steps=self.max_version,
             response_versions=torch.tensor(self.versions, dtype=torch.long), uid=uid,
             session_id=session_id, num_turns=num_turns, stop_reason=stop_reason,
-            data_source=data_source, ground_truth=ground_truth, metadata=metadata or {})
+            data_source=data_source, ground_truth=ground_truth, metadata=metadata or {},
+            kept_sets=KeptSets.join(self.kept_sets) if self.has_kept_sets else None)

@@ -26,8 +26,11 @@ def sampling_params(config: RolloutConfig, validate: bool, do_sample: bool | Non
     else:
         filters = {"temperature": config.temperature, "top_p": config.top_p,
                    "top_k": config.top_k}
-    return {**filters, "repetition_penalty": 1.0, "logprobs": config.calculate_log_probs,
-            "max_tokens": max_tokens}
+    params = {**filters, "repetition_penalty": 1.0, "logprobs": config.calculate_log_probs,
+              "max_tokens": max_tokens}
+    if config.return_kept_sets and not validate and filters["temperature"] > 0:
+        params["return_kept_sets"] = True  # training replays the kept sets (actor.replay_sampling_mask)
+    return params
 
 
 def remaining_budget(config: RolloutConfig, prompt_tokens: int, response_tokens: int) -> int:

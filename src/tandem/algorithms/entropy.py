@@ -7,10 +7,12 @@ import torch
 from tandem.algorithms.aggregation import Count, aggregate_loss
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy [B, T] of softmax(logits [B, T, V]): logsumexp(z) - sum_v softmax(z)_v z_v."""
+def entropy_from_logits(logits: torch.Tensor, masked: bool = False) -> torch.Tensor:
+    """Entropy [B, T] of softmax(logits [B, T, V]): logsumexp(z) - sum_v softmax(z)_v z_v.
+    masked: logits may hold -inf (tokens outside a kept set), which have probability 0."""
     probabilities = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probabilities * logits).sum(dim=-1)
+    finite = logits.masked_fill(logits.isneginf(), 0.0) if masked else logits  # 0 * -inf is nan
+    return torch.logsumexp(logits, dim=-1) - (probabilities * finite).sum(dim=-1)
 
 
 def entropy_bonus(entropy: torch.Tensor, response_mask: torch.Tensor, entropy_coeff: float,

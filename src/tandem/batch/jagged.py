@@ -14,10 +14,14 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from tandem.batch.trajectory import Trajectory
+from tandem.types import KeptSets
 
 TOKEN_FIELDS = ("prompts", "responses", "input_ids", "position_ids", "response_mask", "loss_mask",
                 "rollout_log_probs", "response_versions")
 NON_TENSOR_FIELDS = ("uid", "data_source", "stop_reason", "ground_truth", "reward_extra", "metadata")
+# sampling-mask replay: kept_counts [B, R_i] int32 (response-aligned) and kept_token_ids [B, K_i]
+# int32 (K_i = sum of the sample's kept_counts), present when some trajectory has kept_sets
+KEPT_SET_FIELDS = ("kept_counts", "kept_token_ids")
 
 
 def make_field(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -97,6 +101,10 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory]) -> TensorDict:
         columns["rollout_log_probs"].append(trajectory.rollout_log_probs.float())
         columns["response_versions"].append(trajectory.response_versions.long())
     fields: dict[str, torch.Tensor] = {name: _stack_or_nest(column) for name, column in columns.items()}
+    if any(t.kept_sets is not None for t in trajectories):
+        kept = [t.kept_sets or KeptSets.none(t.responses.shape[0]) for t in trajectories]
+        fields["kept_counts"] = _stack_or_nest([k.counts.int() for k in kept])
+        fields["kept_token_ids"] = _stack_or_nest([k.ids.int() for k in kept])
 
     rewards = [t.reward for t in trajectories]
     if any(r is not None for r in rewards):
@@ -122,6 +130,9 @@ def batch_to_trajectories(batch: TensorDict) -> list[Trajectory]:
     per_sample = {name: batch[name].unbind(0) for name in ("prompts", "responses", "response_mask",
                                                           "rollout_log_probs", "response_versions")}
     extras = {name: non_tensor_list(batch, name) for name in NON_TENSOR_FIELDS if name in batch.keys()}
+    if "kept_counts" in batch.keys():
+        extras["kept_sets"] = [KeptSets(counts, ids) for counts, ids in zip(
+            batch["kept_counts"].unbind(0), batch["kept_token_ids"].unbind(0))]
     out = []
     for i in range(batch.batch_size[0]):
         out.append(Trajectory(

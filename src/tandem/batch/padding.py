@@ -54,7 +54,9 @@ def pad_to_multiple(batch: TensorDict, multiple: int, eos_token_id: int) -> Tens
             padding[key] = torch.zeros(missing, dtype=field.dtype)
             continue
         lengths = field_lengths(field)
-        if torch.equal(lengths, response_lengths):
+        if key == "kept_token_ids":
+            width = 0  # a padding sample's tokens have no kept set (its kept_counts are 0)
+        elif torch.equal(lengths, response_lengths):
             width = 1
         elif torch.equal(lengths, sequence_lengths):
             width = 2

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from tandem.types import KeptSets
+
 CONTEXT_VERSION = -1  # response_versions of tokens the policy did not sample (response_mask 0)
 
 
@@ -20,6 +22,8 @@ class Trajectory:
     sampled each token (CONTEXT_VERSION = -1 where response_mask is 0); min/max_global_steps
     bound the versions of every generate call and contain every policy token's version. Built
     without response_versions, every policy token gets min_global_steps (the oldest bound).
+    kept_sets (optional, with sampling-mask replay): the top-k / top-p set each response token was
+    sampled from; none where response_mask is 0.
     """
 
     prompts: torch.Tensor
@@ -41,6 +45,7 @@ class Trajectory:
     # Per-session details from the agent loop (response_text, messages, extra_info, turn and
     # tool-call counts); see docs/agent_loops.md. Not batched as tensors.
     metadata: dict[str, Any] = field(default_factory=dict)
+    kept_sets: KeptSets | None = None
 
     def __post_init__(self) -> None:
         length = self.responses.shape[0]
@@ -49,6 +54,12 @@ class Trajectory:
                              f"response_mask {self.response_mask.shape[0]}, rollout_log_probs "
                              f"{self.rollout_log_probs.shape[0]} must all have the same length")
         self.response_versions = self._checked_versions()
+        if self.kept_sets is not None and (
+                len(self.kept_sets) != length
+                or bool((self.kept_sets.counts[~self.response_mask.bool()] != 0).any())):
+            raise ValueError(f"trajectory {self.uid}/{self.session_id}: kept_sets must have one "
+                             f"entry per response token ({length}) and none where response_mask "
+                             "is 0")
         if self.prompts.ndim != 1 or self.prompts.shape[0] == 0:
             raise ValueError("trajectory prompts must be a non-empty 1-D tensor")
 

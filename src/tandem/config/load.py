@@ -22,6 +22,7 @@ from tandem.config.footprint import fleet_problem
 from tandem.config.lora_check import derive_lora_rank, lora_problem
 from tandem.config.pool_check import pool_problem
 from tandem.config.ranges import out_of_range
+from tandem.config.replay_check import derive_replay_sampling_mask, replay_problem
 from tandem.config.reward_check import served_reward_problem
 from tandem.config.rollout_check import rollout_problem
 from tandem.config.schema import TandemConfig
@@ -62,6 +63,7 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None,
                           "Fix the value's type or spelling in the YAML or override.") from None
     derive_separate_async(config, given)
     derive_lora_rank(config, given)
+    derive_replay_sampling_mask(config, given)
     validate(config)
     return config
 
@@ -218,7 +220,7 @@ def _all_keys(cls: type, prefix: str = "") -> Iterator[str]:
 # tandem.preflight, before Ray or torch start.
 CHECKS: tuple[Callable[[TandemConfig], str | None], ...] = (
     out_of_range, choice_problem, fleet_problem, rollout_problem, trainer_problem, sync_problem,
-    lora_problem, training_problem, served_reward_problem, pool_problem)
+    lora_problem, training_problem, served_reward_problem, pool_problem, replay_problem)
 
 
 def validate(config: TandemConfig) -> None:

@@ -153,6 +153,9 @@ class RolloutConfig:
     # the adapter rank engines load (vLLM / SGLang reserve LoRA slots of it); load_config sets
     # it from actor.lora.rank, 0: no adapters
     lora_rank: int = 0
+    # engines record each sampled token's top-k / top-p kept set; load_config sets it from
+    # actor.replay_sampling_mask
+    return_kept_sets: bool = False
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
@@ -221,6 +224,9 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     fsdp_size: int = 1  # data-parallel processes; 1 = no sharding
     torch_threads: int = 0  # CPU threads of each training worker and its hybrid engine; 0: auto
+    # log-probs and entropy renormalised over the set each token was sampled from (top-k/top-p);
+    # unset: on when the native backend truncates (docs/algorithms.md, "Sampling-mask replay")
+    replay_sampling_mask: bool | None = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 

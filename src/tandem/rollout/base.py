@@ -26,7 +26,7 @@ MEMORY_TAGS = ("weights", "kv_cache")
 #   "no"          not available; the method keeps the documented fallback (see CAPABILITY_FALLBACKS)
 CAPABILITIES = ("logprobs_raw", "logprobs_processed", "abort_partial", "per_request_seed",
                 "sleep_weights", "sleep_kv_cache", "clear_kv_cache", "update_weights",
-                "multi_modal_inputs", "adapters")
+                "multi_modal_inputs", "adapters", "kept_sets")
 CAPABILITY_LEVELS = ("yes", "workaround", "gpu", "no")
 # The behaviour a backend without the capability guarantees instead (checked by tests/conformance).
 CAPABILITY_FALLBACKS = {
@@ -40,6 +40,7 @@ CAPABILITY_FALLBACKS = {
     "update_weights": "update_weights() raises NotImplementedError",
     "multi_modal_inputs": "check_request() raises ValueError naming GenerateRequest.multi_modal_data",
     "adapters": "check_request() raises ValueError naming GenerateRequest.adapter",
+    "kept_sets": "check_request() raises ValueError naming sampling return_kept_sets",
 }
 
 
@@ -113,6 +114,10 @@ class BaseRollout(ABC):
         if request.adapter is not None and not cls.supports("adapters", device):
             raise ValueError(f"request {request.request_id!r}: the {cls.__name__} backend serves no "
                              f"adapters (GenerateRequest.adapter={request.adapter!r}); leave it None")
+        if request.sampling.get("return_kept_sets") and not cls.supports("kept_sets", device):
+            raise ValueError(f"request {request.request_id!r}: the {cls.__name__} backend does not "
+                             "report the top-k / top-p set each token was sampled from (sampling "
+                             "return_kept_sets=true); use the native backend or leave it false")
 
     @abstractmethod
     async def generate(self, request: GenerateRequest) -> TokenOutput:

@@ -48,7 +48,7 @@ class SGLangRollout(BaseRollout):
     capabilities = {"logprobs_raw": "yes", "logprobs_processed": "no", "abort_partial": "yes",
                     "per_request_seed": "yes", "sleep_weights": "yes", "sleep_kv_cache": "yes",
                     "clear_kv_cache": "yes", "update_weights": "yes", "multi_modal_inputs": "no",
-                    "adapters": "no"}
+                    "adapters": "no", "kept_sets": "no"}
 
     def __init__(self, engine: Any, context_len: int, vocab_size: int, shapes: dict[str, tuple],
                  tp_size: int, bucket_bytes: int = 512 << 20, model_path: str = "",

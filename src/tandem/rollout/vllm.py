@@ -177,7 +177,7 @@ class VLLMRollout(BaseRollout):
     capabilities = {"logprobs_raw": "yes", "logprobs_processed": "yes", "abort_partial": "yes",
                     "per_request_seed": "workaround", "sleep_weights": "gpu", "sleep_kv_cache": "gpu",
                     "clear_kv_cache": "yes", "update_weights": "yes", "multi_modal_inputs": "no",
-                    "adapters": "no"}
+                    "adapters": "no", "kept_sets": "no"}
 
     def __init__(self, engine: Any, device: str, max_model_len: int, vocab_size: int,
                  shapes: dict[str, tuple], bucket_bytes: int = 512 << 20,

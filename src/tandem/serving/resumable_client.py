@@ -11,7 +11,7 @@ generation resumes, so nothing spins here. Should aborted replies keep coming wi
 from __future__ import annotations
 
 from tandem.serving.client import ServerClient
-from tandem.types import GenerateRequest, SamplingParams, TokenOutput, append_version_run
+from tandem.types import GenerateRequest, KeptSets, SamplingParams, TokenOutput, append_version_run
 
 
 # Aborted replies in a row without a new token before a request gives up: far more than weight
@@ -39,7 +39,7 @@ class ResumableClient:
         """Generate up to max_tokens in total across aborts (the caller's dict is not mutated);
         extra_fields: global_steps (the last version), min_global_steps / max_global_steps,
         version_runs (every segment's, in token order) and resumes (how many times it asked
-        again)."""
+        again); kept_sets joined across segments when asked for."""
         request_id = request.request_id
         budget = SamplingParams.from_dict(request.sampling).max_tokens
         params = dict(request.sampling)
@@ -47,6 +47,7 @@ class ResumableClient:
         log_probs: list[float] | None = [] if params.get("logprobs", True) else None
         versions: list[tuple[int, int, int]] = []  # (min, max, last) of segments with tokens
         runs: list[list[int]] = []  # [[version, count], ...] of every token so far
+        kept: list[KeptSets] = []
         resumes = stalled = 0
         while True:
             params["max_tokens"] = budget - len(token_ids)
@@ -54,6 +55,8 @@ class ResumableClient:
                 prompt_ids=list(request.prompt_ids) + token_ids, sampling=dict(params)))
             token_ids.extend(output.token_ids)
             log_probs = _join_log_probs(log_probs, output, request_id)
+            if params.get("return_kept_sets") and output.token_ids:
+                kept.append(_kept_sets(output, request_id))
             for version, count in output.version_runs:
                 append_version_run(runs, version, count)
             if output.token_ids:
@@ -80,7 +83,15 @@ class ResumableClient:
         extra.update(global_steps=versions[-1][2], min_global_steps=min(v[0] for v in versions),
                      max_global_steps=max(v[1] for v in versions), version_runs=runs,
                      resumes=resumes)
-        return TokenOutput(token_ids, log_probs, stop_reason, extra)
+        kept_sets = KeptSets.join(kept) if params.get("return_kept_sets") else None
+        return TokenOutput(token_ids, log_probs, stop_reason, extra, kept_sets)
+
+
+def _kept_sets(output: TokenOutput, request_id: str) -> KeptSets:
+    if output.kept_sets is None:
+        raise ValueError(f"request {request_id!r}: return_kept_sets was asked for but the server "
+                         "returned no kept sets; the backend breaks its kept_sets capability")
+    return output.kept_sets
 
 
 def _join_log_probs(log_probs: list[float] | None, output: TokenOutput,

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tandem.batch.trajectory import Trajectory
+from tandem.types import KeptSets
 
 FORMAT = 1
 JSON_FIELDS = ("reward_extra", "ground_truth", "metadata")
@@ -53,5 +54,7 @@ def load_rollouts(folder: str | Path, step: int) -> list[Trajectory]:
     for record in saved["trajectories"]:
         for name in JSON_FIELDS:
             record[name] = json.loads(record[name])
+        if record.get("kept_sets") is not None:  # asdict wrote the record as a dict of tensors
+            record["kept_sets"] = KeptSets(**record["kept_sets"])
         trajectories.append(Trajectory(**record))
     return trajectories

@@ -21,6 +21,7 @@ import torch
 from tensordict import TensorDict
 
 from tandem.algorithms.entropy import entropy_from_logits
+from tandem.algorithms.kept_sets import restrict_to_kept
 from tandem.batch.jagged import field_lengths, field_values, make_field, padded_field
 from tandem.batch.layouts import attention_rows, to_dense, to_packed, to_shared_prompts
 from tandem.training.lm_head import DEFAULT_CHUNK_BYTES, chunk_tokens, chunked_log_probs, plain_linear_head
@@ -123,9 +124,17 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
     return logits.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature): [N, V] -> [N] float32."""
-    return entropy_from_logits(logits.float() / temperature)
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, masked: bool = False) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature): [N, V] -> [N] float32 (masked: -inf logits allowed)."""
+    return entropy_from_logits(logits.float() / temperature, masked)
+
+
+def kept_sets_of(batch: TensorDict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The batch's kept sets as (counts [sum R_i], ids [sum K_i]) on `device`, or None without."""
+    if "kept_counts" not in batch.keys():
+        return None
+    return (field_values(batch["kept_counts"]).to(device),
+            field_values(batch["kept_token_ids"]).to(device))
 
 
 def actor_forward(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool,
@@ -136,21 +145,24 @@ def actor_forward(model: torch.nn.Module, batch: TensorDict, use_remove_padding:
     in chunks of at most `logits_chunk_bytes` of logits with a plain linear LM head (lm_head.py),
     else (or with None) from the full logits. `entropy_grad=False`: entropy without gradient
     (metrics only); `share_prompts`: a prompt shared by several samples computed once (packed_sdpa
-    only)."""
+    only). A batch with kept sets (sampling-mask replay) gets both renormalised over them."""
     labels = field_values(batch["responses"]).to(_model_device(model))
     lengths = field_lengths(batch["responses"])
+    kept = kept_sets_of(batch, labels.device)
     head = plain_linear_head(model) if logits_chunk_bytes is not None else None
     if head is not None:
         hidden = response_hidden_states(model, batch, use_remove_padding, share_prompts)
         mode = ("grad" if entropy_grad else "detached") if calculate_entropy else "none"
         log_probs, entropy = chunked_log_probs(hidden, head, labels, temperature, mode,
-                                               chunk_tokens(head.out_features, logits_chunk_bytes))
+                                               chunk_tokens(head.out_features, logits_chunk_bytes), kept)
         return ForwardOutput(response_lengths=lengths, log_probs=log_probs, entropy=entropy)
     logits = response_head_outputs(model, batch, use_remove_padding, "logits", share_prompts)
+    if kept is not None:
+        logits = restrict_to_kept(logits.float(), *kept)
     entropy = None
     if calculate_entropy:
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-            entropy = token_entropy(logits, temperature)
+            entropy = token_entropy(logits, temperature, masked=kept is not None)
     return ForwardOutput(response_lengths=lengths, log_probs=token_log_probs(logits, labels, temperature),
                          entropy=entropy)
 

@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from tandem.algorithms.entropy import entropy_from_logits
+from tandem.algorithms.kept_sets import chunk_of_kept, restrict_to_kept
+
 # fp32 [chunk, vocab] tensors alive at once in a chunk's backward: logits, softmax, their gradient
 LIVE_CHUNK_TENSORS = 3
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -37,31 +40,39 @@ def plain_linear_head(model: torch.nn.Module) -> torch.nn.Linear | None:
 
 
 def _chunk(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           temperature: float, entropy: str) -> tuple[torch.Tensor, torch.Tensor]:
+           temperature: float, entropy: str, kept_counts: torch.Tensor | None = None,
+           kept_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(hidden, weight, bias).float() / temperature
+    if kept_counts is not None:
+        logits = restrict_to_kept(logits, kept_counts, kept_ids)
     normalizer = torch.logsumexp(logits, dim=-1)
     log_probs = logits.gather(-1, labels[:, None]).squeeze(-1) - normalizer
     if entropy == "none":
         return log_probs, log_probs.new_zeros(0)
     with torch.set_grad_enabled(torch.is_grad_enabled() and entropy == "grad"):
-        values = normalizer - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+        values = entropy_from_logits(logits, masked=kept_counts is not None)
     return log_probs, values
 
 
 def chunked_log_probs(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
                       temperature: float = 1.0, entropy: str = "none",
-                      tokens_per_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      tokens_per_chunk: int | None = None,
+                      kept: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(head(hidden) / temperature)[label] and the entropy, chunk by chunk: hidden [N,
     H], labels [N] -> log_probs [N] float32 and entropy [N] (None with entropy="none"; "detached":
     no gradient, for metrics; "grad": differentiable). Gradients reach `hidden` and the head through
-    every chunk."""
+    every chunk. kept (counts [N], ids): each row renormalised over its kept set (kept_sets.py)."""
     if entropy not in ("none", "detached", "grad"):
         raise ValueError(f"chunked_log_probs entropy={entropy!r}: use none, detached or grad")
     size = tokens_per_chunk or chunk_tokens(head.out_features)
     differentiable = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     log_probs, entropies = [], []
+    offsets = None if kept is None else F.pad(kept[0].long().cumsum(0), (1, 0))
     for start in range(0, hidden.shape[0], size):
         args = (hidden[start:start + size], labels[start:start + size], head.weight, head.bias, temperature, entropy)
+        if kept is not None:
+            args += chunk_of_kept(kept[0], kept[1], offsets, start, start + size)
         piece, piece_entropy = checkpoint(_chunk, *args, use_reentrant=False) if differentiable else _chunk(*args)
         log_probs.append(piece)
         entropies.append(piece_entropy)

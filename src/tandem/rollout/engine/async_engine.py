@@ -148,7 +148,7 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
             return
         self._in_step = True  # stays set only if the loop abandons the step (_ensure_loop)
         try:
-            tokens, log_probs = await self._step(batch)
+            tokens, log_probs, kept = await self._step(batch)
         except asyncio.CancelledError:
             # the loop is going away between two layers of this step: blocks it keyed hold
             # K/V for some layers only, so nothing may match them later
@@ -167,9 +167,10 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
             return
         finally:
             self._in_step = False
-        self._record(batch, tokens, log_probs)
+        self._record(batch, tokens, log_probs, kept)
 
-    async def _step(self, batch: list[ScheduledSequence]) -> tuple[list[int], list[float]]:
+    async def _step(self, batch: list[ScheduledSequence]
+                    ) -> tuple[list[int], list[float], list[torch.Tensor | None]]:
         """Forward + sample, yielding to the loop between layers when the step runs long."""
         plan = self.runner.plan_step(batch)
         if self.ranks is not None:
@@ -193,14 +194,14 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
             raise
         sampling = [item.seq for item in batch if item.samples]
         if not sampling:
-            return [], []
+            return [], [], []
         with torch.inference_mode():
             return sample(logits, sampling, self.config.logprobs_mode, self.generator)
 
     def _record(self, batch: list[ScheduledSequence], tokens: list[int],
-                log_probs: list[float]) -> None:
+                log_probs: list[float], kept: list[torch.Tensor | None]) -> None:
         self.counters["steps"] += 1
-        sampled = iter(zip(tokens, log_probs))
+        sampled = iter(zip(tokens, log_probs, kept))
         for item in batch:
             seq = item.seq
             end = item.start + item.num_new
@@ -209,10 +210,10 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
                 0, min(end, seq.num_tokens_at_admission) - item.start)
             if not item.samples:
                 continue
-            token, log_prob = next(sampled)
+            token, log_prob, kept_ids = next(sampled)
             if seq.aborted or seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.append(token, log_prob, self.version)
+            seq.append(token, log_prob, self.version, kept_ids)
             self.counters["generated_tokens"] += 1
             if self.first_token_time is None:  # the trainer's start-up report reads it
                 self.first_token_time = time.time()
@@ -244,7 +245,8 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
             extra.update(min_global_steps=min(versions), max_global_steps=max(versions))
         log_probs = list(seq.log_probs) if seq.params.logprobs else None
         future.set_result(TokenOutput(token_ids=seq.generated_ids, log_probs=log_probs,
-                                      stop_reason=seq.stop_reason, extra_fields=extra))
+                                      stop_reason=seq.stop_reason, extra_fields=extra,
+                                      kept_sets=seq.kept_sets()))
 
     def _fail_everything(self, error: BaseException) -> None:
         failure = RuntimeError(f"native engine failed: {type(error).__name__}: {error}")

@@ -3,7 +3,8 @@ penalty, temperature, top-k, top-p; then greedy rows (below types.TEMPERATURE_FL
 divided) take the argmax and the others sample by inverse CDF with one uniform per row (~20x cheaper
 on CPU than a noise value per vocabulary entry), a seeded request from its own generator. The
 logprob is the sampled token's under the raw model distribution (logprobs_mode "raw") or the
-processed one ("processed"; greedy rows at temperature 1)."""
+processed one ("processed"; greedy rows at temperature 1). A row whose request asks for
+return_kept_sets also gets the ids its token was drawn from (kept_ids)."""
 
 from __future__ import annotations
 
@@ -49,9 +50,26 @@ def _inverse_cdf_sample(logits: torch.Tensor, seqs: list[Sequence],
     return tokens[:, 0].clamp_(max=logits.shape[-1] - 1)
 
 
+def kept_ids(processed: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor | None]:
+    """Per row, the ascending int32 ids (on the CPU) that survived top-k / top-p in the processed
+    logits [S, V], for rows that ask for them and whose filters removed something; else None."""
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    rows = [row for row, seq in enumerate(seqs) if seq.params.return_kept_sets
+            and not seq.params.greedy and (seq.params.top_k > 0 or seq.params.top_p < 1.0)]
+    if not rows:
+        return out
+    kept = (processed[rows] > float("-inf")).cpu()
+    for row, mask in zip(rows, kept):
+        if not bool(mask.all()):  # nothing removed: the full distribution, no set to replay
+            out[row] = mask.nonzero()[:, 0].to(torch.int32)
+    return out
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], logprobs_mode: str,
-           generator: torch.Generator) -> tuple[list[int], list[float]]:
-    """logits [S, V] fp32 (one row per sequence) -> sampled token ids and their logprobs."""
+           generator: torch.Generator
+           ) -> tuple[list[int], list[float], list[torch.Tensor | None]]:
+    """logits [S, V] fp32 (one row per sequence) -> sampled token ids, their logprobs and the kept
+    ids of each row (kept_ids)."""
     device = logits.device
     raw_logprobs = logits.log_softmax(dim=-1) if logprobs_mode == "raw" else None
     params = [seq.params for seq in seqs]
@@ -80,4 +98,4 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], logprobs_mode: str,
         token_logprobs = logits.log_softmax(dim=-1).gather(-1, chosen)
     else:
         token_logprobs = raw_logprobs.gather(-1, chosen)
-    return tokens.tolist(), token_logprobs[:, 0].tolist()
+    return tokens.tolist(), token_logprobs[:, 0].tolist(), kept_ids(logits, seqs)

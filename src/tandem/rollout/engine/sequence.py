@@ -8,7 +8,7 @@ from enum import Enum
 
 import torch
 
-from tandem.types import SamplingParams, append_version_run
+from tandem.types import KeptSets, SamplingParams, append_version_run
 
 
 class SequenceStatus(Enum):
@@ -37,6 +37,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     log_probs: list[float] = field(default_factory=list)
     version_runs: list[list[int]] = field(default_factory=list)  # [[version, count]] per generated token
+    kept_ids: list[torch.Tensor | None] = field(default_factory=list)  # per token, with return_kept_sets
     generator: torch.Generator | None = None  # per-request seed
     aborted: bool = False
     stop_reason: str | None = None
@@ -57,10 +58,13 @@ class Sequence:
     def generated_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    def append(self, token_id: int, log_prob: float, version: int) -> None:
-        """Record a sampled token and decide whether the sequence stops here."""
+    def append(self, token_id: int, log_prob: float, version: int,
+               kept_ids: torch.Tensor | None = None) -> None:
+        """Record a sampled token (and its kept set) and decide whether the sequence stops here."""
         self.token_ids.append(token_id)
         self.log_probs.append(log_prob)
+        if self.params.return_kept_sets:
+            self.kept_ids.append(kept_ids)
         append_version_run(self.version_runs, version)
         if token_id in self.params.stop_token_ids or (
                 not self.params.ignore_eos and token_id in self.eos_token_ids):
@@ -68,3 +72,12 @@ class Sequence:
         elif (self.num_generated >= self.params.max_tokens
               or self.num_tokens >= self.max_total_tokens):
             self.stop_reason = "length"
+
+    def kept_sets(self) -> KeptSets | None:
+        """The kept set of every generated token, when the request asked for them."""
+        if not self.params.return_kept_sets:
+            return None
+        empty = torch.zeros(0, dtype=torch.int32)
+        sets = [empty if ids is None else ids for ids in self.kept_ids]
+        return KeptSets(torch.tensor([len(ids) for ids in sets], dtype=torch.int32),
+                        torch.cat([empty, *sets]))
