@@ -15,8 +15,10 @@ from tandem.cli import main
 
 BASELINE = ("baseline", "trainer.save_freq=2")
 # The engine's top-20 log-probs (logprobs_mode=processed) are renormalised over 20 tokens, the
-# actor's over the whole vocabulary: a real, systematic rollout/actor gap (rollout higher).
-TOP_K = ("rollout.top_k=20", "rollout.logprobs_mode=processed")
+# actor's over the whole vocabulary when it does not replay the kept sets: a real, systematic
+# rollout/actor gap (rollout higher) for the correction tests to correct.
+TOP_K_SAMPLING = ("rollout.top_k=20", "rollout.logprobs_mode=processed")
+TOP_K = (*TOP_K_SAMPLING, "actor.replay_sampling_mask=false")
 CORRECTION = "algorithm.rollout_correction"
 ONE_STEP = ("trainer.total_steps=1", "data.val_files=[]")  # for paths one update shows
 # PPO as in RLHF: a critic for GAE and an adaptive KL penalty in the reward (one run, two tests).
@@ -136,6 +138,18 @@ def test_truncated_importance_sampling_weights(tiny_runs):
         assert record["rollout_correction/truncated_fraction"] == 0.0
         assert math.exp(-gap_max) * (1 - 1e-5) <= weight < 1.0
         assert weight >= math.exp(-kl_k1) * (1 - 1e-5)
+
+
+def test_replaying_the_kept_sets_closes_the_top_k_gap(tiny_runs):
+    """With top_k the actor renormalises over each token's kept set by default (issue 39): the
+    gap falls from ~mean log(1 / kept mass) (> log 2 on the tiny model) to float32 rounding, on
+    the same samples."""
+    run = tiny_runs("replay", *ONE_STEP, *TOP_K_SAMPLING)
+    without = tiny_runs(*IMPORTANCE_SAMPLING)
+    assert run.training[1]["reward/mean"] == without.training[1]["reward/mean"]  # same samples
+    assert without.training[1]["rollout_gap/abs_diff_mean"] > math.log(2)
+    assert run.training[1]["rollout_gap/abs_diff_mean"] < 1e-5
+    assert run.training[1]["rollout_gap/abs_diff_max"] < ENGINE_LOGPROB_TOLERANCE * 10
 
 
 def test_rejection_masks_every_off_policy_token(tiny_runs):

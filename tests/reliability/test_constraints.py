@@ -10,6 +10,9 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# pinned here but installed beside .venv, not into it: verifiers needs openai<3, .venv pins 3
+# (`make verifiers` installs it into .verifiers with the other pins)
+BESIDE = {"verifiers"}
 
 
 def normalized(name: str) -> str:
@@ -53,8 +56,10 @@ def test_every_direct_dependency_is_pinned():
 
 def test_the_installed_environment_is_the_recorded_one():
     """What the tests run with here: each pinned package installed at its pinned version
-    (torch's local label +cpu aside)."""
+    (torch's local label +cpu aside), except those installed beside .venv."""
     for name, version in pins().items():
+        if name in BESIDE:
+            continue
         installed = metadata.version(name).split("+")[0]
         assert installed == version, f"{name} {installed} installed, {version} recorded"
 
