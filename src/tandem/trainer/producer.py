@@ -127,10 +127,11 @@ class RolloutProducer:
             return True
         self.buffer.cancel(head, outcome="filtered")
         self._filtered_in_a_row += 1
-        if self._filtered_in_a_row >= self.max_filtered_in_a_row:
+        if self._filtered_in_a_row == self.max_filtered_in_a_row:
             self.buffer.fail(NoGroupKept(
                 f"dynamic sampling dropped {self._filtered_in_a_row} groups in a row (zero variance "
                 f"in {self.group_filter.metric}), the budget of algorithm.filter_groups."
                 "max_gen_batches x data.train_batch_size; the async modes train whole batches "
-                "only, so the run stops: raise max_gen_batches or use easier/harder prompts"))
+                "only, so the run stops: raise max_gen_batches, or train on prompts the policy "
+                "neither always nor never solves"))
         return False
