@@ -48,7 +48,7 @@ def test_reserve_blocks_when_full_and_take_frees_slots():
         await asyncio.wait_for(third, 1.0)
         assert [g.row.uid for g in taken] == ["a"] and stale == []
         assert metrics["staleness/lag_max"] == 0 and metrics["buffer/depth"] == 1
-        buffer.cancel(0, failed=True)
+        buffer.cancel(0, outcome="failed")
         assert buffer.in_flight == 2 - 1 and buffer.counts["failed"] == 1
 
     asyncio.run(run())
@@ -193,7 +193,7 @@ def test_property_wait_trains_every_group_within_the_bound(max_staleness, per_ve
                 assert generating, "the trainer waits for a group that is not generating"
                 uid, head = generating.pop(rng.randrange(len(generating)))
                 if rng.random() < 0.1:
-                    buffer.cancel(head, failed=True)
+                    buffer.cancel(head, outcome="failed")
                     failed.append(uid)
                 else:
                     newest = rng.randint(head, buffer.served_version)

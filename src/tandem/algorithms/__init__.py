@@ -7,6 +7,7 @@ with group ids. See docs/algorithms.md for the formulas and the choices made.
 from tandem.algorithms.advantages import gae_advantage, group_index, group_normalize, grpo_outcome_advantage
 from tandem.algorithms.aggregation import aggregate_loss, loss_normalizers
 from tandem.algorithms.entropy import entropy_bonus, entropy_from_logits
+from tandem.algorithms.group_filter import groups_with_signal
 from tandem.algorithms.kl import kl_in_reward, kl_loss, kl_penalty, resolve_kl_type
 from tandem.algorithms.kl_control import AdaptiveKLController, FixedKLController, kl_controller_from_config
 from tandem.algorithms.masked import (masked_count, masked_max, masked_mean, masked_sum, masked_var,
@@ -25,7 +26,7 @@ __all__ = [
     "AdaptiveKLController", "FixedKLController", "PolicyLossOutput", "RejectionCriterion",
     "RolloutCorrection", "aggregate_loss", "batch_normalize_weights", "bypass_old_log_probs",
     "clipped_value_loss", "entropy_bonus", "entropy_from_logits", "gae_advantage",
-    "group_index", "group_normalize", "grpo_outcome_advantage", "icepop_importance_weights",
+    "group_index", "group_normalize", "groups_with_signal", "grpo_outcome_advantage", "icepop_importance_weights",
     "keep_untruncated", "kl_controller_from_config", "kl_in_reward", "kl_loss", "kl_penalty",
     "logprob_gap_metrics", "overlong_penalty",
     "loss_normalizers", "masked_count", "masked_max", "masked_mean", "masked_sum", "masked_var",

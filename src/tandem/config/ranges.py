@@ -99,6 +99,7 @@ RANGES: dict[str, str] = {
     "algorithm.rollout_correction.rejection_high": "[1, inf)",
     "algorithm.overlong.buffer_len": "[0, inf)",  # at most rollout.response_length (training_check)
     "algorithm.overlong.penalty_factor": "[0, inf)",
+    "algorithm.filter_groups.max_gen_batches": "[1, inf)",
     "trainer.total_steps": "[0, inf)",
     "trainer.test_freq": "[0, inf)",
     "trainer.save_freq": "[0, inf)",

@@ -306,6 +306,16 @@ class OverlongConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """Dynamic sampling (DAPO): groups whose metric has zero variance are dropped and more prompts
+    are generated until the batch is full or max_gen_batches prompt batches were drawn."""
+
+    enable: bool = False
+    metric: str = "reward"  # reward (the scalar score), or a reward detail such as acc
+    max_gen_batches: int = 10  # prompt batches drawn per step at most, the first included
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimator and KL-in-reward."""
 
@@ -318,6 +328,7 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass

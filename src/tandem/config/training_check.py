@@ -14,7 +14,28 @@ def training_problem(config: TandemConfig) -> str | None:
     return (_actor_problem(config) or _kl_problem("actor.kl_loss_type", config.actor.kl_loss_type)
             or _kl_problem("algorithm.kl_penalty", config.algorithm.kl_penalty)
             or _correction_problem(config) or _estimator_problem(config)
-            or _overlong_problem(config))
+            or _overlong_problem(config) or _filter_groups_problem(config))
+
+
+# verl's names for the group metric; tandem's scalar score is "reward"
+_VERL_METRICS = ("score", "seq_reward", "seq_final_reward")
+
+
+def _filter_groups_problem(config: TandemConfig) -> str | None:
+    groups = config.algorithm.filter_groups
+    if not groups.enable:
+        return None
+    if config.rollout.n < 2:
+        return (f"algorithm.filter_groups.enable: rollout.n={config.rollout.n}, and a group of one "
+                "sample has no variance, so every group would be dropped; set rollout.n >= 2 or "
+                "algorithm.filter_groups.enable=false")
+    if not groups.metric.strip():
+        return ("algorithm.filter_groups.metric: is empty; use reward (the score) or a detail "
+                "the reward function returns, such as acc")
+    if groups.metric in _VERL_METRICS:
+        return (f"algorithm.filter_groups.metric: is {groups.metric!r}, verl's name for the "
+                "score; tandem calls it reward: set algorithm.filter_groups.metric=reward")
+    return None
 
 
 def _overlong_problem(config: TandemConfig) -> str | None:

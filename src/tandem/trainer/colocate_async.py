@@ -74,6 +74,7 @@ async def fit_colocate_async(trainer: RLTrainer,
             with timer.phase("resume"):
                 await fleet.resume()
             metrics.update(buffer_metrics)
+            metrics.update(producer.filter_metrics(len(groups)))  # algorithm.filter_groups
             metrics = await trainer.step_record(trajectories, [batch], metrics, timer)
             if trainer.validation_due():
                 metrics.update(await trainer.validate_and_report(on_validation))

@@ -87,7 +87,8 @@ class RLTrainer:
                                          OmegaConf.to_container(OmegaConf.structured(config)))
         self.kl_controller = algorithms.kl_controller_from_config(config.algorithm.kl_ctrl)
         self.step = 0
-        self.skipped_steps = 0  # steps whose sessions all failed (skip_step)
+        self.prompt_batch = 0  # the next training prompt batch to draw (next_prompt_batch)
+        self.skipped_steps = 0  # steps with nothing to train on (skip_step)
         self.first_skip: str | None = None  # why the first skipped step was skipped
         self.updates = 0  # steps of this process that updated the model
         self.fleet = Fleet(config, self.model_path, self.startup)
@@ -145,12 +146,12 @@ class RLTrainer:
         return max(1, config.trainer.total_steps * per_step * epochs)
 
     def check_trained(self) -> None:
-        """NoStepTrained when this run skipped steps and updated the model in none (every
-        session of every step failed): it must not end like a finished run."""
+        """NoStepTrained when this run skipped steps and updated the model in none (no step had
+        anything to train on): it must not end like a finished run."""
         if self.skipped_steps and not self.updates:
             raise NoStepTrained(
                 f"no step trained: all {self.skipped_steps} step(s) of this run were skipped "
-                f"because every session failed; the first: {self.first_skip}. Nothing was "
+                f"with nothing to train on; the first: {self.first_skip}. Nothing was "
                 "trained or saved")
 
     def _drop_overlong_prompts(self) -> None:
@@ -169,6 +170,12 @@ class RLTrainer:
         epoch, index = divmod(step, self.steps_per_epoch)
         data = self.config.data
         return self.train_data.batch_at(data.train_batch_size, epoch, index, data.shuffle, data.seed)
+
+    def next_prompt_batch(self) -> int:
+        """The index of the next batch of training prompts (train_rows), counted on: one per step,
+        or more under algorithm.filter_groups; checkpointed, so a resume draws on from there."""
+        self.prompt_batch += 1
+        return self.prompt_batch - 1
 
     def seeds(self, step: int, count: int, validate: bool) -> list[int]:
         """One deterministic sampling seed per row of batch `step`."""
@@ -189,7 +196,9 @@ class RLTrainer:
         functions see them all at once. A served reward left with no server stops the run
         here, before an update trains on rewards that failed for want of one."""
         if self.config.reward.placement == "after_sampling":
-            await self.rewards.score([t for t in trajectories if not continued_later(t)])
+            # scored ones were scored before the group filter (trainer/dynamic_sampling.py)
+            await self.rewards.score([t for t in trajectories
+                                      if not continued_later(t) and t.reward is None])
             share_split_rewards(trajectories)
         await self.fleet.rewards.check_serving()
 
@@ -330,8 +339,9 @@ class RLTrainer:
                 self.metrics.log(self.step, validation)
         return validation
 
-    async def skip_step(self, error: AllSessionsFailed) -> None:
-        """A step whose sessions all failed: no update; its prompts count as used, the version
+    async def skip_step(self, error: Exception) -> None:
+        """A step with nothing to train on (its sessions all failed, AllSessionsFailed, or
+        dynamic sampling kept no group, NoGroupKept): no update; its prompts count as used, the version
         moves on (the same weights are synced under it, so engines and trainer agree), and the
         step logs rollout/skipped_steps and rollout/failed_sessions."""
         logger.warning("step %d skipped: %s", self.step, error)
@@ -400,7 +410,7 @@ class RLTrainer:
         if directory.exists():
             shutil.rmtree(directory)
         await self.fleet.on_workers("save_checkpoint", [(str(directory),)] * len(self.workers))
-        state = {"step": self.step, "kl_controller": self.kl_controller.state_dict()}
+        state = {"step": self.step, "prompt_batch": self.prompt_batch, "kl_controller": self.kl_controller.state_dict()}
         checkpoint.save_trainer_state(directory, state)
         checkpoint.write_latest(self.output_dir / "checkpoints", self.step)
         return directory
@@ -415,6 +425,7 @@ class RLTrainer:
         state = checkpoint.load_trainer_state(directory)
         await self.fleet.on_workers("load_checkpoint", [(str(directory),)] * len(self.workers))
         self.step = state["step"]
+        self.prompt_batch = state.get("prompt_batch", self.step)  # checkpoints before filter_groups
         self.kl_controller.load_state_dict(state["kl_controller"])
         if self.metrics is not None:
             self.metrics.truncate_after(self.step)

@@ -101,7 +101,9 @@ class RolloutBuffer:
         self._admissible = asyncio.Event()
         self.in_flight = 0
         self.admission_wait_s = 0.0  # producer time held by the staleness bound, since last take
-        self.counts: Counter[str] = Counter()  # put, taken, dropped, regenerated, failed
+        self.error: BaseException | None = None  # the producer's, raised to the trainer (fail)
+        # put, taken, dropped, regenerated, failed, cancelled, filtered
+        self.counts: Counter[str] = Counter()
 
     @property
     def depth(self) -> int:
@@ -139,16 +141,25 @@ class RolloutBuffer:
         self.counts["put"] += 1
         self._arrived.set()
 
-    def cancel(self, admitted_version: int, failed: bool = False) -> None:
-        """A group reserved at `admitted_version` will never arrive (it failed or was
-        cancelled): free its slot and its place in the schedule."""
+    def cancel(self, admitted_version: int, outcome: str = "cancelled") -> None:
+        """A group reserved at `admitted_version` will never arrive: it was cancelled, it failed,
+        or it was filtered (algorithm.filter_groups: nothing to train on). Its slot and its place
+        in the schedule are freed; it is counted under `outcome`, never as taken."""
+        if outcome not in ("cancelled", "failed", "filtered"):
+            raise ValueError(f"outcome={outcome!r}: cancelled, failed or filtered")
         self.in_flight -= 1
-        self.counts["failed" if failed else "cancelled"] += 1
+        self.counts[outcome] += 1
         if self.schedule is not None:
             self.schedule.release(admitted_version)
             self._admissible.set()
             self._arrived.set()  # the trainer may have been waiting for this very group
         self._slots.release()
+
+    def fail(self, error: BaseException) -> None:
+        """The producer cannot go on (e.g. its reward scoring failed): the trainer's take raises
+        `error` instead of waiting for groups that will not come."""
+        self.error = error
+        self._arrived.set()
 
     def _next(self) -> RolloutGroup | None:
         if self.schedule is None:
@@ -178,6 +189,8 @@ class RolloutBuffer:
         fresh = 0
         try:
             while fresh < count:
+                if self.error is not None:
+                    raise self.error
                 group = self._next()
                 if group is None:
                     self._arrived.clear()

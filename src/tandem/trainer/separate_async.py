@@ -53,7 +53,7 @@ async def fit_separate_async(trainer: RLTrainer,
         for _ in bar:
             timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{trainer.algorithm_name} [{phase}]"))
             idle.reset()
-            trajectories, batches, parts = [], [], []
+            trajectories, batches, parts, groups_trained = [], [], [], 0
             spilled = spill.spilled_tokens if spill else 0
             for _ in range(sync_step):
                 with timer.phase("wait_rollout"):  # a silent pool stops the run, or restarts
@@ -81,6 +81,7 @@ async def fit_separate_async(trainer: RLTrainer,
                 with timer.phase("update"):
                     metrics.update(await trainer.update(batch))
                 trajectories += mini
+                groups_trained += len(groups)
                 batches.append(batch)
                 parts.append({**metrics, **buffer_metrics})
             trainer.step += 1
@@ -97,6 +98,7 @@ async def fit_separate_async(trainer: RLTrainer,
             buffer.serving(trainer.step)  # the bound now admits groups that start at this version
             metrics = merge_mini_batch_metrics(parts)
             metrics.update(sync_metrics)
+            metrics.update(producer.filter_metrics(groups_trained))  # algorithm.filter_groups
             metrics.update(idle_metrics(timer.times, idle.seconds, sync_metrics["sync/total_s"]))
             if spill is not None:
                 metrics["spill/tokens"] = float(spill.spilled_tokens - spilled)

@@ -1,7 +1,8 @@
 """trainer_mode=sync: generation and training take turns (seed §12.1); `fit_sync` below is the
 phase order (docs/trainer.md). On the hybrid layout sleep and wake free the devices for
 training; standalone replicas keep their memory. A step whose sessions all fail is skipped
-(RLTrainer.skip_step): no update, a warning and a metric. trainer.debug records each step's
+(RLTrainer.skip_step): no update, a warning and a metric. With algorithm.filter_groups the generate
+phase scores and filters groups and draws more prompt batches (trainer/dynamic_sampling.py). trainer.debug records each step's
 scored trajectories, or replays recorded ones in place of generation (docs/trainer.md).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from tandem.agent.runner import AllSessionsFailed
 from tandem.progress import progress_bar
+from tandem.trainer.dynamic_sampling import NoGroupKept, fill_batch
 from tandem.trainer.metrics import PhaseTimer
 from tandem.trainer.rl_trainer import RLTrainer, ValidationHook
 from tandem.trainer.rollout_files import load_rollouts, save_rollouts
@@ -29,14 +31,21 @@ async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = No
     bar = progress_bar(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
                        initial=trainer.step, total=config.total_steps, disable=not config.progress)
     debug = config.debug  # rollout record and replay (trainer/rollout_files.py)
+    filtering = trainer.config.algorithm.filter_groups.enable
     for _ in bar:
         timer = PhaseTimer(on_phase=lambda phase: bar.set_description(f"{trainer.algorithm_name} [{phase}]"))
+        metrics: dict[str, float] = {}
         try:
             with timer.phase("generate"):
-                trajectories = (load_rollouts(debug.load_rollouts, trainer.step + 1)
-                                if debug.train_only else await fleet.wait_for_rollout(
-                                    trainer.generate(trainer.train_rows(trainer.step), trainer.step)))
-        except AllSessionsFailed as error:
+                if debug.train_only:
+                    trajectories = load_rollouts(debug.load_rollouts, trainer.step + 1)
+                elif filtering:  # generate, score, drop zero-variance groups, until full
+                    trajectories, metrics = await fleet.wait_for_rollout(fill_batch(trainer))
+                else:
+                    index = trainer.next_prompt_batch()
+                    trajectories = await fleet.wait_for_rollout(
+                        trainer.generate(trainer.train_rows(index), index))
+        except (AllSessionsFailed, NoGroupKept) as error:
             await trainer.skip_step(error)
             continue
         if not debug.rollout_only:
@@ -48,7 +57,6 @@ async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = No
         if debug.save_rollouts:
             save_rollouts(debug.save_rollouts, trainer.step + 1, trajectories)
         batch = trainer.make_batch(trajectories)
-        metrics: dict[str, float] = {}
         if not debug.rollout_only:  # record only: the same weights go on under the next version
             with timer.phase("old_log_prob"):
                 await trainer.compute_old_log_probs(batch)
@@ -57,7 +65,7 @@ async def fit_sync(trainer: RLTrainer, on_validation: ValidationHook | None = No
             with timer.phase("values"):
                 await trainer.compute_values(batch)
             with timer.phase("advantages"):
-                metrics = trainer.compute_advantages(batch)
+                metrics.update(trainer.compute_advantages(batch))
             with timer.phase("update"):
                 metrics.update(await trainer.update(batch))
         trainer.step += 1
