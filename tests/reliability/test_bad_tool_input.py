@@ -185,11 +185,12 @@ async def test_fit_sync_skips_a_step_whose_sessions_all_fail(tmp_path, caplog):
     class Trainer:
         skip_step = RLTrainer.skip_step
         sync_weights = RLTrainer.sync_weights
+        next_prompt_batch = RLTrainer.next_prompt_batch
         algorithm_name = "GRPO"
 
         def __init__(self) -> None:
             self.config = load_config(overrides=["trainer.total_steps=3", "trainer.progress=false"])
-            self.step = self.skipped_steps = 0
+            self.step = self.skipped_steps = self.prompt_batch = 0
             self.first_skip = None
             self.metrics = MetricsLogger(tmp_path)
             self.log: list[str] = []

@@ -202,6 +202,7 @@ def driver(tmp_path, engine: TrainingEngine) -> RLTrainer:
     """The RLTrainer's checkpoint methods over an in-process worker (no Ray, no data)."""
     trainer = object.__new__(RLTrainer)
     trainer.output_dir, trainer.metrics, trainer.step = tmp_path / "run", None, 0
+    trainer.prompt_batch = 0
     trainer.fleet = Fleet(TandemConfig(), tmp_path, StartupClock())
     trainer.fleet.workers = [InProcessWorker(engine)]
     trainer.kl_controller = algorithms.kl_controller_from_config(KLControlConfig())
