@@ -183,8 +183,11 @@ def test_separate_async_trains_while_standalone_rollout_generates(tmp_path, ray_
         # no token generated twice, budgets respected across the aborts of the syncs
         for uid, session, _, sampled, _, _ in batch:
             assert counter.tokens[f"{uid}-{session}"] == sampled <= 256
-    # some trajectory was interrupted by a sync and resumed: its tokens carry two versions
-    assert any(len(versions) == 2 for _, batch in consumed for *_, versions in batch)
+    # a trajectory a sync interrupted resumed on the next version (whether one was generating
+    # at a sync depends on timing here; test_token_versions.py interrupts one on purpose)
+    for _, batch in consumed:
+        for *_, versions in batch:
+            assert len(versions) <= 2 and all(b == a + 1 for a, b in zip(versions, versions[1:]))
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "time/update" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
