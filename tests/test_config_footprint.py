@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.config.footprint import replica_count, replica_world_size, rollout_devices
+from tandem.config.footprint import (replica_count, replica_nodes, replica_world_size,
+                                     rollout_devices)
 from tandem.config.load import ConfigError, load_config
 from tandem.config.schema import RolloutConfig
 from tandem.serving.manager import ServerManager
@@ -61,7 +62,18 @@ def test_replica_count_divides_devices_by_footprint() -> None:
      r"rollout.checkpoint_engine.backend: is 'shm', but without rollout devices"),
     ([*SEPARATE, "rollout.name=vllm", "rollout.tensor_model_parallel_size=4",
       "rollout.nnodes=1", "rollout.n_gpus_per_node=2"],
-     r"a replica of 4 devices must fit on one node, which has rollout.n_gpus_per_node=2"),
+     r"rollout.tensor_model_parallel_size: a replica of 4 devices is wider than a node "
+     r"\(rollout.n_gpus_per_node=2\), which only the native engine runs .* with "
+     r"rollout.name='vllm' lower it to 2 or less"),
+    # a native replica wider than a node: whole nodes, a whole number of replicas
+    ([*SEPARATE, "rollout.tensor_model_parallel_size=3", "rollout.nnodes=2",
+      "rollout.n_gpus_per_node=2"],
+     r"rollout.tensor_model_parallel_size: a replica of 3 devices spans whole nodes of "
+     r"rollout.n_gpus_per_node=2; make it a multiple of 2"),
+    ([*SEPARATE, "rollout.tensor_model_parallel_size=4", "rollout.nnodes=3",
+      "rollout.n_gpus_per_node=2"],
+     r"rollout.nnodes: is 3, but each replica spans 2 nodes \(rollout.tensor_model_parallel_size"
+     r"=4 / rollout.n_gpus_per_node=2\); make nnodes a multiple of 2"),
     ([*SEPARATE, "rollout.name=vllm", "rollout.tensor_model_parallel_size=2",
       "rollout.nnodes=1", "rollout.n_gpus_per_node=3"],
      r"rollout.n_gpus_per_node: 3 devices per node do not split into replicas of 2 .* 1 would "
@@ -69,9 +81,9 @@ def test_replica_count_divides_devices_by_footprint() -> None:
     (["rollout.nnodes=1", "rollout.n_gpus_per_node=1", "rollout.checkpoint_engine.backend=naive"],
      r"rollout.checkpoint_engine.backend: is 'naive', .* standalone replicas are processes of "
      "their own"),
-    # nnodes only sizes the pool: nothing spreads replicas over nodes
+    # a replica that fits on one node: nnodes would only size the pool
     (["rollout.nnodes=4", "rollout.n_gpus_per_node=1"],
-     r"rollout.nnodes: is 4, but nothing spreads standalone replicas over nodes: .* Set "
+     r"rollout.nnodes: is 4, but a replica of 1 device\(s\) fits on one node: .* Set "
      r"rollout.nnodes=1 and rollout.n_gpus_per_node to the rollout's devices \(4\)"),
     ([*SEPARATE, "rollout.nnodes=2", "rollout.n_gpus_per_node=2"], r"rollout.nnodes: is 2, but"),
     (["rollout.nnodes=0", "rollout.n_gpus_per_node=2"],
@@ -105,6 +117,18 @@ def test_what_is_accepted_is_a_layout_the_fleet_builds() -> None:
         assert replica_count(rollout_devices(native), replica_world_size(native.rollout)) == 1
     native = load_config(overrides=[*SEPARATE, *NATIVE_TP2])
     assert native.rollout.name == "native" and replica_world_size(native.rollout) == 2
+    assert replica_nodes(native.rollout) == 1
+
+
+def test_a_native_replica_wider_than_a_node_spans_whole_nodes() -> None:
+    spread = load_config(overrides=[*SEPARATE, "rollout.tensor_model_parallel_size=2",
+                                     "rollout.nnodes=2", "rollout.n_gpus_per_node=1"])
+    assert replica_nodes(spread.rollout) == 2
+    assert replica_count(rollout_devices(spread), replica_world_size(spread.rollout)) == 1
+    wide = load_config(overrides=[*SEPARATE, "rollout.tensor_model_parallel_size=4",
+                                   "rollout.nnodes=4", "rollout.n_gpus_per_node=2"])
+    assert replica_nodes(wide.rollout) == 2
+    assert replica_count(rollout_devices(wide), replica_world_size(wide.rollout)) == 2
 
 
 async def test_manager_rejects_bad_layouts_before_starting_anything() -> None:

@@ -3,12 +3,15 @@ layouts are built, checked at load time (docs/serving.md, "Footprint and replica
 
 With rollout devices of their own (rollout.nnodes x rollout.n_gpus_per_node > 0, any trainer mode)
 the rollout runs as STANDALONE replicas; without, inside the training workers (HYBRID; not for
-separate_async). Nothing spreads replicas over nodes, so rollout.nnodes is 0 or 1. world_size = TP:
-data-parallel ranks, pipeline parallelism and prefill/decode disaggregation are refused until a
-backend runs them (their fields stay in the schema so that naming them gets this error, not an
-unknown-key one). A tensor-parallel native replica runs its ranks as processes of one host
-(rollout/engine/rank_worker.py); what it does not do yet (delta syncs, weight slots, LoRA) is
-refused here. Whether the model's heads split over TP is the preflight's (it reads the model).
+separate_async). world_size = TP: data-parallel ranks, pipeline parallelism and prefill/decode
+disaggregation are refused until a backend runs them (their fields stay in the schema so that
+naming them gets this error, not an unknown-key one). A replica fits on one node, so
+rollout.nnodes is 0 or 1, except for a native replica wider than a node (TP a multiple of
+rollout.n_gpus_per_node): it spans TP / n_gpus_per_node nodes, one server per node, and nnodes
+is a multiple of that (serving/replica.py). A tensor-parallel native replica runs its ranks as
+processes (rollout/engine/rank_worker.py); what it does not do yet (delta syncs, weight slots,
+LoRA) is refused here. Whether the model's heads split over TP is the preflight's (it reads the
+model).
 """
 
 from __future__ import annotations
@@ -22,6 +25,13 @@ CUDA_ONLY_BACKENDS = ("sglang",)
 def replica_world_size(config: RolloutConfig) -> int:
     """Devices one replica occupies (its tensor-parallel size)."""
     return config.tensor_model_parallel_size
+
+
+def replica_nodes(config: RolloutConfig) -> int:
+    """Nodes one standalone replica spans: 1, or TP / n_gpus_per_node for a replica wider than a
+    node (a native one; the load-time checks refuse the others)."""
+    tp, per_node = config.tensor_model_parallel_size, config.n_gpus_per_node
+    return tp // per_node if per_node and tp > per_node else 1
 
 
 def replica_count(total_devices: int, world_size: int) -> int:
@@ -140,22 +150,40 @@ def _standalone_problem(rollout: RolloutConfig) -> str | None:
                 "inside one process, but standalone replicas are processes of their own "
                 "(rollout.nnodes x rollout.n_gpus_per_node > 0); set it to auto (shm on one "
                 "host, else gloo or nccl) or name a transport across processes")
+    tp, per_node = rollout.tensor_model_parallel_size, rollout.n_gpus_per_node
+    if tp > per_node:
+        return _spread_problem(rollout)
     if rollout.nnodes > 1:
-        return (f"rollout.nnodes: is {rollout.nnodes}, but nothing spreads standalone replicas "
-                "over nodes: each reserves its devices wherever Ray finds them, so nnodes would "
+        return (f"rollout.nnodes: is {rollout.nnodes}, but a replica of {tp} device(s) fits on "
+                "one node: each reserves its devices wherever Ray finds them, so nnodes would "
                 "only multiply rollout.n_gpus_per_node into a device count. Set rollout.nnodes=1 "
                 "and rollout.n_gpus_per_node to the rollout's devices "
                 f"({rollout.nnodes * rollout.n_gpus_per_node}); Ray places the replicas on the "
                 "nodes that have them")
-    tp, per_node = rollout.tensor_model_parallel_size, rollout.n_gpus_per_node
-    if tp > per_node:
-        return (f"rollout.tensor_model_parallel_size: a replica of {tp} devices must fit on one "
-                f"node, which has rollout.n_gpus_per_node={per_node}; lower it or raise "
-                "n_gpus_per_node")
     if per_node % tp:
         return (f"rollout.n_gpus_per_node: {per_node} devices per node do not split into replicas "
                 f"of {tp} (rollout.tensor_model_parallel_size): {per_node % tp} would stay idle; "
                 f"make it a multiple of {tp}")
+    return None
+
+
+def _spread_problem(rollout: RolloutConfig) -> str | None:
+    """A replica wider than one node: native only, whole nodes, a whole number of replicas."""
+    tp, per_node, nnodes = (rollout.tensor_model_parallel_size, rollout.n_gpus_per_node,
+                            rollout.nnodes)
+    if rollout.name != "native":
+        return (f"rollout.tensor_model_parallel_size: a replica of {tp} devices is wider than a "
+                f"node (rollout.n_gpus_per_node={per_node}), which only the native engine runs "
+                f"(one server per node); with rollout.name={rollout.name!r} lower it to "
+                f"{per_node} or less, or raise n_gpus_per_node")
+    if tp % per_node:
+        return (f"rollout.tensor_model_parallel_size: a replica of {tp} devices spans whole "
+                f"nodes of rollout.n_gpus_per_node={per_node}; make it a multiple of {per_node}")
+    span = tp // per_node
+    if nnodes % span:
+        return (f"rollout.nnodes: is {nnodes}, but each replica spans {span} nodes "
+                f"(rollout.tensor_model_parallel_size={tp} / rollout.n_gpus_per_node={per_node}); "
+                f"make nnodes a multiple of {span}")
     return None
 
 

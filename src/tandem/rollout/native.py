@@ -7,6 +7,7 @@ from pathlib import Path
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.base import CAPABILITIES
 from tandem.rollout.engine import AsyncEngine
+from tandem.rollout.engine.rank_worker import Rendezvous
 
 
 class NativeRollout(AsyncEngine):
@@ -17,7 +18,10 @@ class NativeRollout(AsyncEngine):
 
     @classmethod
     def create(cls, model_path: str | Path, config: RolloutConfig | None = None,
-               dtype: str = "float32", device: str = "cpu") -> "NativeRollout":
+               dtype: str = "float32", device: str = "cpu",
+               rendezvous: Rendezvous | None = None) -> "NativeRollout":
+        """The engine; `rendezvous`: rank 0 of a tensor-parallel replica spread over nodes."""
         from tandem.models import resolve_model_path
 
-        return cls(resolve_model_path(str(model_path)), config or RolloutConfig(), dtype, device)
+        return cls(resolve_model_path(str(model_path)), config or RolloutConfig(), dtype, device,
+                   rendezvous)

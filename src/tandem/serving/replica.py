@@ -1,8 +1,10 @@
 """A rollout replica: the server serving one model copy, placed by layout (seed §3.3, §5;
 docs/serving.md, "Layouts"): HYBRID inside workers that already exist (no new process or devices),
 COLOCATED as a new process on bundles of another role's placement group, STANDALONE as a new process
-on one bundle of its own holding the whole footprint (TP devices). Verbs reach its servers through
-ServerManager.control."""
+on one bundle of its own holding the whole footprint (TP devices), or, for a native replica wider
+than a node, one bundle per node (STRICT_SPREAD) with a server on each: rank 0's on the first, which
+is the replica's address, and a rank host (serving/rank_host.py) on each other. Verbs reach its
+servers through ServerManager.control, and the other nodes' ranks through rank 0."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ from typing import Any, Sequence
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from tandem.config.footprint import replica_world_size
+from tandem.config.footprint import replica_nodes, replica_world_size
 from tandem.config.schema import RolloutConfig
+from tandem.rollout.engine.rank_worker import Rendezvous
 from tandem.rollout.registry import get_rollout_class
+from tandem.serving.rank_host import RankHostActor, RankHostInfo
 from tandem.serving.placement import device_bundle, in_bundle, reserve, wait_placed
 from tandem.serving.remote import NoAnswerError, call, is_actor
 from tandem.serving.server import RolloutServerActor, ServerInfo
@@ -75,9 +79,11 @@ class RolloutReplica:
         self.layout: ReplicaLayout | None = None
         self.servers: list[Any] = []
         self.infos: list[ServerInfo] = []
+        self.rank_hosts: list[Any] = []  # the other nodes' servers of a replica spread over nodes
+        self.rank_host_infos: list[RankHostInfo] = []
         self.placement_group: PlacementGroup | None = None
         self._owns_placement_group = False
-        self._bundle: tuple[int, dict[str, float]] | None = None  # (index, resources) placed on
+        self._bundles: list[tuple[int, dict[str, float]]] = []  # (index, resources) per node
 
     # -- the three init paths ---------------------------------------------------------------
 
@@ -103,27 +109,28 @@ class RolloutReplica:
         resources = {k: round(v * share, 4) for k, v in bundle.items() if k in ("CPU", "GPU")}
         await wait_placed(group, self.options.start_timeout_s,
                           f"colocated replica {self.replica_rank}")
-        await self._start([self._place_server(group, bundle_indices[0], resources)],
-                          self.options.threads())
+        await self._start_placed(group, [(bundle_indices[0], resources)])
 
     async def init_standalone(self) -> None:
-        """Reserve world_size devices as one bundle of a placement group of its own and start a
-        server holding all of them (load-time checks keep a footprint within one node)."""
+        """Reserve world_size devices as a placement group of its own (one bundle, or one per
+        node when the replica is wider than a node) and start the replica's servers on it."""
         self._begin(ReplicaLayout.STANDALONE)
-        bundle = await self.init_standalone_group()
-        await self._start([self._place_server(self.placement_group, 0, bundle)],
-                          self.options.threads())
+        bundles = await self.init_standalone_group()
+        await self._start_placed(self.placement_group, list(enumerate(bundles)))
 
-    async def init_standalone_group(self) -> dict[str, float]:
-        """Reserve this replica's own placement group: one bundle of world_size devices."""
-        bundle = {name: amount * self.world_size for name, amount in self.options.bundle().items()}
+    async def init_standalone_group(self) -> list[dict[str, float]]:
+        """Reserve this replica's own placement group: one bundle of world_size devices, or one
+        bundle per node on distinct nodes (STRICT_SPREAD) for a replica spread over nodes."""
+        nodes = replica_nodes(self.config)
+        bundles = [{name: amount * (self.world_size // nodes)
+                    for name, amount in self.options.bundle().items()} for _ in range(nodes)]
         self.placement_group = await reserve(
-            [bundle], "STRICT_PACK", self.options.start_timeout_s,
-            f"standalone replica {self.server_id!r} ({bundle}; rollout.nnodes / "
+            bundles, "STRICT_PACK" if nodes == 1 else "STRICT_SPREAD",
+            self.options.start_timeout_s,
+            f"standalone replica {self.server_id!r} ({nodes} x {bundles[0]}; rollout.nnodes / "
             "rollout.n_gpus_per_node)")
         self._owns_placement_group = True
-        self._bundle = (0, bundle)
-        return bundle
+        return bundles
 
     def _begin(self, layout: ReplicaLayout) -> None:
         if self.layout is not None:
@@ -131,19 +138,41 @@ class RolloutReplica:
                                f"{self.layout.value}")
         self.layout = layout
 
-    def _place_server(self, group: PlacementGroup, bundle_index: int,
-                      resources: dict[str, float]) -> Any:
-        self._bundle = (bundle_index, resources)
-        return RolloutServerActor.options(**in_bundle(group, bundle_index, resources)).remote(
-            self.server_id, self.options.pause_timeout_s, self.options.drain_timeout_s)
+    async def _start_placed(self, group: PlacementGroup,
+                            bundles: list[tuple[int, dict[str, float]]]) -> None:
+        """Start the replica's server on the first of `bundles` ((index, resources) of `group`)
+        and, for a replica spread over nodes, a rank host on each other bundle, which starts
+        its node's worker ranks towards rank 0's rendezvous."""
+        options = self.options
+        self._bundles = list(bundles)
+        index, resources = bundles[0]
+        main = RolloutServerActor.options(**in_bundle(group, index, resources)).remote(
+            self.server_id, options.pause_timeout_s, options.drain_timeout_s)
+        if len(bundles) == 1:
+            await self._start([main], options.threads())
+            return
+        self.servers = [main]
+        self.rank_hosts = [RankHostActor.options(**in_bundle(group, i, r)).remote(
+            f"{self.server_id}-node{node}") for node, (i, r) in enumerate(bundles[1:], start=1)]
+        per_node = self.world_size // len(bundles)
+        rendezvous = await call(main, "rendezvous_point", per_node,
+                                timeout_s=options.start_timeout_s)
+        self.rank_host_infos = list(await asyncio.gather(*(
+            call(host, "start", options.model_path, options.dtype, options.device, rendezvous,
+                 range(node * per_node, (node + 1) * per_node), self.world_size,
+                 options.threads(), timeout_s=options.start_timeout_s)
+            for node, host in enumerate(self.rank_hosts, start=1))))
+        await self._start([main], options.threads(), rendezvous)
 
-    async def _start(self, servers: list[Any], torch_threads: int | None) -> None:
+    async def _start(self, servers: list[Any], torch_threads: int | None,
+                     rendezvous: Rendezvous | None = None) -> None:
         options = self.options
         self.servers = servers
         try:
             self.infos = list(await asyncio.gather(*(
                 call(server, "start", self.backend_class, options.model_path, self.config,
                      options.dtype, options.device, torch_threads,
+                     *([] if rendezvous is None else [rendezvous]),
                      timeout_s=options.start_timeout_s) for server in servers)))
         except NoAnswerError:
             raise ControlTimeout(f"replica {self.replica_rank} ({self.server_id!r}): the "
@@ -158,21 +187,22 @@ class RolloutReplica:
         if self.layout is ReplicaLayout.HYBRID:
             raise RuntimeError(f"replica {self.server_id!r} lives in a training worker, which is "
                                "never killed or restarted")
-        for server in self.servers:
+        for server in self.servers + self.rank_hosts:
             ray.kill(server, no_restart=True)
 
     async def start_again(self, server_id: str) -> RolloutReplica:
         """A replica like this killed one, named `server_id`, started in the same bundle (or, if
         its own placement group is gone, in a new one); it takes over the placement group, which
         comes back to this replica on an error (so start_again can be tried again)."""
-        if self.layout is None or self.layout is ReplicaLayout.HYBRID or self._bundle is None:
+        if self.layout is None or self.layout is ReplicaLayout.HYBRID or not self._bundles:
             raise RuntimeError(f"replica {self.server_id!r} ({self.layout}) cannot be started "
                                "again: only placed standalone or colocated servers can")
         again = RolloutReplica(self.replica_rank, self.config, self.options)
         again.server_id = server_id
         again._begin(self.layout)
         group, owned = self.placement_group, self._owns_placement_group
-        self.placement_group, self._owns_placement_group, self.servers = None, False, []
+        self.placement_group, self._owns_placement_group = None, False
+        self.servers, self.rank_hosts = [], []
         try:
             if owned and not _placed(group):  # its node went away: Ray removed or re-places it
                 if group is not None:
@@ -182,11 +212,9 @@ class RolloutReplica:
                 again.placement_group, again._owns_placement_group = group, owned
                 await wait_placed(group, self.options.start_timeout_s,
                                   f"replica {server_id!r} (a restart of {self.server_id!r})")
-            index, resources = self._bundle
-            await again._start([again._place_server(again.placement_group, index, resources)],
-                               self.options.threads())
+            await again._start_placed(again.placement_group, self._bundles)
         except BaseException:  # the placement goes back to this replica: a retry starts there
-            for server in again.servers:
+            for server in again.servers + again.rank_hosts:
                 ray.kill(server, no_restart=True)
             self.placement_group = again.placement_group
             self._owns_placement_group = again._owns_placement_group
@@ -211,12 +239,12 @@ class RolloutReplica:
         """Kill the server processes and free the placement group this replica created (the
         manager tells the engines to shut down first); hybrid hosts are left running."""
         if self.layout is not ReplicaLayout.HYBRID:
-            for server in self.servers:
+            for server in self.servers + self.rank_hosts:
                 ray.kill(server)
         if self._owns_placement_group and self.placement_group is not None:
             remove_placement_group(self.placement_group)
             self.placement_group = None
-        self.servers = []
+        self.servers, self.rank_hosts = [], []
 
 
 def _placed(group: PlacementGroup | None) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from tandem.config.schema import RolloutConfig
 from tandem.quiet import quiet_libraries
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags
+from tandem.rollout.engine.rank_worker import Rendezvous
 from tandem.types import GenerateRequest, TokenOutput
 from tandem.weight_sync.base import SyncPlan
 from tandem.weight_sync.participants import receive_into
@@ -89,15 +91,19 @@ class RolloutServer:
 
     async def start(self, backend_class: type[BaseRollout], model_path: str | Path,
                     config: RolloutConfig, dtype: str = "float32", device: str = "cpu",
-                    torch_threads: int | None = None) -> ServerInfo:
-        """Create the backend in this process and open generation; returns where it runs."""
+                    torch_threads: int | None = None,
+                    rendezvous: Rendezvous | None = None) -> ServerInfo:
+        """Create the backend in this process and open generation; returns where it runs.
+        `rendezvous`: this server is node-rank 0 of a native replica spread over nodes."""
         if self._backend is not None:
             raise RuntimeError(f"server {self.server_id!r} already hosts a backend")
         quiet_libraries()  # no per-load progress bar from this process in the driver's log
         if torch_threads is not None:
             # Ray sets OMP_NUM_THREADS=1 in actors with fractional CPUs; CPU engines need more.
             torch.set_num_threads(torch_threads)
-        self._backend = backend_class.create(model_path, config, dtype=dtype, device=device)
+        spread = {} if rendezvous is None else {"rendezvous": rendezvous}
+        self._backend = backend_class.create(model_path, config, dtype=dtype, device=device,
+                                             **spread)
         self._device = device
         self._update_gate()
         info = self.info()
@@ -113,6 +119,14 @@ class RolloutServer:
         if self._backend is None:
             raise RuntimeError(f"server {self.server_id!r} has no backend yet: call start() first")
         return self._backend
+
+    def rendezvous_point(self, local_ranks: int) -> Rendezvous:
+        """Where the ranks of a replica spread over nodes meet: this node's address and a port
+        free on it now, for the store rank 0 opens there; this node runs `local_ranks`."""
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            return Rendezvous(host, probe.getsockname()[1], local_ranks)
 
     def info(self) -> ServerInfo:
         """Node, process, placement group and weight version of this server."""

@@ -28,7 +28,7 @@ from tandem.rollout.engine.block_manager import BlockManager
 from tandem.rollout.engine.lora_merge import LoraState
 from tandem.rollout.engine.memory import MemoryControl, plan_num_blocks
 from tandem.rollout.engine.model_runner import ModelRunner, torch_dtype
-from tandem.rollout.engine.rank_worker import RankWorkers
+from tandem.rollout.engine.rank_worker import RankWorkers, Rendezvous
 from tandem.rollout.engine.sampler import sample
 from tandem.rollout.engine.scheduler import ScheduledSequence, Scheduler
 from tandem.rollout.engine.sequence import Sequence, SequenceStatus
@@ -47,14 +47,14 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
     """The native engine; `rollout/native.py`'s NativeRollout adds create() and capabilities."""
 
     def __init__(self, model_path: str | Path, config: RolloutConfig, dtype: str = "float32",
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", rendezvous: Rendezvous | None = None) -> None:
         _check_config(config)
         self.config = config
         self.device = torch.device(device)
         # the other ranks of a tensor-parallel replica (None: this engine is the whole model)
         self.ranks, tensor_parallel = (
             RankWorkers.start(config.tensor_model_parallel_size, str(model_path), dtype,
-                              self.device)
+                              self.device, rendezvous)
             if config.tensor_model_parallel_size > 1 else (None, None))
         try:
             self.runner = ModelRunner(model_path, torch_dtype(dtype), self.device, tensor_parallel)
@@ -331,7 +331,7 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "num_blocks": self.blocks.num_blocks, "free_blocks": self.blocks.num_free_blocks,
                 "cached_blocks": self.blocks.num_cached_blocks,
-                "tensor_parallel_ranks": 1 + (len(self.ranks.processes) if self.ranks else 0)}
+                "tensor_parallel_ranks": self.ranks.size if self.ranks else 1}
 
     async def shutdown(self) -> None:
         """Abort everything and stop the loop (and the other ranks' processes)."""

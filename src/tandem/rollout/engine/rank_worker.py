@@ -1,6 +1,8 @@
-"""The ranks of a tensor-parallel native replica on one host: rank 0 is the AsyncEngine (it
-schedules, samples and answers calls); ranks 1..TP-1 are worker processes that hold their slice
-of the model and of the KV cache and run, in lockstep, whatever rank 0 broadcasts.
+"""The ranks of a tensor-parallel native replica: rank 0 is the AsyncEngine (it schedules,
+samples and answers calls); ranks 1..TP-1 are worker processes that hold their slice of the model
+and of the KV cache and run, in lockstep, whatever rank 0 broadcasts. On one host rank 0 spawns
+them all; a replica spread over nodes meets at a `Rendezvous` on rank 0's node, where rank 0
+spawns the ranks of its node and each other node's server (serving/rank_host.py) spawns its own.
 
 Rank 0 sends every command to all workers over the replica's gloo group (`RankWorkers`, under
 the engine's step lock, so commands never interleave): a step's plan (they run the same forward,
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import traceback
 import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterable
 
@@ -48,6 +51,37 @@ COMMAND_BYTES = 16 << 10
 SLICE_TAG = 2  # point-to-point tags: 0 and 1 carry replies, 2.. a weight update's slices
 WORKER_MAIN = ("import json, sys; from tandem.rollout.engine.rank_worker import run_worker; "
                "run_worker(*json.loads(sys.argv[1]))")
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of a replica spread over nodes meet: the store on rank 0's node
+    (`host`:`port`), and how many ranks that node runs (ranks 0..local_ranks-1; the other nodes'
+    servers start the rest, each binding its collectives to its own node address)."""
+
+    host: str
+    port: int
+    local_ranks: int
+
+
+def spawn_workers(ranks: range, size: int, store_host: str, port: int, model_path: str,
+                  dtype: str, devices: list[torch.device], shared: bool, threads: int | None,
+                  bind_host: str) -> list[subprocess.Popen]:
+    """Start worker processes for `ranks` of a replica of `size` on this node, one per device
+    of `devices` (`shared`: they share one GPU over gloo): they join the store at
+    store_host:port, bind their collectives to bind_host, load their slices and die with this
+    process."""
+    # a fresh interpreter per rank (not multiprocessing's spawn, which re-imports the caller's
+    # __main__: a script without a main guard would start engines recursively)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    processes = []
+    for rank, rank_device in zip(ranks, devices):
+        arguments = [rank, size, store_host, port, str(model_path), dtype, str(rank_device),
+                     shared, threads, os.getpid(), bind_host]
+        processes.append(subprocess.Popen(
+            [sys.executable, "-c", WORKER_MAIN, json.dumps(arguments)], env=environment))
+    return processes
 
 
 # ---- messages over the control group ------------------------------------------------------
@@ -176,8 +210,9 @@ class RankWorker:
         return held_bytes(self.runner)
 
 
-def run_worker(rank: int, size: int, port: int, model_path: str, dtype: str, device: str,
-               shared_device: bool, threads: int | None, parent: int) -> None:
+def run_worker(rank: int, size: int, store_host: str, port: int, model_path: str, dtype: str,
+               device: str, shared_device: bool, threads: int | None, parent: int,
+               bind_host: str = LOOPBACK) -> None:
     """A worker process's main: join the replica's groups, load this rank's slice, report, then
     serve rank 0's commands. Any failure ends the process (rank 0 sees its sockets close)."""
     _die_with(parent)
@@ -188,8 +223,8 @@ def run_worker(rank: int, size: int, port: int, model_path: str, dtype: str, dev
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
-    control, compute = make_groups(store, rank, size, device, timeout, shared_device)
+    store = dist.TCPStore(store_host, port, size, is_master=False, timeout=timeout)
+    control, compute = make_groups(store, rank, size, device, timeout, shared_device, bind_host)
     try:
         runner = ModelRunner(model_path, torch_dtype(dtype), device,
                              TensorParallel(rank, size, compute))
@@ -211,49 +246,46 @@ class RankWorkers:
     engine loop runs)."""
 
     def __init__(self, processes: list[subprocess.Popen], group: Any, store: dist.Store,
-                 threads_before: int) -> None:
-        self.processes, self.group = processes, group
+                 threads_before: int, size: int) -> None:
+        self.processes, self.group, self.size = processes, group, size  # processes: this node's
         self.store = store  # the rendezvous server lives as long as the groups
         self.threads_before = threads_before  # this process's torch threads, restored at stop
-        self.memory = [{"weights": 0, "kv_cache": 0} for _ in processes]  # as last replied
+        self.memory = [{"weights": 0, "kv_cache": 0} for _ in range(size - 1)]  # as last replied
         self.failure: str | None = None  # set once a rank failed: the replica cannot step
         self._finalizer = weakref.finalize(self, _terminate, processes)
 
     @classmethod
-    def start(cls, size: int, model_path: str, dtype: str, device: torch.device
-              ) -> tuple["RankWorkers", TensorParallel]:
-        """Spawn ranks 1..size-1 and join their groups; returns the handle and rank 0's
-        TensorParallel (the workers load their slices while rank 0 loads its own). On CPU each
-        rank, this process included, takes 1/size of this process's torch threads."""
+    def start(cls, size: int, model_path: str, dtype: str, device: torch.device,
+              rendezvous: Rendezvous | None = None) -> tuple["RankWorkers", TensorParallel]:
+        """Spawn this node's ranks 1.. (all of 1..size-1 without a rendezvous) and join every
+        rank's groups; returns the handle and rank 0's TensorParallel (the workers load their
+        slices while rank 0 loads its own). On CPU each local rank, this process included, takes
+        1/(local ranks) of this process's torch threads."""
+        local = size if rendezvous is None else rendezvous.local_ranks
+        host = LOOPBACK if rendezvous is None else rendezvous.host
         threads_before, threads = torch.get_num_threads(), None
         if device.type == "cpu":
-            threads = max(1, threads_before // size)
+            threads = max(1, threads_before // local)
             torch.set_num_threads(threads)
         timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                              timeout=timeout)
-        # a fresh interpreter per rank (not multiprocessing's spawn, which re-imports the
-        # caller's __main__: a script without a main guard would start engines recursively)
-        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        devices = rank_devices(device, size)
-        shared = device.type == "cuda" and len(set(devices)) < size
-        processes = []
-        for rank in range(1, size):
-            arguments = [rank, size, store.port, str(model_path), dtype, str(devices[rank]),
-                         shared, threads, os.getpid()]
-            processes.append(subprocess.Popen(
-                [sys.executable, "-c", WORKER_MAIN, json.dumps(arguments)], env=environment))
+        store = dist.TCPStore(host, 0 if rendezvous is None else rendezvous.port, size,
+                              is_master=True, wait_for_workers=False, timeout=timeout)
+        devices = rank_devices(device, local)
+        shared = device.type == "cuda" and len(set(devices)) < local
+        processes = spawn_workers(range(1, local), size, host, store.port, model_path, dtype,
+                                  devices[1:], shared, threads, host)
         try:
-            control, compute = make_groups(store, 0, size, devices[0], timeout, shared)
+            control, compute = make_groups(store, 0, size, devices[0], timeout, shared, host)
         except Exception:
             _terminate(processes)
             torch.set_num_threads(threads_before)
             raise
-        return cls(processes, control, store, threads_before), TensorParallel(0, size, compute)
+        return (cls(processes, control, store, threads_before, size),
+                TensorParallel(0, size, compute))
 
     def wait_ready(self) -> None:
         """After rank 0 loaded its slice: every worker's start-up report."""
-        errors = {rank: self._reply(rank) for rank in range(1, len(self.processes) + 1)}
+        errors = {rank: self._reply(rank) for rank in range(1, self.size)}
         failed = {rank: error for rank, error in errors.items() if error}
         if failed:
             raise RuntimeError(f"tensor-parallel ranks failed to start: {failed}")
@@ -312,7 +344,7 @@ class RankWorkers:
 
     def _fan_out(self, verb: str, *arguments: Any) -> list[Any]:
         self._command(verb, *arguments)
-        replies = [self._reply(rank) for rank in range(1, len(self.processes) + 1)]
+        replies = [self._reply(rank) for rank in range(1, self.size)]
         if verb != "weights":
             self.memory = replies
         return replies

@@ -222,14 +222,15 @@ def rank_devices(device: torch.device, size: int) -> list[torch.device]:
 
 
 def make_groups(store: dist.Store, rank: int, size: int, device: torch.device,
-                timeout: timedelta, shared_device: bool = False) -> tuple[Any, Any]:
-    """(control, compute) process groups of a replica on one host, private (never the default
-    group, which training code may own): control is gloo (step plans, replies, weight slices
-    as host tensors); compute is the same group on CPU or on one shared GPU, NCCL on GPUs of
-    their own."""
+                timeout: timedelta, shared_device: bool = False, hostname: str = "127.0.0.1"
+                ) -> tuple[Any, Any]:
+    """(control, compute) process groups of a replica, private (never the default group, which
+    training code may own), this rank's end bound to `hostname` (its node's address when the
+    replica spans nodes): control is gloo (step plans, replies, weight slices as host tensors);
+    compute is the same group on CPU or on one shared GPU, NCCL on GPUs of their own."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
     control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, size, options)
     if device.type != "cuda" or shared_device:
         return control, control
