@@ -18,8 +18,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from tandem.config.schema import RolloutConfig
 from tandem.models import build_tiny_model
+from tandem.rollout.base import ReplicaFailedError
 from tandem.rollout.engine.rank_worker import Rendezvous, spawn_workers
 from tandem.rollout.native import NativeRollout
+from tandem.serving.client import DEAD_SERVER_ERRORS
 from tandem.serving.remote import call
 from tandem.serving.replica import ReplicaLayout, RolloutReplica, ServerOptions
 from tandem.types import GenerateRequest
@@ -112,12 +114,15 @@ async def test_a_replica_of_two_node_servers_serves_through_rank_0(ray_cluster, 
         served = await greedy(_Client(replica.main_server), "served")
         assert_same_as_one_rank(model_path, served, await one_rank(model_path))
 
-        # the rank host's node goes away: its rank dies with it, and rank 0 says which failed
+        # the rank host's node goes away: its rank dies with it; rank 0's server then counts
+        # as dead to the clients and to the health probe (weight_version), which restart it
         ray.kill(replica.rank_hosts[0], no_restart=True)
         await _wait_gone(host.rank_pids[0])
-        with pytest.raises(Exception, match="tensor-parallel replica failed"):
+        with pytest.raises(ReplicaFailedError, match="tensor-parallel replica failed"):
             await asyncio.wait_for(call(replica.main_server, "generate", GenerateRequest(
                 "after", [20, 21], GREEDY)), 120)
+        with pytest.raises(DEAD_SERVER_ERRORS, match="must be restarted"):
+            await call(replica.main_server, "weight_version", timeout_s=60)
     finally:
         replica.release()
         remove_placement_group(group)

@@ -86,6 +86,11 @@ def check_coverage(staged: Mapping[str, Any], shapes: Mapping[str, torch.Size], 
                          "or declare the update partial (update_weights(..., partial=True))")
 
 
+class ReplicaFailedError(RuntimeError):
+    """The engine can no longer serve (a rank of its replica died or fell out of step): callers
+    treat its server as dead, and the replica must be started again."""
+
+
 class BaseRollout(ABC):
     """A token-in/token-out engine plus the memory and weight controls training needs."""
 
@@ -183,6 +188,9 @@ class BaseRollout(ABC):
     @abstractmethod
     def weight_version(self) -> int:
         """The version stamped on tokens generated now."""
+
+    def raise_if_failed(self) -> None:
+        """Raise ReplicaFailedError when the engine can no longer serve (never, by default)."""
 
     @abstractmethod
     def memory_bytes(self) -> dict[str, int]:

@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from ray.exceptions import RayActorError
 
+from tandem.rollout.base import ReplicaFailedError
 from tandem.serving.balancer import NoServerYet
 from tandem.serving.remote import call, is_actor, resolve, submit
 from tandem.types import GenerateRequest, TokenOutput
@@ -24,7 +25,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # The server process is gone (ActorDiedError and ActorUnavailableError subclass RayActorError).
-DEAD_SERVER_ERRORS = (RayActorError,)
+# a server whose process is gone, or whose engine can no longer serve (a TP rank died)
+DEAD_SERVER_ERRORS = (RayActorError, ReplicaFailedError)
 # While a request waits, its server must answer a cheap call (weight_version) within this long;
 # far above a busy engine step, so only a server that answers nothing at all is called stalled.
 STALL_TIMEOUT_S = 60.0

@@ -321,7 +321,9 @@ class RolloutServer:
         return self._slots.descriptor(self.backend.weight_slot_active)
 
     async def weight_version(self) -> int:
-        """The version stamped on tokens generated now."""
+        """The version stamped on tokens generated now (the health probe: ReplicaFailedError
+        when the engine can no longer serve)."""
+        self.backend.raise_if_failed()
         return self.backend.weight_version
 
     async def shutdown(self) -> None:

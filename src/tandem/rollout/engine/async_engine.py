@@ -23,7 +23,7 @@ import torch
 
 from tandem.config.choices import IN_FLIGHT_KV, LOGPROBS_MODES
 from tandem.config.schema import RolloutConfig
-from tandem.rollout.base import BaseRollout
+from tandem.rollout.base import BaseRollout, ReplicaFailedError
 from tandem.rollout.engine.block_manager import BlockManager
 from tandem.rollout.engine.lora_merge import LoraState
 from tandem.rollout.engine.memory import MemoryControl, plan_num_blocks
@@ -160,7 +160,8 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
             self.blocks.clear_prefix_cache()  # blocks keyed for this step were never written
             if self.ranks is not None and self.ranks.failure is None:  # out of lockstep now
                 error = self.ranks.fail(error)
-            failure = RuntimeError(f"native engine step failed: {type(error).__name__}: {error}")
+            kind = ReplicaFailedError if isinstance(error, ReplicaFailedError) else RuntimeError
+            failure = kind(f"native engine step failed: {type(error).__name__}: {error}")
             failure.__cause__ = error
             for item in batch:
                 self._finish(item.seq, error=failure)
@@ -261,8 +262,7 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
         """Queue one request and await its result (stop, budget, or abort with partial tokens)."""
         if self.closed:
             raise RuntimeError("the native engine is shut down")
-        if self.ranks is not None and self.ranks.failure is not None:
-            raise RuntimeError(self.ranks.failure)
+        self.raise_if_failed()
         self._ensure_loop()
         request_id = request.request_id
         params = SamplingParams.from_dict(request.sampling)
@@ -322,6 +322,11 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
     @property
     def weight_version(self) -> int:
         return self.version
+
+    def raise_if_failed(self) -> None:
+        """ReplicaFailedError once a rank of this tensor-parallel replica failed."""
+        if self.ranks is not None and self.ranks.failure is not None:
+            raise ReplicaFailedError(self.ranks.failure)
 
     def stats(self) -> dict[str, int | float | None]:
         """Engine counters: steps, prompt tokens computed / served from the prefix cache, ..."""

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.quiet import quiet_libraries
+from tandem.rollout.base import ReplicaFailedError
 from tandem.rollout.engine.memory import held_bytes, release_weights, restore_weights
 from tandem.rollout.engine.model_runner import ModelRunner, StepPlan, torch_dtype
 from tandem.rollout.engine.tensor_parallel import TensorParallel, make_groups, rank_devices
@@ -351,7 +352,7 @@ class RankWorkers:
 
     def _command(self, verb: str, *arguments: Any) -> None:
         if self.failure is not None:
-            raise RuntimeError(self.failure)
+            raise ReplicaFailedError(self.failure)
         try:
             broadcast_command(self.group, (verb, *arguments))
         except Exception as error:
@@ -363,7 +364,7 @@ class RankWorkers:
         except Exception as error:
             raise self.fail(error) from error
 
-    def fail(self, error: BaseException) -> RuntimeError:
+    def fail(self, error: BaseException) -> ReplicaFailedError:
         """Mark the replica failed (a rank died or a collective broke: the ranks are no longer
         in lockstep) and return the error to raise, naming the ranks that exited."""
         exited = {rank: process.poll() for rank, process in enumerate(self.processes, start=1)
@@ -371,7 +372,7 @@ class RankWorkers:
         self.failure = (f"tensor-parallel replica failed ({type(error).__name__}: {error}); "
                         f"exited ranks and codes: {exited or 'none yet'}; the replica must be "
                         "restarted")
-        return RuntimeError(self.failure)
+        return ReplicaFailedError(self.failure)
 
 
 def _terminate(processes: Iterable[subprocess.Popen]) -> None:
