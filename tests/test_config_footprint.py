@@ -48,8 +48,6 @@ def test_replica_count_divides_devices_by_footprint() -> None:
      "weight slots yet"),
     ([*SEPARATE, *NATIVE_TP2, "rollout.in_flight_kv=keep"],
      r"rollout.in_flight_kv: is 'keep', but a tensor-parallel native engine"),
-    ([*SEPARATE, *NATIVE_TP2, "actor.lora.rank=8"],
-     r"actor.lora.rank: is 8, but a tensor-parallel native engine .* set actor.lora.rank=0"),
     (["rollout.tensor_model_parallel_size=2"],
      r"rollout.tensor_model_parallel_size: is 2, but without rollout devices of their own"),
     ([*SEPARATE, *NATIVE_TP2, "rollout.pipeline_model_parallel_size=2"],
@@ -118,6 +116,9 @@ def test_what_is_accepted_is_a_layout_the_fleet_builds() -> None:
     native = load_config(overrides=[*SEPARATE, *NATIVE_TP2])
     assert native.rollout.name == "native" and replica_world_size(native.rollout) == 2
     assert replica_nodes(native.rollout) == 1
+    # each rank merges its slices of the adapter (docs/engine.md, "Tensor parallelism")
+    lora = load_config(overrides=[*SEPARATE, *NATIVE_TP2, "actor.lora.rank=8"])
+    assert lora.rollout.lora_rank == 8 and replica_world_size(lora.rollout) == 2
 
 
 def test_a_native_replica_wider_than_a_node_spans_whole_nodes() -> None:

@@ -9,8 +9,8 @@ naming them gets this error, not an unknown-key one). A replica fits on one node
 rollout.nnodes is 0 or 1, except for a native replica wider than a node (TP a multiple of
 rollout.n_gpus_per_node): it spans TP / n_gpus_per_node nodes, one server per node, and nnodes
 is a multiple of that (serving/replica.py). A tensor-parallel native replica runs its ranks as
-processes (rollout/engine/rank_worker.py); what it does not do yet (delta syncs, weight slots,
-LoRA) is refused here. Whether the model's heads split over TP is the preflight's (it reads the
+processes (rollout/engine/rank_worker.py); what it does not do yet (delta syncs, weight
+slots) is refused here. Whether the model's heads split over TP is the preflight's (it reads the
 model).
 """
 
@@ -85,7 +85,7 @@ def _parallelism_problem(config: TandemConfig) -> str | None:
 
 def _native_tensor_parallel_problem(config: TandemConfig) -> str | None:
     """What a tensor-parallel native engine does not do yet: read its split weights back (delta
-    syncs), serve from weight slots (double buffer, in_flight_kv=keep), merge LoRA adapters."""
+    syncs), serve from weight slots (double buffer, in_flight_kv=keep)."""
     rollout = config.rollout
     tp = rollout.tensor_model_parallel_size
     ckpt = rollout.checkpoint_engine
@@ -101,9 +101,6 @@ def _native_tensor_parallel_problem(config: TandemConfig) -> str | None:
     if rollout.in_flight_kv == "keep":
         return (f"rollout.in_flight_kv: is 'keep', {where} has no weight slots to flip, so every "
                 f"sync pauses generation; set it to recompute, {fix}")
-    if config.actor.lora.rank:
-        return (f"actor.lora.rank: is {config.actor.lora.rank}, {where} cannot merge adapters "
-                f"into its slices yet; set actor.lora.rank=0, {fix}")
     return None
 
 

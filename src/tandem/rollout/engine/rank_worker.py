@@ -7,10 +7,10 @@ spawns the ranks of its node and each other node's server (serving/rank_host.py)
 Rank 0 sends every command to all workers over the replica's gloo group (`RankWorkers`, under
 the engine's step lock, so commands never interleave): a step's plan (they run the same forward,
 joining its all-reduces and the logits gather), sleep / wake, KV allocation, the two phases of
-a weight update (stage: each rank gets only its slices, point to point, and checks them; then
-commit or discard on all), a read of the weights for checks, stop. Replies come back point to
-point. A worker that fails exits; its sockets close and rank 0's next collective fails at once,
-naming the rank.
+a weight update or an adapter (stage: each rank gets only its slices, point to point, and checks
+them, merging an adapter's into its own base slices; then commit or discard on all), a read of
+the weights for checks, stop. Replies come back point to point. A worker that fails exits; its
+sockets close and rank 0's next collective fails at once, naming the rank.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ import torch
 import torch.distributed as dist
 
 from tandem.quiet import quiet_libraries
+from tandem.rollout.adapter_stream import peek_stream
 from tandem.rollout.base import ReplicaFailedError
+from tandem.rollout.engine.lora_merge import LoraState, StagedAdapter, stage_adapter
 from tandem.rollout.engine.memory import held_bytes, release_weights, restore_weights
 from tandem.rollout.engine.model_runner import ModelRunner, StepPlan, torch_dtype
 from tandem.rollout.engine.tensor_parallel import TensorParallel, make_groups, rank_devices
@@ -129,15 +131,17 @@ def receive_reply(group: Any, rank: int) -> Any:
 
 # ---- ranks 1..TP-1 ------------------------------------------------------------------------
 class RankWorker:
-    """One worker rank: its runner (its slice of the model and KV cache) and what it has
-    staged; `serve` executes rank 0's commands until told to stop."""
+    """One worker rank: its runner (its slice of the model and KV cache), what it has staged and
+    its adapter state (the base of its merged slices); `serve` executes rank 0's commands until
+    told to stop."""
 
     def __init__(self, runner: ModelRunner, group: Any) -> None:
         self.runner, self.group = runner, group
         self.weights_state = "loaded"  # loaded | offloaded | dropped, as rank 0's
         self.weight_shapes: dict[str, torch.Size] = {}
         self.kv_shape: tuple[int, int] | None = None  # (num_blocks, block_size) when allocated
-        self.staged: dict[str, torch.Tensor] | None = None
+        self.staged: dict[str, torch.Tensor] | StagedAdapter | None = None
+        self.lora = LoraState()  # as rank 0's, for this rank's slices
 
     def serve(self) -> None:
         while True:
@@ -162,6 +166,8 @@ class RankWorker:
             self.runner.free_kv_cache()
         if "weights" in tags and self.weights_state == "loaded":
             self.weights_state, self.weight_shapes = release_weights(self.runner)
+            if self.weights_state == "dropped":  # the refill is a full stream: the new base
+                self.lora = LoraState()
         return self.memory_bytes()
 
     def wake_up(self, tags: list[str]) -> dict[str, int]:
@@ -175,7 +181,8 @@ class RankWorker:
     def stage(self, headers: dict[int, list[tuple[str, tuple, torch.dtype]]], version: int
               ) -> str | None:
         """Receive this rank's slices and check them like rank 0 does its own, one at a time
-        (a received slice is staged before the next arrives); returns the error or None."""
+        (a received slice is staged before the next arrives; an adapter's slices are merged into
+        this rank's base); returns the error or None."""
         def received():
             for tag, (name, shape, dtype) in enumerate(headers[self.group.rank()],
                                                        start=SLICE_TAG):
@@ -185,8 +192,10 @@ class RankWorker:
 
         stream = received()
         try:
-            self.staged = stage_weights(self.runner, accepted_shapes(self.runner), stream,
-                                        version)
+            adapter, whole = peek_stream(stream)
+            shapes = accepted_shapes(self.runner)
+            self.staged = (stage_adapter(self.runner, shapes, whole, self.lora) if adapter
+                           else stage_weights(self.runner, shapes, whole or (), version))
         except Exception as error:  # reported to rank 0, which discards the update everywhere
             self.staged = None
             for _ in stream:  # every send of rank 0 must still complete
@@ -196,7 +205,10 @@ class RankWorker:
 
     def commit(self, install: bool) -> dict[str, int]:
         if install:
-            install_staged(self.runner, self.staged)
+            staged = self.staged
+            install_staged(self.runner,
+                           staged.weights if isinstance(staged, StagedAdapter) else staged)
+            self.lora.record(self.staged)
             if self.runner.tied_lm_head:  # now rather than at the next step: the report counts it
                 self.runner.refresh_tied_lm_head()
         self.staged = None

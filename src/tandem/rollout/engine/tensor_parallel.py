@@ -13,7 +13,9 @@ A replica of TP ranks splits the model Megatron-style (docs/engine.md, "Tensor p
                             from the full vocabulary
   norms, Qwen3 q/k norms    replicated
 KV heads are split like the query heads; with fewer KV heads than ranks each KV head is
-replicated on the TP / num_key_value_heads ranks whose query heads use it.
+replicated on the TP / num_key_value_heads ranks whose query heads use it. A LoRA pair is cut
+like its linear (adapter_slices): B's rows of a column-parallel one, A's columns of a row-parallel
+one, so each rank merges its own slice.
 """
 
 from __future__ import annotations
@@ -118,6 +120,16 @@ class ShardLayout:
                 return tensor if self.rank == 0 else torch.zeros_like(tensor)
             return tensor[:, self.head_rows() if leaf == "o_proj" else self.mlp_rows()]
         return tensor
+
+    def adapter_slices(self, module: str, a: torch.Tensor, b: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (A, B) of a LoRA pair on linear `module`, A [r, in], B [out, r]: B's rows
+        where the linear's rows are split (column-parallel), A's columns where its columns are
+        (row-parallel), the other whole; so W_slice + B_slice @ A_slice is the merge's slice."""
+        key = f"{module}.weight"
+        if module.rpartition(".")[2] in ROW_PARALLEL:
+            return self.slice(key, a), b
+        return a, self.slice(key, b)
 
 
 def shard_model(model: nn.Module, layout: ShardLayout) -> dict[str, torch.Size]:

@@ -6,7 +6,8 @@ commit_weights (a full or partial stream, a delta's patches, a merged adapter, o
 weight slot staged by slot_weights.py), update_weights (both at once) and the reads a delta sync
 checks against. A tensor-parallel engine stages each rank's slices (stage_shards): rank 0
 checks its own at staging; the other ranks receive and check theirs at commit, and only when
-every rank has staged does any install (rank_worker.RankWorkers.stage).
+every rank has staged does any install (rank_worker.RankWorkers.stage). An adapter is cut the
+same way (stage_adapter_shards): each rank merges its slices of A and B into its own base slices.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from tandem.rollout.adapter_stream import is_adapter_name, peek_stream
+from tandem.rollout.adapter_stream import is_adapter_name, peek_stream, read_adapter
 from tandem.rollout.base import all_finite, check_coverage, checked_version
-from tandem.rollout.engine.lora_merge import StagedAdapter, stage_adapter
+from tandem.rollout.engine.lora_merge import (LoraState, StagedAdapter, adapter_tensors,
+                                              merge_adapter, stage_adapter)
 from tandem.rollout.engine.tensor_parallel import reshard
 from tandem.types import WeightPatch
 
@@ -47,9 +49,10 @@ class SlotStage:
 @dataclass
 class ShardedStage:
     """An update cut for a tensor-parallel replica: rank 0's checked slices (as stage_weights
-    returns them) and, for ranks 1.., the host copies of their slices, still to send and check."""
+    returns them, or its merged adapter) and, for ranks 1.., the host copies of their slices
+    (of the weights, or of A and B), still to send and check."""
 
-    local: dict[str, torch.Tensor]
+    local: dict[str, torch.Tensor] | StagedAdapter
     others: list[dict[str, torch.Tensor]]
 
 
@@ -124,6 +127,22 @@ def stage_shards(runner: Any, shapes: Mapping[str, torch.Size],
     return ShardedStage(stage_weights(runner, shapes, rank_zero(), version), others)
 
 
+def stage_adapter_shards(runner: Any, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                         state: LoraState) -> ShardedStage:
+    """An adapter stream for a tensor-parallel replica: checked whole against the full shapes,
+    cut per rank (ShardLayout.adapter_slices); rank 0 merges its slices now, ranks 1.. get
+    theirs at commit. Rank 0 records the adapter as received (current_weight reads it)."""
+    pairs = read_adapter(named_tensors, runner.full_shapes)
+    layouts = runner.tensor_parallel.layout.all_ranks()
+    cut = [{module: layout.adapter_slices(module, a, b) for module, (a, b) in pairs.items()}
+           for layout in layouts]
+    local = merge_adapter(runner, cut[0], state)
+    local.adapter = adapter_tensors(pairs)
+    others = [{name: part.clone(memory_format=torch.contiguous_format)
+               for name, part in adapter_tensors(rank_pairs).items()} for rank_pairs in cut[1:]]
+    return ShardedStage(local, others)
+
+
 def stage_patch(runner: Any, key: str, name: str, patch: WeightPatch, version: int
                 ) -> StagedPatch | torch.Tensor:
     """A delta sync's patch of weight `key` (its new values checked like a full tensor's): a
@@ -179,22 +198,20 @@ class WeightUpdates:
                       ) -> dict[str, torch.Tensor] | StagedAdapter | ShardedStage:
         """Checked host copies of the stream (stage_weights below), for an adapter stream the
         merged weights (lora_merge.stage_adapter), for a tensor-parallel engine each rank's
-        slices (stage_shards); the engine itself is not touched and no rank is contacted, so it
-        may run in another thread (commit_weights re-checks that the weights were not put to
-        sleep meanwhile)."""
+        slices (stage_shards, stage_adapter_shards); the engine itself is not touched and no rank
+        is contacted, so it may run in another thread (commit_weights re-checks that the weights
+        were not put to sleep meanwhile)."""
         adapter, stream = peek_stream(named_tensors)
         if stream is None:
             return {}
+        shapes = self._accepted_shapes()  # raises while the weights sleep
+        if adapter and self.unfilled_weights:  # dropped by sleep: there is no base to merge into
+            raise RuntimeError(self._weights_missing_message())
         if self.ranks is not None:
-            if adapter:
-                raise NotImplementedError("update_weights: LoRA adapters into a tensor-parallel "
-                                          "native engine are not built yet; send merged weights")
-            return stage_shards(self.runner, self._accepted_shapes(), stream, self.version)
-        if adapter:
-            if self.unfilled_weights:  # dropped by sleep: there is no base to merge into
-                raise RuntimeError(self._weights_missing_message())
-            return stage_adapter(self.runner, self._accepted_shapes(), stream, self.lora)
-        return stage_weights(self.runner, self._accepted_shapes(), stream, self.version)
+            return (stage_adapter_shards(self.runner, stream, self.lora) if adapter
+                    else stage_shards(self.runner, shapes, stream, self.version))
+        return (stage_adapter(self.runner, shapes, stream, self.lora) if adapter
+                else stage_weights(self.runner, shapes, stream, self.version))
 
     async def commit_weights(self, staged: Mapping[str, torch.Tensor] | StagedAdapter | SlotStage
                              | ShardedStage, version: int, partial: bool = False) -> float:
@@ -206,10 +223,10 @@ class WeightUpdates:
         generation stood still (swap or flip plus KV invalidation; with tensor parallelism the
         other ranks' transfer too)."""
         self._ensure_loop()
-        adapter = staged if isinstance(staged, StagedAdapter) else None
         sharded = staged if isinstance(staged, ShardedStage) else None
-        staged = adapter.weights if adapter is not None else staged
         staged = sharded.local if sharded is not None else staged
+        adapter = staged if isinstance(staged, StagedAdapter) else None
+        staged = adapter.weights if adapter is not None else staged
         replaced: list[torch.Tensor] = []  # freed after the lock: a step need not wait for it
         async with self._lock:
             started = time.perf_counter()
@@ -236,11 +253,7 @@ class WeightUpdates:
                     self.ranks.commit()
                 self.unfilled_weights.difference_update(staged)
                 self._forget_slots()
-                if adapter is not None:
-                    self.lora.base.update(adapter.new_base)
-                    self.lora.adapter = adapter.adapter
-                else:  # weights replaced by model weights are their own new base
-                    self.lora.drop(staged)
+                self.lora.record(adapter if adapter is not None else staged)
             self.version = version
             self._work.set()
             stood_still = time.perf_counter() - started
