@@ -21,6 +21,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 import traceback
 import weakref
 from datetime import timedelta
@@ -43,6 +44,8 @@ COLLECTIVE_TIMEOUT_S = 300.0
 # An idle worker waits this long for its next command (rank 0 may have nothing to do for
 # hours); rank 0's exit closes the sockets and ends the wait at once.
 IDLE_WAIT = timedelta(days=365)
+# How long a failing replica waits for a worker whose sockets closed to be reaped (to name it).
+EXIT_GRACE_S = 1.0
 # Most commands (a decode step's plan) fit in one broadcast of this many bytes.
 COMMAND_BYTES = 16 << 10
 SLICE_TAG = 2  # point-to-point tags: 0 and 1 carry replies, 2.. a weight update's slices
@@ -84,12 +87,20 @@ def send_reply(group: Any, reply: Any) -> None:
     group.send([payload], 0, 1).wait()
 
 
-def receive_reply(group: Any, rank: int) -> Any:
+def receive_reply(group: Any, rank: int, timeout: timedelta | None = None) -> Any:
+    """Rank 0: `rank`'s reply to the last command; each wait bounded by `timeout` if given."""
     length = torch.empty(1, dtype=torch.int64)
-    group.recv([length], rank, 0).wait()
+    _wait(group.recv([length], rank, 0), timeout)
     payload = torch.empty(int(length), dtype=torch.uint8)
-    group.recv([payload], rank, 1).wait()
+    _wait(group.recv([payload], rank, 1), timeout)
     return pickle.loads(payload.numpy().tobytes())
+
+
+def _wait(work: Any, timeout: timedelta | None) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
 
 
 # ---- ranks 1..TP-1 ------------------------------------------------------------------------
@@ -270,28 +281,35 @@ class RankWorkers:
     def wake_up(self, tags: list[str]) -> None:
         self._fan_out("wake_up", tags)
 
-    def stage(self, slices: list[dict[str, torch.Tensor]], version: int) -> None:
+    def stage(self, slices: list[dict[str, torch.Tensor]], version: int,
+              timeout_s: float | None = None) -> None:
         """Phase one of an update: each worker gets its slices (`slices[rank - 1]`) and checks
         them. If any refuses, all discard (phase two with install=False) and this raises,
-        naming the ranks: every rank stays on the old version."""
+        naming the ranks: every rank stays on the old version. Every wait is bounded by
+        `timeout_s` (a sync's deadline); a rank that misses it fails the replica, named."""
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         headers = {rank: [(name, tuple(t.shape), t.dtype) for name, t in part.items()]
                    for rank, part in enumerate(slices, start=1)}
-        self._command("stage", headers, version)
-        works = [self.group.send([tensor], rank, tag)
+        self._command("stage", headers, version, timeout=timeout)
+        works = [(rank, self.group.send([tensor], rank, tag))
                  for rank, part in enumerate(slices, start=1)
                  for tag, tensor in enumerate(part.values(), start=SLICE_TAG)]
-        for work in works:
-            work.wait()
-        errors = {rank: self._reply(rank) for rank in headers}
+        for rank, work in works:
+            try:
+                _wait(work, timeout)
+            except Exception as error:
+                raise self.fail(error, [rank], timeout) from error
+        errors = {rank: self._reply(rank, timeout) for rank in headers}
         failed = {rank: error for rank, error in errors.items() if error}
         if failed:
-            self._fan_out("commit", False)
+            self._fan_out("commit", False, timeout=timeout)
             raise ValueError(f"update_weights: tensor-parallel rank(s) refused their slices "
                              f"{failed}; every rank keeps version {version}")
 
-    def commit(self) -> None:
-        """Phase two: every worker installs what it staged."""
-        self._fan_out("commit", True)
+    def commit(self, timeout_s: float | None = None) -> None:
+        """Phase two: every worker installs what it staged (each wait bounded by `timeout_s`)."""
+        self._fan_out("commit", True,
+                      timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
 
     def weights(self, names: list[str] | None = None) -> list[dict[str, torch.Tensor]]:
         """Each worker's slices (for checks), ranks 1.. in order."""
@@ -310,36 +328,59 @@ class RankWorkers:
         self._finalizer()
         torch.set_num_threads(self.threads_before)
 
-    def _fan_out(self, verb: str, *arguments: Any) -> list[Any]:
-        self._command(verb, *arguments)
-        replies = [self._reply(rank) for rank in range(1, len(self.processes) + 1)]
+    def _fan_out(self, verb: str, *arguments: Any, timeout: timedelta | None = None
+                 ) -> list[Any]:
+        self._command(verb, *arguments, timeout=timeout)
+        replies = [self._reply(rank, timeout) for rank in range(1, len(self.processes) + 1)]
         if verb != "weights":
             self.memory = replies
         return replies
 
-    def _command(self, verb: str, *arguments: Any) -> None:
+    def _command(self, verb: str, *arguments: Any, timeout: timedelta | None = None) -> None:
         if self.failure is not None:
             raise RuntimeError(self.failure)
         try:
-            broadcast_command(self.group, (verb, *arguments))
-        except Exception as error:
-            raise self.fail(error) from error
+            broadcast_command(self.group, (verb, *arguments), timeout)
+        except Exception as error:  # which rank did not take it is unknown: name them all
+            raise self.fail(error, list(range(1, len(self.processes) + 1)), timeout) from error
 
-    def _reply(self, rank: int) -> Any:
+    def _reply(self, rank: int, timeout: timedelta | None = None) -> Any:
         try:
-            return receive_reply(self.group, rank)
+            return receive_reply(self.group, rank, timeout)
         except Exception as error:
-            raise self.fail(error) from error
+            raise self.fail(error, [rank], timeout) from error
 
-    def fail(self, error: BaseException) -> RuntimeError:
+    def fail(self, error: BaseException, waited_on: list[int] | None = None,
+             timeout: timedelta | None = None) -> RuntimeError:
         """Mark the replica failed (a rank died or a collective broke: the ranks are no longer
-        in lockstep) and return the error to raise, naming the ranks that exited."""
-        exited = {rank: process.poll() for rank, process in enumerate(self.processes, start=1)
-                  if process.poll() is not None}
-        self.failure = (f"tensor-parallel replica failed ({type(error).__name__}: {error}); "
-                        f"exited ranks and codes: {exited or 'none yet'}; the replica must be "
-                        "restarted")
+        in lockstep) and return the error to raise, naming the ranks that exited, else the ones
+        rank 0 was waiting on."""
+        exited = _exit_codes(self.processes, EXIT_GRACE_S)
+        if exited:
+            culprits = ", ".join(f"rank {rank} exited (code {code})"
+                                 for rank, code in exited.items())
+        elif waited_on:
+            within = f" within {timeout.total_seconds()} s" if timeout is not None else ""
+            culprits = (f"rank {', '.join(map(str, waited_on))} did not answer{within} "
+                        "(no rank exited)")
+        else:
+            culprits = "no rank exited"
+        self.failure = (f"tensor-parallel replica failed: {culprits} ({type(error).__name__}: "
+                        f"{error}); the replica must be restarted")
         return RuntimeError(self.failure)
+
+
+def _exit_codes(processes: list[subprocess.Popen], grace_s: float) -> dict[int, int]:
+    """Rank -> exit code of the workers that exited, waiting up to `grace_s` in all (a killed
+    rank's sockets close a moment before the kernel reaps it)."""
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    return {rank: process.returncode for rank, process in enumerate(processes, start=1)
+            if process.returncode is not None}
 
 
 def _terminate(processes: Iterable[subprocess.Popen]) -> None:

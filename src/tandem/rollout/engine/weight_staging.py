@@ -221,8 +221,9 @@ class WeightUpdates:
                 self._check_inactive_slot(staged.index)
             check_coverage(staged.names if slot else staged, self._accepted_shapes(),
                            (partial or adapter is not None) and not slot, version)
+            deadline = self.config.checkpoint_engine.timeout_s  # a sync's, for every wait
             if sharded is not None:  # phase one on the other ranks; raises if one refuses
-                self.ranks.stage(sharded.others, version)
+                self.ranks.stage(sharded.others, version, deadline)
             # nothing computed with the old weights is matched again; running requests recompute
             # their KV cache, unless a flip keeps it (rollout.in_flight_kv=keep)
             if not (slot and self.config.in_flight_kv == "keep"):
@@ -233,7 +234,7 @@ class WeightUpdates:
             else:
                 install_staged(self.runner, staged)  # swaps; a delta's patches in place
                 if sharded is not None:
-                    self.ranks.commit()
+                    self.ranks.commit(deadline)
                 self.unfilled_weights.difference_update(staged)
                 self._forget_slots()
                 if adapter is not None:
