@@ -7,8 +7,7 @@ separate_async). Nothing spreads replicas over nodes, so rollout.nnodes is 0 or 
 data-parallel ranks, pipeline parallelism and prefill/decode disaggregation are refused until a
 backend runs them (their fields stay in the schema so that naming them gets this error, not an
 unknown-key one). A tensor-parallel native replica runs its ranks as processes of one host
-(rollout/engine/rank_worker.py); what it does not do yet (delta syncs, weight slots, LoRA) is
-refused here. Whether the model's heads split over TP is the preflight's (it reads the model).
+(rollout/engine/rank_worker.py); what it does not do yet (delta syncs, LoRA) is refused here. Whether the model's heads split over TP is the preflight's (it reads the model).
 """
 
 from __future__ import annotations
@@ -75,7 +74,7 @@ def _parallelism_problem(config: TandemConfig) -> str | None:
 
 def _native_tensor_parallel_problem(config: TandemConfig) -> str | None:
     """What a tensor-parallel native engine does not do yet: read its split weights back (delta
-    syncs), serve from weight slots (double buffer, in_flight_kv=keep), merge LoRA adapters."""
+    syncs), merge LoRA adapters. (Weight slots it has: one per rank's slices, flipped together.)"""
     rollout = config.rollout
     tp = rollout.tensor_model_parallel_size
     ckpt = rollout.checkpoint_engine
@@ -85,12 +84,6 @@ def _native_tensor_parallel_problem(config: TandemConfig) -> str | None:
     if ckpt.backend == "delta":
         return (f"rollout.checkpoint_engine.backend: is 'delta', {where} cannot read them back to "
                 f"patch them yet; use auto, shm or gloo, {fix}")
-    if ckpt.engine_kwargs.get("double_buffer") is True:
-        return (f"rollout.checkpoint_engine.engine_kwargs.double_buffer: is true, {where} has no "
-                f"per-rank weight slots yet; set it false or leave it unset, {fix}")
-    if rollout.in_flight_kv == "keep":
-        return (f"rollout.in_flight_kv: is 'keep', {where} has no weight slots to flip, so every "
-                f"sync pauses generation; set it to recompute, {fix}")
     if config.actor.lora.rank:
         return (f"actor.lora.rank: is {config.actor.lora.rank}, {where} cannot merge adapters "
                 f"into its slices yet; set actor.lora.rank=0, {fix}")

@@ -6,9 +6,11 @@ Rank 0 sends every command to all workers over the replica's gloo group (`RankWo
 the engine's step lock, so commands never interleave): a step's plan (they run the same forward,
 joining its all-reduces and the logits gather), sleep / wake, KV allocation, the two phases of
 a weight update (stage: each rank gets only its slices, point to point, and checks them; then
-commit or discard on all), a read of the weights for checks, stop. Replies come back point to
-point. A worker that fails exits; its sockets close and rank 0's next collective fails at once,
-naming the rank.
+commit or discard on all) or of a flip to the double-buffered weight slots (map them once; each
+rank checks and packs its part of the written slot, then all flip or none), a read of the
+weights for checks, stop. Replies come back point to point. A worker that fails exits; its
+sockets close and rank 0's next collective fails at once, naming the rank; in a weight update
+every wait on a rank has the sync's deadline.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ from tandem.quiet import quiet_libraries
 from tandem.rollout.engine.memory import held_bytes, release_weights, restore_weights
 from tandem.rollout.engine.model_runner import ModelRunner, StepPlan, torch_dtype
 from tandem.rollout.engine.tensor_parallel import TensorParallel, make_groups, rank_devices
-from tandem.rollout.engine.weight_staging import accepted_shapes, install_staged, stage_weights
+from tandem.rollout.engine.slot_weights import flip, map_into, stage_from_slot
+from tandem.rollout.engine.weight_staging import (SlotStage, accepted_shapes, install_staged,
+                                                  stage_weights)
+from tandem.weight_layout import Chunk, map_file, view
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +119,8 @@ class RankWorker:
         self.weight_shapes: dict[str, torch.Size] = {}
         self.kv_shape: tuple[int, int] | None = None  # (num_blocks, block_size) when allocated
         self.staged: dict[str, torch.Tensor] | None = None
+        self.slot_views: list[dict[str, torch.Tensor]] | None = None  # both weight slots' part
+        self.slot_stage: SlotStage | None = None  # checked and packed, to flip to
 
     def serve(self) -> None:
         while True:
@@ -138,6 +145,7 @@ class RankWorker:
             self.runner.free_kv_cache()
         if "weights" in tags and self.weights_state == "loaded":
             self.weights_state, self.weight_shapes = release_weights(self.runner)
+            self.slot_views = None
         return self.memory_bytes()
 
     def wake_up(self, tags: list[str]) -> dict[str, int]:
@@ -175,7 +183,36 @@ class RankWorker:
             install_staged(self.runner, self.staged)
             if self.runner.tied_lm_head:  # now rather than at the next step: the report counts it
                 self.runner.refresh_tied_lm_head()
+            self.slot_views = None  # the weights are fresh tensors, no slot's views
         self.staged = None
+        return self.memory_bytes()
+
+    def map_slots(self, paths: tuple[str, str], nbytes: int, entries: dict[int, list[Chunk]],
+                  active: int) -> dict[str, int]:
+        """Map the replica's two weight slot files, copy this rank's weights into its entries
+        of slot `active` and serve dense weights from them."""
+        slots = [map_file(path, nbytes) for path in paths]
+        own = entries[self.group.rank()]
+        self.slot_views = [{entry.name: view(slot, entry) for entry in own} for slot in slots]
+        map_into(self.runner, self.slot_views[active])
+        return self.memory_bytes()
+
+    def stage_slot(self, index: int, version: int) -> str | None:
+        """Check this rank's part of the written slot `index` and pack from it; the error or None."""
+        views = self.slot_views[index]
+        try:
+            self.slot_stage = stage_from_slot(self.runner, accepted_shapes(self.runner),
+                                              views.items(), views, index, version)
+        except Exception as error:  # reported to rank 0: no rank flips
+            self.slot_stage = None
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    def flip(self, install: bool) -> dict[str, int]:
+        """Serve the staged slot (install) or forget it; every rank gets the same command."""
+        if install:
+            flip(self.runner, self.slot_stage, self.slot_views[self.slot_stage.index])
+        self.slot_stage = None
         return self.memory_bytes()
 
     def weights(self, names: list[str] | None) -> dict[str, torch.Tensor]:
@@ -305,6 +342,28 @@ class RankWorkers:
             self._fan_out("commit", False, timeout=timeout)
             raise ValueError(f"update_weights: tensor-parallel rank(s) refused their slices "
                              f"{failed}; every rank keeps version {version}")
+
+    def map_slots(self, paths: tuple[str, str], nbytes: int, entries: dict[int, list[Chunk]],
+                  active: int) -> None:
+        """Every worker maps the replica's weight slots and serves from slot `active`."""
+        self._fan_out("map_slots", paths, nbytes, entries, active)
+
+    def stage_slot(self, index: int, version: int, timeout_s: float | None = None) -> None:
+        """Phase one of a flip: every worker checks its part of slot `index` and packs from it.
+        If any refuses, all forget it and this raises, naming the ranks: no rank flips."""
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        self._command("stage_slot", index, version, timeout=timeout)
+        errors = {rank: self._reply(rank, timeout) for rank in range(1, len(self.processes) + 1)}
+        failed = {rank: error for rank, error in errors.items() if error}
+        if failed:
+            self._fan_out("flip", False, timeout=timeout)
+            raise ValueError(f"update_weights: tensor-parallel rank(s) refused their part of "
+                             f"weight slot {index} {failed}; every rank keeps version {version}")
+
+    def flip(self, timeout_s: float | None = None) -> None:
+        """Phase two: every worker serves the slot it staged."""
+        self._fan_out("flip", True,
+                      timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
 
     def commit(self, timeout_s: float | None = None) -> None:
         """Phase two: every worker installs what it staged (each wait bounded by `timeout_s`)."""
