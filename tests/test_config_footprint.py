@@ -39,15 +39,10 @@ def test_replica_count_divides_devices_by_footprint() -> None:
      r"rollout.data_parallel_size: is 2, but no rollout backend here runs data-parallel ranks .* "
      "set it to 1"),
     (["rollout.data_parallel_size=2"], "rollout.data_parallel_size: is 2"),
-    # a tensor-parallel native replica runs, but not yet what reads or flips its split weights
+    # a tensor-parallel native replica runs, but not yet what reads back its split weights
     ([*SEPARATE, *NATIVE_TP2, "rollout.checkpoint_engine.backend=delta"],
      r"rollout.checkpoint_engine.backend: is 'delta', but a tensor-parallel native engine "
      r"\(rollout.tensor_model_parallel_size=2\) holds its weights split"),
-    ([*SEPARATE, *NATIVE_TP2, "rollout.checkpoint_engine.engine_kwargs.double_buffer=true"],
-     r"engine_kwargs.double_buffer: is true, but a tensor-parallel native engine .* no per-rank "
-     "weight slots yet"),
-    ([*SEPARATE, *NATIVE_TP2, "rollout.in_flight_kv=keep"],
-     r"rollout.in_flight_kv: is 'keep', but a tensor-parallel native engine"),
     (["rollout.tensor_model_parallel_size=2"],
      r"rollout.tensor_model_parallel_size: is 2, but without rollout devices of their own"),
     ([*SEPARATE, *NATIVE_TP2, "rollout.pipeline_model_parallel_size=2"],
@@ -119,6 +114,10 @@ def test_what_is_accepted_is_a_layout_the_fleet_builds() -> None:
     # each rank merges its slices of the adapter (docs/engine.md, "Tensor parallelism")
     lora = load_config(overrides=[*SEPARATE, *NATIVE_TP2, "actor.lora.rank=8"])
     assert lora.rollout.lora_rank == 8 and replica_world_size(lora.rollout) == 2
+    # per-rank weight slots: double-buffered syncs and kept KV caches across the flip
+    slotted = load_config(overrides=[*SEPARATE, *NATIVE_TP2, "rollout.in_flight_kv=keep",
+                                     "rollout.checkpoint_engine.engine_kwargs.double_buffer=true"])
+    assert slotted.rollout.in_flight_kv == "keep"
 
 
 def test_a_native_replica_wider_than_a_node_spans_whole_nodes() -> None:

@@ -3,13 +3,14 @@
 One planner: `plan_buckets` lays (name, shape, dtype) out back to back in buckets of a fixed
 size (the transports' buffers, the external engines' update calls) or, with no size, in one
 buffer for a whole model (`flat_layout`: the weight slots, the vLLM adapter's segment). And
-`shm_room`: whether such buffers fit in the shared-memory directory that holds their files, and
+`map_file`: one such buffer's file mapped shared; `shm_room`: whether such buffers fit in the shared-memory directory that holds their files, and
 `remove_orphans`: the files a SIGKILLed process left there.
 """
 
 from __future__ import annotations
 
 import glob
+import mmap
 import os
 import shutil
 import sys
@@ -18,6 +19,7 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 import torch
 
 ALIGN = 64  # every piece starts on a cache line, so a view of any dtype is legal
+MADV_POPULATE_WRITE = 23  # Linux's value; Python's mmap module names it from 3.12 on
 
 WeightSpec = tuple[str, Sequence[int], torch.dtype]  # (name, shape, dtype)
 
@@ -93,6 +95,19 @@ def view(buffer: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     """A whole chunk inside a flat uint8 buffer, as its dtype and shape (no copy)."""
     piece = buffer[chunk.offset:chunk.offset + chunk.length]
     return piece.view(dtype_of(chunk.dtype)).view(chunk.shape)
+
+
+def map_file(path: str, nbytes: int) -> torch.Tensor:
+    """mmap a file shared, as a uint8 tensor, and fault every page in now: the first write
+    through a fresh mapping otherwise takes a page fault per 4 KiB (measured: a 500 MB write
+    2.5x slower)."""
+    with open(path, "r+b") as handle:
+        mapping = mmap.mmap(handle.fileno(), nbytes, mmap.MAP_SHARED)
+    try:
+        mapping.madvise(getattr(mmap, "MADV_POPULATE_WRITE", MADV_POPULATE_WRITE))
+    except OSError:  # kernels before 5.14: pages fault in on first use instead
+        pass
+    return torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive
 
 
 def shm_room(nbytes: int, directory: str, what: str) -> str | None:

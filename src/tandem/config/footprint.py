@@ -9,8 +9,8 @@ naming them gets this error, not an unknown-key one). A replica fits on one node
 rollout.nnodes is 0 or 1, except for a native replica wider than a node (TP a multiple of
 rollout.n_gpus_per_node): it spans TP / n_gpus_per_node nodes, one server per node, and nnodes
 is a multiple of that (serving/replica.py). A tensor-parallel native replica runs its ranks as
-processes (rollout/engine/rank_worker.py); what it does not do yet (delta syncs, weight
-slots) is refused here. Whether the model's heads split over TP is the preflight's (it reads the
+processes (rollout/engine/rank_worker.py); what it does not do yet (delta
+syncs) is refused here. Whether the model's heads split over TP is the preflight's (it reads the
 model).
 """
 
@@ -85,7 +85,7 @@ def _parallelism_problem(config: TandemConfig) -> str | None:
 
 def _native_tensor_parallel_problem(config: TandemConfig) -> str | None:
     """What a tensor-parallel native engine does not do yet: read its split weights back (delta
-    syncs), serve from weight slots (double buffer, in_flight_kv=keep)."""
+    syncs). (Weight slots it has, one per rank's slices flipped together, and LoRA adapters.)"""
     rollout = config.rollout
     tp = rollout.tensor_model_parallel_size
     ckpt = rollout.checkpoint_engine
@@ -95,12 +95,6 @@ def _native_tensor_parallel_problem(config: TandemConfig) -> str | None:
     if ckpt.backend == "delta":
         return (f"rollout.checkpoint_engine.backend: is 'delta', {where} cannot read them back to "
                 f"patch them yet; use auto, shm or gloo, {fix}")
-    if ckpt.engine_kwargs.get("double_buffer") is True:
-        return (f"rollout.checkpoint_engine.engine_kwargs.double_buffer: is true, {where} has no "
-                f"per-rank weight slots yet; set it false or leave it unset, {fix}")
-    if rollout.in_flight_kv == "keep":
-        return (f"rollout.in_flight_kv: is 'keep', {where} has no weight slots to flip, so every "
-                f"sync pauses generation; set it to recompute, {fix}")
     return None
 
 

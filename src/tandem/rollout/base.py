@@ -165,9 +165,10 @@ class BaseRollout(ABC):
         await self.update_weights(staged, version, partial)
 
     def weight_slot_specs(self) -> Any:
-        """(name, shape, dtype) list and aliases of the weights two shared slots would hold, for
-        the double-buffered handoff; None (the default): this engine cannot serve from slots,
-        so a shm sync loads it through the plain path (engine/slot_weights.py implements them)."""
+        """(name, shape, dtype) list and aliases (and, tensor parallel, each entry's region) of
+        the weights two shared slots would hold, for the double-buffered handoff; None (the
+        default): this engine cannot serve from slots, so a shm sync loads it through the plain
+        path (engine/slot_weights.py implements them)."""
         return None
 
     def current_weight(self, name: str) -> torch.Tensor:

@@ -317,7 +317,9 @@ class RolloutServer:
                 self._slots.close()
             self._slots = WeightSlots(layout, shm_dir)
         if self.backend.weight_slot_active is None:
-            await self.backend.map_weight_slots([self._slots.views(0), self._slots.views(1)], 0)
+            files = (tuple(self._slots.paths), list(layout.entries), layout.nbytes)
+            await self.backend.map_weight_slots([self._slots.views(0), self._slots.views(1)], 0,
+                                                files)
         return self._slots.descriptor(self.backend.weight_slot_active)
 
     async def weight_version(self) -> int:

@@ -99,7 +99,13 @@ async def receive_into(backend: Any, plan: SyncPlan, rank: int, who: str,
 
     staged = await run_in_fresh_thread(receive, f"weight-sync-receive-{rank}")
     with _timed(timings, "load"):
-        still = await backend.commit_weights(staged, plan.version)
+        try:
+            still = await backend.commit_weights(staged, plan.version)
+        except WeightSyncError:
+            raise
+        except Exception as error:  # e.g. a tensor-parallel rank that died or stalled
+            raise WeightSyncError("load", None, f"{who} could not load version {plan.version}: "
+                                  f"{type(error).__name__}: {error}") from error
     if isinstance(still, float):  # the backend says how long generation stood still
         timings["flip"] = still
     return timings

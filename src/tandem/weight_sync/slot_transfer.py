@@ -1,5 +1,6 @@
 """The shm transport's double-buffered mode: the sender writes each receiver's inactive weight
-slot (slots.py) directly, cast to the slot's dtype in the same pass, and announces the written
+slot (slots.py) directly, cast to the slot's dtype in the same pass (an entry with a region: that
+slice of the tensor, e.g. each tensor-parallel rank's), and announces the written
 tensors with their checksums in groups of about ANNOUNCE_BYTES (at most `bucket_bytes`;
 `ready/<rank>/<k>`, an empty value ends the stream), so the receiver checks each group just
 behind the writer. A receiver yields views of its inactive slot; its iterator ends only after
@@ -34,7 +35,7 @@ def send_into_slots(store: dist.TCPStore, plan: SyncPlan, named_tensors: NamedTe
     """Write the stream into every receiver's inactive slot; returns the bytes written."""
     targets: list[SlotsDescriptor] = plan.details["slots"]
     slots = [mapped(d.paths[d.inactive], d.layout.nbytes) for d in targets]
-    layouts = [d.layout.by_name() for d in targets]
+    layouts = [d.layout.targets() for d in targets]
     aliases = [dict(d.layout.aliases) for d in targets]
     pending: list[list[tuple[str, int]]] = [[] for _ in targets]
     pending_bytes = [0] * len(targets)
@@ -45,20 +46,23 @@ def send_into_slots(store: dist.TCPStore, plan: SyncPlan, named_tensors: NamedTe
     for name, tensor in named_tensors:
         for index, (slot, layout) in enumerate(zip(slots, layouts)):
             rank = index + 1
-            key = aliases[index].get(name, name)
-            entry = layout.get(key)
-            if entry is None:
+            places = layout.get(aliases[index].get(name, name))
+            if places is None:
                 raise WeightSyncError("send", f"receiver {rank}", f"weight {name!r} is not in "
                                       f"the receiver's slot layout (e.g. {next(iter(layout))!r})")
-            if key in filled[index]:
-                continue  # a tied weight already written under its own name
-            filled[index].add(key)
-            if tuple(tensor.shape) != entry.shape:
-                raise WeightSyncError("send", f"receiver {rank}", f"{name!r} has shape "
-                                      f"{tuple(tensor.shape)}, the receiver's slot {entry.shape}")
-            pending[index].append((key, write_and_sum(view(slot, entry), tensor)))
-            pending_bytes[index] += entry.nbytes
-            written += entry.nbytes
+            for entry, region in places:
+                if entry.name in filled[index]:
+                    continue  # a tied weight already written under its own name
+                filled[index].add(entry.name)
+                part = tensor if region is None else \
+                    tensor.narrow(region.dim, region.start, region.stop - region.start)
+                if tuple(part.shape) != entry.shape:
+                    raise WeightSyncError("send", f"receiver {rank}", f"{name!r} gives shape "
+                                          f"{tuple(part.shape)}, the receiver's slot entry "
+                                          f"{entry.name!r} holds {entry.shape}")
+                pending[index].append((entry.name, write_and_sum(view(slot, entry), part)))
+                pending_bytes[index] += entry.nbytes
+                written += entry.nbytes
             if pending_bytes[index] >= group_bytes:
                 _announce(store, rank, groups[index], pending[index])
                 groups[index] += 1

@@ -12,34 +12,55 @@ its slots in that directory.
 
 from __future__ import annotations
 
-import mmap
 import os
 import tempfile
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 
 from tandem import cpu_kernels
-from tandem.weight_layout import Chunk, WeightSpec, flat_layout, remove_orphans, shm_room, view
+from tandem.weight_layout import (Chunk, WeightSpec, flat_layout, map_file, remove_orphans,
+                                  shm_room, view)
 from tandem.weight_sync.base import WeightSyncError
 
 CHECKSUM_PIECE_BYTES = 1 << 20  # the torch path sums each piece right after writing it (cache-hot)
-MADV_POPULATE_WRITE = 23  # Linux's value; Python's mmap module names it from 3.12 on
+
+
+class Region(NamedTuple):
+    """The part of a sender's full tensor `source` that a slot entry holds: [start, stop) along
+    `dim` (a tensor-parallel rank's slice)."""
+
+    source: str
+    dim: int
+    start: int
+    stop: int
 
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """Every weight of the engine in slot order; `nbytes` is one slot's size."""
+    """Every weight of the engine in slot order; `nbytes` is one slot's size. An entry with a
+    region holds that part of the sender's tensor (the slices of every rank of a replica)."""
 
     entries: tuple[Chunk, ...]  # each whole
     nbytes: int
     aliases: tuple[tuple[str, str], ...] = ()  # (name a sender may use, the entry it fills)
+    regions: tuple[tuple[str, Region], ...] = ()  # (entry, the part of the tensor it holds)
 
     def by_name(self) -> dict[str, Chunk]:
         return {entry.name: entry for entry in self.entries}
+
+    def targets(self) -> dict[str, list[tuple[Chunk, Region | None]]]:
+        """Sender's tensor name -> the entries it fills, each with its region (None: whole)."""
+        regions = dict(self.regions)
+        targets: dict[str, list[tuple[Chunk, Region | None]]] = {}
+        for entry in self.entries:
+            region = regions.get(entry.name)
+            targets.setdefault(region.source if region else entry.name, []).append(
+                (entry, region))
+        return targets
 
 
 @dataclass(frozen=True)
@@ -55,11 +76,14 @@ class SlotsDescriptor:
         return 1 - self.active
 
 
-def make_layout(weights: Iterable[WeightSpec],
-                aliases: dict[str, str] | None = None) -> SlotLayout:
-    """The weights' flat layout (weight_layout.flat_layout), with the names a sender may use."""
+def make_layout(weights: Iterable[WeightSpec], aliases: dict[str, str] | None = None,
+                regions: dict[str, tuple[str, int, int, int]] | None = None) -> SlotLayout:
+    """The weights' flat layout (weight_layout.flat_layout), with the names a sender may use
+    and the region (source, dim, start, stop) of every entry that holds part of a tensor."""
     entries, nbytes = flat_layout(weights)
-    return SlotLayout(tuple(entries), nbytes, tuple(sorted((aliases or {}).items())))
+    return SlotLayout(tuple(entries), nbytes, tuple(sorted((aliases or {}).items())),
+                      tuple(sorted((name, Region(*region))
+                                   for name, region in (regions or {}).items())))
 
 
 _MAPPED: dict[str, torch.Tensor] = {}  # path -> this process's one mapping of it
@@ -73,25 +97,13 @@ def mapped(path: str, nbytes: int) -> torch.Tensor:
         current = _MAPPED.get(path)
         if current is None or current.numel() != nbytes:
             try:
-                current = _map_populated(path, nbytes)
+                current = map_file(path, nbytes)
             except (RuntimeError, OSError, ValueError) as error:
                 raise WeightSyncError("init_process_group", None, f"cannot map weight slot "
                                       f"{path} ({error}); double-buffered shm needs the engine "
                                       "on the sender's host") from error
             _MAPPED[path] = current
         return current
-
-
-def _map_populated(path: str, nbytes: int) -> torch.Tensor:
-    """mmap the file shared and fault every page in now: the first write through a fresh
-    mapping otherwise takes a page fault per 4 KiB (measured: a 500 MB write 2.5x slower)."""
-    with open(path, "r+b") as handle:
-        mapping = mmap.mmap(handle.fileno(), nbytes, mmap.MAP_SHARED)
-    try:
-        mapping.madvise(getattr(mmap, "MADV_POPULATE_WRITE", MADV_POPULATE_WRITE))
-    except OSError:  # kernels before 5.14: pages fault in on first use instead
-        pass
-    return torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive
 
 
 def forget(paths: Iterable[str]) -> None:

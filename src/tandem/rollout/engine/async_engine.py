@@ -336,7 +336,8 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "num_blocks": self.blocks.num_blocks, "free_blocks": self.blocks.num_free_blocks,
                 "cached_blocks": self.blocks.num_cached_blocks,
-                "tensor_parallel_ranks": self.ranks.size if self.ranks else 1}
+                "tensor_parallel_ranks": self.ranks.size if self.ranks else 1,
+                "tensor_parallel_failure": self.ranks.failure if self.ranks else None}
 
     async def shutdown(self) -> None:
         """Abort everything and stop the loop (and the other ranks' processes)."""

@@ -8,9 +8,11 @@ Rank 0 sends every command to all workers over the replica's gloo group (`RankWo
 the engine's step lock, so commands never interleave): a step's plan (they run the same forward,
 joining its all-reduces and the logits gather), sleep / wake, KV allocation, the two phases of
 a weight update or an adapter (stage: each rank gets only its slices, point to point, and checks
-them, merging an adapter's into its own base slices; then commit or discard on all), a read of
-the weights for checks, stop. Replies come back point to point. A worker that fails exits; its
-sockets close and rank 0's next collective fails at once, naming the rank.
+them, merging an adapter's into its own base slices; then commit or discard on all) or of a flip
+to the double-buffered weight slots (map them once; each rank checks and packs its part of the
+written slot, then all flip or none), a read of the weights for checks, stop. Replies come back
+point to point. A worker that fails exits; its sockets close and rank 0's next collective fails
+at once, naming the rank; in a weight update every wait on a rank has the sync's deadline.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -39,7 +42,10 @@ from tandem.rollout.engine.lora_merge import LoraState, StagedAdapter, stage_ada
 from tandem.rollout.engine.memory import held_bytes, release_weights, restore_weights
 from tandem.rollout.engine.model_runner import ModelRunner, StepPlan, torch_dtype
 from tandem.rollout.engine.tensor_parallel import TensorParallel, make_groups, rank_devices
-from tandem.rollout.engine.weight_staging import accepted_shapes, install_staged, stage_weights
+from tandem.rollout.engine.slot_weights import flip, map_into, stage_from_slot
+from tandem.rollout.engine.weight_staging import (SlotStage, accepted_shapes, install_staged,
+                                                  stage_weights)
+from tandem.weight_layout import Chunk, map_file, view
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +55,8 @@ COLLECTIVE_TIMEOUT_S = 300.0
 # An idle worker waits this long for its next command (rank 0 may have nothing to do for
 # hours); rank 0's exit closes the sockets and ends the wait at once.
 IDLE_WAIT = timedelta(days=365)
+# How long a failing replica waits for a worker whose sockets closed to be reaped (to name it).
+EXIT_GRACE_S = 1.0
 # Most commands (a decode step's plan) fit in one broadcast of this many bytes.
 COMMAND_BYTES = 16 << 10
 SLICE_TAG = 2  # point-to-point tags: 0 and 1 carry replies, 2.. a weight update's slices
@@ -121,12 +129,20 @@ def send_reply(group: Any, reply: Any) -> None:
     group.send([payload], 0, 1).wait()
 
 
-def receive_reply(group: Any, rank: int) -> Any:
+def receive_reply(group: Any, rank: int, timeout: timedelta | None = None) -> Any:
+    """Rank 0: `rank`'s reply to the last command; each wait bounded by `timeout` if given."""
     length = torch.empty(1, dtype=torch.int64)
-    group.recv([length], rank, 0).wait()
+    _wait(group.recv([length], rank, 0), timeout)
     payload = torch.empty(int(length), dtype=torch.uint8)
-    group.recv([payload], rank, 1).wait()
+    _wait(group.recv([payload], rank, 1), timeout)
     return pickle.loads(payload.numpy().tobytes())
+
+
+def _wait(work: Any, timeout: timedelta | None) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
 
 
 # ---- ranks 1..TP-1 ------------------------------------------------------------------------
@@ -142,6 +158,8 @@ class RankWorker:
         self.kv_shape: tuple[int, int] | None = None  # (num_blocks, block_size) when allocated
         self.staged: dict[str, torch.Tensor] | StagedAdapter | None = None
         self.lora = LoraState()  # as rank 0's, for this rank's slices
+        self.slot_views: list[dict[str, torch.Tensor]] | None = None  # both weight slots' part
+        self.slot_stage: SlotStage | None = None  # checked and packed, to flip to
 
     def serve(self) -> None:
         while True:
@@ -168,6 +186,7 @@ class RankWorker:
             self.weights_state, self.weight_shapes = release_weights(self.runner)
             if self.weights_state == "dropped":  # the refill is a full stream: the new base
                 self.lora = LoraState()
+            self.slot_views = None
         return self.memory_bytes()
 
     def wake_up(self, tags: list[str]) -> dict[str, int]:
@@ -211,7 +230,36 @@ class RankWorker:
             self.lora.record(self.staged)
             if self.runner.tied_lm_head:  # now rather than at the next step: the report counts it
                 self.runner.refresh_tied_lm_head()
+            self.slot_views = None  # the weights are fresh tensors, no slot's views
         self.staged = None
+        return self.memory_bytes()
+
+    def map_slots(self, paths: tuple[str, str], nbytes: int, entries: dict[int, list[Chunk]],
+                  active: int) -> dict[str, int]:
+        """Map the replica's two weight slot files, copy this rank's weights into its entries
+        of slot `active` and serve dense weights from them."""
+        slots = [map_file(path, nbytes) for path in paths]
+        own = entries[self.group.rank()]
+        self.slot_views = [{entry.name: view(slot, entry) for entry in own} for slot in slots]
+        map_into(self.runner, self.slot_views[active])
+        return self.memory_bytes()
+
+    def stage_slot(self, index: int, version: int) -> str | None:
+        """Check this rank's part of the written slot `index` and pack from it; the error or None."""
+        views = self.slot_views[index]
+        try:
+            self.slot_stage = stage_from_slot(self.runner, accepted_shapes(self.runner),
+                                              views.items(), views, index, version)
+        except Exception as error:  # reported to rank 0: no rank flips
+            self.slot_stage = None
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    def flip(self, install: bool) -> dict[str, int]:
+        """Serve the staged slot (install) or forget it; every rank gets the same command."""
+        if install:
+            flip(self.runner, self.slot_stage, self.slot_views[self.slot_stage.index])
+        self.slot_stage = None
         return self.memory_bytes()
 
     def weights(self, names: list[str] | None) -> dict[str, torch.Tensor]:
@@ -315,28 +363,57 @@ class RankWorkers:
     def wake_up(self, tags: list[str]) -> None:
         self._fan_out("wake_up", tags)
 
-    def stage(self, slices: list[dict[str, torch.Tensor]], version: int) -> None:
+    def stage(self, slices: list[dict[str, torch.Tensor]], version: int,
+              timeout_s: float | None = None) -> None:
         """Phase one of an update: each worker gets its slices (`slices[rank - 1]`) and checks
         them. If any refuses, all discard (phase two with install=False) and this raises,
-        naming the ranks: every rank stays on the old version."""
+        naming the ranks: every rank stays on the old version. Every wait is bounded by
+        `timeout_s` (a sync's deadline); a rank that misses it fails the replica, named."""
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         headers = {rank: [(name, tuple(t.shape), t.dtype) for name, t in part.items()]
                    for rank, part in enumerate(slices, start=1)}
-        self._command("stage", headers, version)
-        works = [self.group.send([tensor], rank, tag)
+        self._command("stage", headers, version, timeout=timeout)
+        works = [(rank, self.group.send([tensor], rank, tag))
                  for rank, part in enumerate(slices, start=1)
                  for tag, tensor in enumerate(part.values(), start=SLICE_TAG)]
-        for work in works:
-            work.wait()
-        errors = {rank: self._reply(rank) for rank in headers}
+        for rank, work in works:
+            try:
+                _wait(work, timeout)
+            except Exception as error:
+                raise self.fail(error, [rank], timeout) from error
+        errors = {rank: self._reply(rank, timeout) for rank in headers}
         failed = {rank: error for rank, error in errors.items() if error}
         if failed:
-            self._fan_out("commit", False)
+            self._fan_out("commit", False, timeout=timeout)
             raise ValueError(f"update_weights: tensor-parallel rank(s) refused their slices "
                              f"{failed}; every rank keeps version {version}")
 
-    def commit(self) -> None:
-        """Phase two: every worker installs what it staged."""
-        self._fan_out("commit", True)
+    def map_slots(self, paths: tuple[str, str], nbytes: int, entries: dict[int, list[Chunk]],
+                  active: int) -> None:
+        """Every worker maps the replica's weight slots and serves from slot `active`."""
+        self._fan_out("map_slots", paths, nbytes, entries, active)
+
+    def stage_slot(self, index: int, version: int, timeout_s: float | None = None) -> None:
+        """Phase one of a flip: every worker checks its part of slot `index` and packs from it.
+        If any refuses, all forget it and this raises, naming the ranks: no rank flips."""
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        self._command("stage_slot", index, version, timeout=timeout)
+        errors = {rank: self._reply(rank, timeout) for rank in range(1, self.size)}
+        failed = {rank: error for rank, error in errors.items() if error}
+        if failed:
+            self._fan_out("flip", False, timeout=timeout)
+            raise ValueError(f"update_weights: tensor-parallel rank(s) refused their part of "
+                             f"weight slot {index} {failed}; every rank keeps version {version}")
+
+    def flip(self, timeout_s: float | None = None) -> None:
+        """Phase two: every worker serves the slot it staged."""
+        self._fan_out("flip", True,
+                      timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
+
+    def commit(self, timeout_s: float | None = None) -> None:
+        """Phase two: every worker installs what it staged (each wait bounded by `timeout_s`)."""
+        self._fan_out("commit", True,
+                      timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
 
     def weights(self, names: list[str] | None = None) -> list[dict[str, torch.Tensor]]:
         """Each worker's slices (for checks), ranks 1.. in order."""
@@ -355,36 +432,59 @@ class RankWorkers:
         self._finalizer()
         torch.set_num_threads(self.threads_before)
 
-    def _fan_out(self, verb: str, *arguments: Any) -> list[Any]:
-        self._command(verb, *arguments)
-        replies = [self._reply(rank) for rank in range(1, self.size)]
+    def _fan_out(self, verb: str, *arguments: Any, timeout: timedelta | None = None
+                 ) -> list[Any]:
+        self._command(verb, *arguments, timeout=timeout)
+        replies = [self._reply(rank, timeout) for rank in range(1, self.size)]
         if verb != "weights":
             self.memory = replies
         return replies
 
-    def _command(self, verb: str, *arguments: Any) -> None:
+    def _command(self, verb: str, *arguments: Any, timeout: timedelta | None = None) -> None:
         if self.failure is not None:
             raise ReplicaFailedError(self.failure)
         try:
-            broadcast_command(self.group, (verb, *arguments))
-        except Exception as error:
-            raise self.fail(error) from error
+            broadcast_command(self.group, (verb, *arguments), timeout)
+        except Exception as error:  # which rank did not take it is unknown: name them all
+            raise self.fail(error, list(range(1, self.size)), timeout) from error
 
-    def _reply(self, rank: int) -> Any:
+    def _reply(self, rank: int, timeout: timedelta | None = None) -> Any:
         try:
-            return receive_reply(self.group, rank)
+            return receive_reply(self.group, rank, timeout)
         except Exception as error:
-            raise self.fail(error) from error
+            raise self.fail(error, [rank], timeout) from error
 
-    def fail(self, error: BaseException) -> ReplicaFailedError:
+    def fail(self, error: BaseException, waited_on: list[int] | None = None,
+             timeout: timedelta | None = None) -> ReplicaFailedError:
         """Mark the replica failed (a rank died or a collective broke: the ranks are no longer
-        in lockstep) and return the error to raise, naming the ranks that exited."""
-        exited = {rank: process.poll() for rank, process in enumerate(self.processes, start=1)
-                  if process.poll() is not None}
-        self.failure = (f"tensor-parallel replica failed ({type(error).__name__}: {error}); "
-                        f"exited ranks and codes: {exited or 'none yet'}; the replica must be "
-                        "restarted")
+        in lockstep) and return the error to raise, naming the ranks that exited, else the ones
+        rank 0 was waiting on."""
+        exited = _exit_codes(self.processes, EXIT_GRACE_S)
+        if exited:
+            culprits = ", ".join(f"rank {rank} exited (code {code})"
+                                 for rank, code in exited.items())
+        elif waited_on:
+            within = f" within {timeout.total_seconds()} s" if timeout is not None else ""
+            culprits = (f"rank {', '.join(map(str, waited_on))} did not answer{within} "
+                        "(no rank exited)")
+        else:
+            culprits = "no rank exited"
+        self.failure = (f"tensor-parallel replica failed: {culprits} ({type(error).__name__}: "
+                        f"{error}); the replica must be restarted")
         return ReplicaFailedError(self.failure)
+
+
+def _exit_codes(processes: list[subprocess.Popen], grace_s: float) -> dict[int, int]:
+    """Rank -> exit code of the workers that exited, waiting up to `grace_s` in all (a killed
+    rank's sockets close a moment before the kernel reaps it)."""
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    return {rank: process.returncode for rank, process in enumerate(processes, start=1)
+            if process.returncode is not None}
 
 
 def _terminate(processes: Iterable[subprocess.Popen]) -> None:

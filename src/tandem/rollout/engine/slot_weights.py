@@ -6,6 +6,11 @@ view of it. A sync writes the other slot while steps go on; `stage_from_slot` ch
 what the forward needs packed (oneDNN linears have no dense weight to serve from a slot), off the
 event loop; `flip` then re-points the parameters between two steps. `SlotServing` is that part of
 AsyncEngine's API (the engine mixes it in).
+
+A tensor-parallel replica lays every rank's slices out in the same two files (rank r's entries
+named "<HF name>@<r>", rank 0's plain), each entry with the region of the full tensor the sender
+writes into it; the workers map the files too, check and pack their part of a written slot when
+rank 0 commits, and all ranks flip together between two steps (rank_worker.py).
 """
 
 from __future__ import annotations
@@ -15,7 +20,11 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from tandem.rollout.base import all_finite
+from tandem.rollout.engine.tensor_parallel import ZEROS
 from tandem.rollout.engine.weight_staging import SlotStage, weight_key
+from tandem.weight_layout import Chunk
+
+RANK_SEPARATOR = "@"  # a worker rank's slot entries: "<HF name>@<rank>"
 
 
 class SlotServing:
@@ -25,31 +34,45 @@ class SlotServing:
     _slot_views: list[dict[str, torch.Tensor]] | None = None  # both slots' weights by name
     weight_slot_active: int | None = None  # the slot dense weights are views of
 
-    def weight_slot_specs(self) -> tuple[list, dict[str, str]] | None:
-        """(name, shape, dtype) of every weight and the aliases senders may use, for the two
-        slots the server lays out; None when the engine cannot serve from slots now (weights
-        dropped, or an adapter merged: slots hold full versions) or ever (tensor parallel: each
-        rank would need slots of its own slices, not built yet)."""
-        if (self.weights_state != "loaded" or self.unfilled_weights or self.lora.adapter
-                or self.ranks is not None):
+    def weight_slot_specs(self) -> tuple | None:
+        """(name, shape, dtype) of every weight and the aliases senders may use (tensor
+        parallel: every rank's slices, and the region of the full tensor each holds), for the
+        two slots the server lays out; None when the engine cannot serve from slots now
+        (weights dropped, or an adapter merged: slots hold full versions)."""
+        if self.weights_state != "loaded" or self.unfilled_weights or self.lora.adapter:
             return None
-        return slot_specs(self.runner, self._accepted_shapes())
+        specs = slot_specs(self.runner, self._accepted_shapes())
+        if specs is None or self.ranks is None:
+            return specs
+        return rank_slot_specs(self.runner, *specs)
 
-    async def map_weight_slots(self, views: list[dict[str, torch.Tensor]], active: int) -> None:
+    async def map_weight_slots(self, views: list[dict[str, torch.Tensor]], active: int,
+                               files: tuple[tuple[str, str], list[Chunk], int] | None = None
+                               ) -> None:
         """Copy the served weights into slot `active` and serve dense weights from it (once;
-        a pause of one copy); `views` are both slots' weights by name."""
+        a pause of one copy); `views` are both slots' weights by name, `files` their (paths,
+        entries, bytes), which a tensor-parallel replica's workers map too."""
         self._ensure_loop()
         async with self._lock:
             if self.weights_state != "loaded":
                 raise RuntimeError(self._weights_missing_message())
-            map_into(self.runner, views[active])
-            self._slot_views, self.weight_slot_active = views, active
+            own = [{name: tensor for name, tensor in slot.items() if RANK_SEPARATOR not in name}
+                   for slot in views]
+            map_into(self.runner, own[active])
+            if self.ranks is not None:
+                paths, entries, nbytes = files
+                self.ranks.map_slots(paths, nbytes, entries_by_rank(entries), active)
+            self._slot_views, self.weight_slot_active = own, active
 
     def stage_slot_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], index: int
                            ) -> SlotStage:
         """Check the version a sender wrote into inactive slot `index` (the stream yields views
-        of it) and pack what the forward needs packed; may run in another thread."""
+        of it) and pack what the forward needs packed; may run in another thread. Tensor
+        parallel: rank 0's entries only (the workers check theirs at commit_weights)."""
         self._check_inactive_slot(index)
+        if self.ranks is not None:
+            named_tensors = ((name, tensor) for name, tensor in named_tensors
+                             if RANK_SEPARATOR not in name)
         return stage_from_slot(self.runner, self._accepted_shapes(), named_tensors,
                                self._slot_views[index], index, self.version)
 
@@ -82,6 +105,40 @@ def slot_specs(runner: Any, shapes: Mapping[str, torch.Size]
     if "lm_head.weight" not in shapes and getattr(runner.config, "tie_word_embeddings", False):
         aliases["lm_head.weight"] = "model.embed_tokens.weight"
     return specs, aliases
+
+
+def rank_slot_specs(runner: Any, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+                    aliases: dict[str, str]) -> tuple[list, dict[str, str], dict[str, tuple]]:
+    """slot_specs of a tensor-parallel rank 0 grown to the whole replica: rank r's slices as
+    "<name>@<r>" (a zero bias, never sent, is left out), and the region (source, dim, start,
+    stop) of the full tensor every entry holds."""
+    layouts = runner.tensor_parallel.layout.all_ranks()
+    names = [name for name, _, _ in specs]
+    regions: dict[str, tuple] = {}
+    specs = list(specs)
+    for layout in layouts:
+        for name in names:
+            where, full = layout.region(name), runner.full_shapes[name]
+            if where == ZEROS:
+                continue
+            dim, indices = where if where is not None else (0, slice(0, full[0]))
+            entry = name if layout.rank == 0 else f"{name}{RANK_SEPARATOR}{layout.rank}"
+            regions[entry] = (name, dim, indices.start, indices.stop)
+            if layout.rank:
+                shape = list(full)
+                shape[dim] = indices.stop - indices.start
+                specs.append((entry, tuple(shape), runner.dtype))
+    return specs, aliases, regions
+
+
+def entries_by_rank(entries: Iterable[Chunk]) -> dict[int, list[Chunk]]:
+    """A replica's slot entries by worker rank, under the rank's own (HF) names."""
+    ranks: dict[int, list[Chunk]] = {}
+    for entry in entries:
+        name, separator, rank = entry.name.rpartition(RANK_SEPARATOR)
+        if separator:
+            ranks.setdefault(int(rank), []).append(entry._replace(name=name))
+    return ranks
 
 
 def map_into(runner: Any, views: Mapping[str, torch.Tensor]) -> None:

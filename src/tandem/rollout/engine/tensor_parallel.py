@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias")
+ZEROS = "zeros"  # ShardLayout.region of a row-parallel bias on ranks > 0
 
 
 @dataclass(frozen=True)
@@ -105,21 +106,31 @@ class ShardLayout:
         start = min(self.rank * self.vocab_per_rank, self.vocab_size)
         return slice(start, min(start + self.vocab_per_rank, self.vocab_size))
 
-    def slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of HF weight `name` (a view where it is one; replicated: the tensor)."""
+    def region(self, name: str) -> tuple[int, slice] | str | None:
+        """Where this rank's part of HF weight `name` lies in the full tensor: (dim, indices
+        along it); None: the whole tensor (replicated); ZEROS: zeros of the full shape."""
         if name in VOCAB_PARALLEL:
-            return tensor[self.vocab_rows()]
+            return 0, self.vocab_rows()
         module, _, kind = name.rpartition(".")
         leaf = module.rpartition(".")[2]
         if leaf in COLUMN_PARALLEL:
-            rows = self.kv_rows() if leaf in ("k_proj", "v_proj") else \
-                self.head_rows() if leaf == "q_proj" else self.mlp_rows()
-            return tensor[rows]
+            return 0, (self.kv_rows() if leaf in ("k_proj", "v_proj") else
+                       self.head_rows() if leaf == "q_proj" else self.mlp_rows())
         if leaf in ROW_PARALLEL:
             if kind == "bias":  # added once: by rank 0 before the all-reduce
-                return tensor if self.rank == 0 else torch.zeros_like(tensor)
-            return tensor[:, self.head_rows() if leaf == "o_proj" else self.mlp_rows()]
-        return tensor
+                return None if self.rank == 0 else ZEROS
+            return 1, self.head_rows() if leaf == "o_proj" else self.mlp_rows()
+        return None
+
+    def slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of HF weight `name` (a view where it is one; replicated: the tensor)."""
+        where = self.region(name)
+        if where is None:
+            return tensor
+        if where == ZEROS:
+            return torch.zeros_like(tensor)
+        dim, indices = where
+        return tensor[indices] if dim == 0 else tensor[:, indices]
 
     def adapter_slices(self, module: str, a: torch.Tensor, b: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:

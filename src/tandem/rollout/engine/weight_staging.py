@@ -238,8 +238,11 @@ class WeightUpdates:
                 self._check_inactive_slot(staged.index)
             check_coverage(staged.names if slot else staged, self._accepted_shapes(),
                            (partial or adapter is not None) and not slot, version)
+            deadline = self.config.checkpoint_engine.timeout_s  # a sync's, for every wait
             if sharded is not None:  # phase one on the other ranks; raises if one refuses
-                self.ranks.stage(sharded.others, version)
+                self.ranks.stage(sharded.others, version, deadline)
+            elif slot and self.ranks is not None:  # they check and pack their part of the slot
+                self.ranks.stage_slot(staged.index, version, deadline)
             # nothing computed with the old weights is matched again; running requests recompute
             # their KV cache, unless a flip keeps it (rollout.in_flight_kv=keep)
             if not (slot and self.config.in_flight_kv == "keep"):
@@ -247,10 +250,12 @@ class WeightUpdates:
             self.blocks.clear_prefix_cache()
             if slot:
                 replaced = self._flip_to_slot(staged)
+                if self.ranks is not None:  # before the next step: every rank on one version
+                    self.ranks.flip(deadline)
             else:
                 install_staged(self.runner, staged)  # swaps; a delta's patches in place
                 if sharded is not None:
-                    self.ranks.commit()
+                    self.ranks.commit(deadline)
                 self.unfilled_weights.difference_update(staged)
                 self._forget_slots()
                 self.lora.record(adapter if adapter is not None else staged)
