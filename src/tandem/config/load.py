@@ -2,7 +2,8 @@
 
 Every error is a ConfigError whose message names the field and the fix. The checks live by
 concern beside this file (ranges, choices, rollout, footprint, trainer, sync, lora, training,
-reward, pool); those that need registries, data, the model or memory are tandem.preflight's.
+reward, pool, determinism); those that need registries, data, the model or memory are
+tandem.preflight's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from tandem.config.choices import ConfigError, choice_problem
+from tandem.config.determinism_check import derive_determinism, determinism_problem
 from tandem.config.footprint import fleet_problem
 from tandem.config.lora_check import derive_lora_rank, lora_problem
 from tandem.config.pool_check import pool_problem
@@ -64,6 +66,7 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None,
     derive_separate_async(config, given)
     derive_lora_rank(config, given)
     derive_replay_sampling_mask(config, given)
+    derive_determinism(config, given)
     validate(config)
     return config
 
@@ -220,7 +223,8 @@ def _all_keys(cls: type, prefix: str = "") -> Iterator[str]:
 # tandem.preflight, before Ray or torch start.
 CHECKS: tuple[Callable[[TandemConfig], str | None], ...] = (
     out_of_range, choice_problem, fleet_problem, rollout_problem, trainer_problem, sync_problem,
-    lora_problem, training_problem, served_reward_problem, pool_problem, replay_problem)
+    lora_problem, training_problem, served_reward_problem, pool_problem, replay_problem,
+    determinism_problem)
 
 
 def validate(config: TandemConfig) -> None:

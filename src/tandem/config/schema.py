@@ -156,6 +156,9 @@ class RolloutConfig:
     # engines record each sampled token's top-k / top-p kept set; load_config sets it from
     # actor.replay_sampling_mask
     return_kept_sets: bool = False
+    # native engine: each sequence's forward and chunking never depend on its neighbours
+    # (slower: no batched forward); load_config sets it from trainer.deterministic
+    batch_invariant: bool = False
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
@@ -440,6 +443,9 @@ class TrainerConfig:
     resume_missing: str = "warn"  # resume=true without a checkpoint: warn (start at step 0) | fail
     on_nonfinite_loss: str = "skip"  # skip: drop that optimizer step | stop: raise; NaN/inf loss
     seed: int = 0
+    # the same job run twice on one machine gives the same tokens, metrics and weights; refused
+    # where a component cannot promise it (docs/trainer.md, "Determinism")
+    deterministic: bool = False
     # console (one line per step and validation), jsonl (metrics.jsonl, always written),
     # tensorboard, wandb, mlflow (each needs its package; the preflight names the install)
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])

@@ -25,6 +25,7 @@ from tandem.quiet import quiet_libraries
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout
 from tandem.serving.server import RolloutServer, ServerInfo
 from tandem.training.checkpoint import full_disk_named
+from tandem.training.determinism import seed_everything, use_deterministic_kernels
 from tandem.training.engine import TrainingEngine
 from tandem.weight_sync.base import CheckpointEngine, SyncPlan
 from tandem.weight_sync.naive import NaiveCheckpointEngine
@@ -55,7 +56,11 @@ class HybridWorker(RolloutServer):
 
             init_process_group(rank, world_size, init_method, config.model.device,
                                config.trainer.timeout_s)
-        torch.manual_seed(config.trainer.seed + rank)
+        if config.trainer.deterministic:
+            seed_everything(config.trainer.seed + rank)
+            use_deterministic_kernels()
+        else:
+            torch.manual_seed(config.trainer.seed + rank)
         self.config = config
         self.rank = rank
         self.actor = TrainingEngine.from_config(config, "actor", total_steps)

@@ -29,6 +29,7 @@ from tandem.progress import progress_bar
 from tandem.rewards.scorer import RewardScorer
 from tandem.rewards.worker import RewardWorker
 from tandem.tools.registry import ToolRegistry
+from tandem.training.determinism import seed_everything
 from tandem.trainer import ppo
 from tandem.fleet.fleet import Fleet
 from tandem.fleet.hybrid_worker import needs_reference
@@ -61,6 +62,8 @@ class RLTrainer:
         self.startup = StartupClock()  # process start -> first token (time/startup)
         self.startup.mark("trainer")
         self.config = config
+        if config.trainer.deterministic:  # the job's own reward or tool code may draw from them
+            seed_everything(config.trainer.seed)
         self.model_path = resolve_model_path(config.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.rewards = rewards or RewardScorer.from_config(

@@ -69,7 +69,8 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
                 self.ranks.stop(gracefully=False)
             raise
         self.blocks = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.batch_invariant)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.eos_token_ids = self.runner.eos_token_ids
         self.max_model_len = self.runner.max_model_len
@@ -148,7 +149,7 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
             return
         self._in_step = True  # stays set only if the loop abandons the step (_ensure_loop)
         try:
-            tokens, log_probs, kept = await self._step(batch)
+            tokens, log_probs, kept = await self._step_batch(batch)
         except asyncio.CancelledError:
             # the loop is going away between two layers of this step: blocks it keyed hold
             # K/V for some layers only, so nothing may match them later
@@ -169,6 +170,20 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
         finally:
             self._in_step = False
         self._record(batch, tokens, log_probs, kept)
+
+    async def _step_batch(self, batch: list[ScheduledSequence]
+                          ) -> tuple[list[int], list[float], list[torch.Tensor | None]]:
+        """One forward for the whole batch, or with rollout.batch_invariant one per sequence,
+        so a sequence's logits never depend on which others share its step (their shapes)."""
+        if not self.config.batch_invariant:
+            return await self._step(batch)
+        tokens, log_probs, kept = [], [], []
+        for item in batch:
+            one = await self._step([item])
+            tokens += one[0]
+            log_probs += one[1]
+            kept += one[2]
+        return tokens, log_probs, kept
 
     async def _step(self, batch: list[ScheduledSequence]
                     ) -> tuple[list[int], list[float], list[torch.Tensor | None]]:
@@ -364,5 +379,8 @@ def _check_config(config: RolloutConfig) -> None:
     if config.logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"rollout.logprobs_mode={config.logprobs_mode!r}: use one of "
                          f"{LOGPROBS_MODES}")
+    if config.batch_invariant and config.enable_prefix_caching:
+        raise ValueError("rollout.batch_invariant=true needs rollout.enable_prefix_caching=false: "
+                         "a prefix-cache hit computes the rest of a prompt in other shapes")
     if config.in_flight_kv not in IN_FLIGHT_KV:
         raise ValueError(f"rollout.in_flight_kv={config.in_flight_kv!r}: use one of {IN_FLIGHT_KV}")

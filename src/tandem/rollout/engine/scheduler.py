@@ -5,6 +5,11 @@ next chunk of an unfinished prompt), then admits waiting ones while the token bu
 (`max_num_batched_tokens`), the sequence budget (`max_num_seqs`) and free KV blocks allow. When
 a running sequence needs a block and none is free, the newest running sequence is preempted:
 its blocks are released and it waits to be recomputed (its full blocks usually stay cached).
+
+With `batch_invariant` (trainer.deterministic) a sequence's work never depends on its neighbours:
+prompts are cut into chunks of `max_num_batched_tokens` counted from token 0 (a chunk that does
+not fit this step waits for the next), and admission reserves the blocks for the whole
+sequence (prompt + max_tokens), so nothing is ever preempted and recomputed in other shapes.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ class ScheduledSequence:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, batch_invariant: bool = False) -> None:
         self.block_manager = block_manager
+        self.batch_invariant = batch_invariant
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -56,7 +62,10 @@ class Scheduler:
         preempted = False
         while queue and budget > 0:
             seq = queue.popleft()
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq, seq.num_computed_tokens, budget)
+            if num_new == 0:  # batch-invariant: its whole chunk waits for a step with room
+                kept.append(seq)
+                continue
             while not blocks.allocate(seq, seq.num_computed_tokens + num_new):
                 preempted = True
                 if queue:
@@ -75,12 +84,13 @@ class Scheduler:
             seq = self.waiting[0]
             prefix = blocks.find_prefix(seq)
             cached = len(prefix) * blocks.block_size
-            num_new = min(seq.num_tokens - cached, budget)
-            if not blocks.can_admit(seq, prefix, cached + num_new):
+            num_new = self._chunk(seq, cached, budget)
+            reserve = self._full_length(seq) if self.batch_invariant else cached + num_new
+            if num_new == 0 or not blocks.can_admit(seq, prefix, reserve):
                 break
             self.waiting.popleft()
             blocks.share_prefix(seq, prefix)
-            blocks.allocate(seq, cached + num_new)
+            blocks.allocate(seq, reserve)
             seq.status = SequenceStatus.RUNNING
             seq.num_tokens_at_admission = seq.num_tokens
             self.prompt_tokens_cached += cached
@@ -88,6 +98,20 @@ class Scheduler:
             scheduled.append(self._take(seq, num_new))
             budget -= num_new
         return scheduled
+
+    def _chunk(self, seq: Sequence, computed: int, budget: int) -> int:
+        """Tokens of seq to compute this step from `computed` on; batch-invariant: the whole
+        fixed-boundary chunk or 0 (wait), else as many as the budget allows."""
+        left = seq.num_tokens - computed
+        if not self.batch_invariant:
+            return min(left, budget)
+        chunk = min(left, self.max_num_batched_tokens - computed % self.max_num_batched_tokens)
+        return chunk if chunk <= budget else 0
+
+    @staticmethod
+    def _full_length(seq: Sequence) -> int:
+        """The most tokens seq can reach: prompt + max_tokens within the context limit."""
+        return min(seq.num_prompt_tokens + seq.params.max_tokens, seq.max_total_tokens)
 
     def _take(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         item = ScheduledSequence(seq, seq.num_computed_tokens, num_new)
