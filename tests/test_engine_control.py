@@ -215,10 +215,17 @@ async def test_sleep_rejects_unknown_tags(model_path):
 async def test_preemption_by_recompute_keeps_outputs(model_path):
     roomy = make(model_path)
     expected = await greedy_all(roomy)
-    # room for about two sequences at a time: running ones get preempted and recomputed
-    tight = make(model_path, kv=tight_kv_bytes(roomy))
+    # room for about two sequences at a time: with fixed admission running ones get preempted
+    # and recomputed
+    tight = make(model_path, kv=tight_kv_bytes(roomy), admission="fixed")
     assert await greedy_all(tight) == expected
     assert tight.stats()["preemptions"] > 0
+    # admission by free KV (the default) holds the others back instead: nothing is preempted
+    following = make(model_path, kv=tight_kv_bytes(roomy))
+    assert await greedy_all(following) == expected
+    stats = following.stats()
+    assert stats["preemptions"] == 0 and stats["admission_held_back"] > 0
+    assert stats["admitted"] == len(PROMPTS)
 
 
 def tight_kv_bytes(rollout: NativeRollout) -> int:

@@ -11,6 +11,10 @@ from typing import Any
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 LOGPROBS_MODES = ("raw", "processed")
 IN_FLIGHT_KV = ("recompute", "keep")
+# how an engine admits requests: auto = kv for the native engine, the engine's own otherwise;
+# kv = while the admitted sequences' worst-case KV fits (native only); fixed = while blocks for
+# the prompt are free (preempting and recomputing when they run out later)
+ADMISSION = ("auto", "kv", "fixed")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")
 ADV_ESTIMATORS = ("grpo", "gae")
@@ -42,6 +46,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": DTYPES,
     "rollout.logprobs_mode": LOGPROBS_MODES,
     "rollout.in_flight_kv": IN_FLIGHT_KV,
+    "rollout.admission": ADMISSION,
     "rollout.multi_turn.tool_response_truncate_side": TRUNCATE_SIDES,
     "rollout.environment.kind": ENVIRONMENT_KINDS,
     "actor.loss_agg_mode": LOSS_AGG_MODES,

@@ -66,6 +66,9 @@ def _backend_option_problem(config: TandemConfig) -> str | None:
         return (f"rollout.{field}: is {getattr(rollout, field)}, but the {name} backend on "
                 f"{device} never reads it ({why}); leave it at its default "
                 f"{getattr(RolloutConfig(), field)}, or use rollout.name=native")
+    if rollout.admission != "auto":
+        return (f"rollout.admission: is {rollout.admission!r}, but the {name} backend admits "
+                "requests by its own scheduler; leave it at auto, or use rollout.name=native")
     if name == "sglang" and rollout.logprobs_mode != "raw":
         return (f"rollout.logprobs_mode: is {rollout.logprobs_mode!r}, but the sglang backend "
                 "returns only raw log-probs (the untempered model's); set rollout.logprobs_mode="

@@ -139,6 +139,8 @@ class RolloutConfig:
     # requests running when new weights arrive mid-generation (a double-buffered flip):
     # recompute (their KV cache again, with the new weights) | keep (their KV cache; native only)
     in_flight_kv: str = "recompute"
+    # auto | kv | fixed: whether the native engine admits by its free KV (config/choices.py)
+    admission: str = "auto"
     tensor_model_parallel_size: int = 1
     data_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1

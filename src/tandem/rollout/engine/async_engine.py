@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tandem.config.choices import IN_FLIGHT_KV, LOGPROBS_MODES
+from tandem.config.choices import ADMISSION, IN_FLIGHT_KV, LOGPROBS_MODES
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.base import BaseRollout, ReplicaFailedError
 from tandem.rollout.engine.block_manager import BlockManager
@@ -70,7 +70,10 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
             raise
         self.blocks = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.batch_invariant)
+                                   config.batch_invariant,
+                                   # batch-invariant steps reserve every sequence's worst case
+                                   follow_kv=(config.admission in ("auto", "kv")
+                                              and not config.batch_invariant))
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.eos_token_ids = self.runner.eos_token_ids
         self.max_model_len = self.runner.max_model_len
@@ -348,6 +351,8 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
         return {**self.counters, "first_token_time": self.first_token_time,
                 "prompt_tokens_cached": self.scheduler.prompt_tokens_cached,
                 "preemptions": self.scheduler.num_preemptions,
+                "admitted": self.scheduler.num_admitted,
+                "admission_held_back": self.scheduler.num_held_back,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "num_blocks": self.blocks.num_blocks, "free_blocks": self.blocks.num_free_blocks,
                 "cached_blocks": self.blocks.num_cached_blocks,
@@ -382,5 +387,7 @@ def _check_config(config: RolloutConfig) -> None:
     if config.batch_invariant and config.enable_prefix_caching:
         raise ValueError("rollout.batch_invariant=true needs rollout.enable_prefix_caching=false: "
                          "a prefix-cache hit computes the rest of a prompt in other shapes")
+    if config.admission not in ADMISSION:
+        raise ValueError(f"rollout.admission={config.admission!r}: use one of {ADMISSION}")
     if config.in_flight_kv not in IN_FLIGHT_KV:
         raise ValueError(f"rollout.in_flight_kv={config.in_flight_kv!r}: use one of {IN_FLIGHT_KV}")

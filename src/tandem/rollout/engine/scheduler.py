@@ -6,6 +6,13 @@ next chunk of an unfinished prompt), then admits waiting ones while the token bu
 a running sequence needs a block and none is free, the newest running sequence is preempted:
 its blocks are released and it waits to be recomputed (its full blocks usually stay cached).
 
+Admission follows the KV cache (`Admission`, rollout.admission=kv, the native default): a waiting
+sequence is admitted only while the running ones and it, each growing a token a step up to its
+prompt + max_tokens and freeing its blocks when it ends there, never hold more blocks at once
+than the engine's (the projected peak; times an overcommit that learns how much of that worst
+case finished sequences used, since early stops leave room, and halves on a preemption). So the
+engine stops admitting before preemption would start instead of preempting and recomputing.
+
 With `batch_invariant` (trainer.deterministic) a sequence's work never depends on its neighbours:
 prompts are cut into chunks of `max_num_batched_tokens` counted from token 0 (a chunk that does
 not fit this step waits for the next), and admission reserves the blocks for the whole
@@ -16,6 +23,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+
+import torch
 
 from tandem.rollout.engine.block_manager import BlockManager
 from tandem.rollout.engine.sequence import Sequence, SequenceStatus
@@ -35,9 +44,36 @@ class ScheduledSequence:
         return self.start + self.num_new == self.seq.num_tokens
 
 
+class Admission:
+    """How far admission may overcommit the KV cache against every running sequence's worst
+    case: 1 / (the share of its worst case a finished sequence used, averaged), within
+    [1, MAX_OVERCOMMIT], scaled down by half at each preemption and recovering per step."""
+
+    MAX_OVERCOMMIT = 4.0
+    USED_AVERAGE = 0.1  # weight of each finished sequence in the running average of its use
+    RECOVERY = 0.05  # per step without a preemption, back towards no damping
+
+    def __init__(self) -> None:
+        self.used = 1.0  # finished sequences' blocks / their worst case (1: assume all)
+        self.damping = 1.0
+
+    @property
+    def overcommit(self) -> float:
+        return min(self.MAX_OVERCOMMIT, max(1.0, self.damping / max(self.used, 1e-3)))
+
+    def finished(self, used_blocks: int, worst_blocks: int) -> None:
+        share = min(1.0, used_blocks / max(1, worst_blocks))
+        self.used += self.USED_AVERAGE * (share - self.used)
+
+    def stepped(self, preempted: bool) -> None:
+        self.damping = 0.5 * self.damping if preempted else min(1.0,
+                                                                 self.damping + self.RECOVERY)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, batch_invariant: bool = False) -> None:
+                 max_num_batched_tokens: int, batch_invariant: bool = False,
+                 follow_kv: bool = False) -> None:
         self.block_manager = block_manager
         self.batch_invariant = batch_invariant
         self.max_num_seqs = max_num_seqs
@@ -45,7 +81,14 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_admitted = 0
+        self.num_held_back = 0  # steps that admitted less because of the KV reserve
         self.prompt_tokens_cached = 0
+        self.admission = Admission() if follow_kv else None
+
+    def worst_blocks(self, seq: Sequence) -> int:
+        """Blocks seq holds once it generated max_tokens (its worst case)."""
+        return -(-self._full_length(seq) // self.block_manager.block_size)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -79,6 +122,8 @@ class Scheduler:
                 budget -= num_new
         kept.extend(queue)  # running sequences left without budget this step
         self.running = kept
+        if self.admission is not None:
+            self.admission.stepped(preempted)
         while (self.waiting and not preempted and budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
@@ -88,7 +133,11 @@ class Scheduler:
             reserve = self._full_length(seq) if self.batch_invariant else cached + num_new
             if num_new == 0 or not blocks.can_admit(seq, prefix, reserve):
                 break
+            if self.admission is not None and self.running and not self._fits(seq):
+                self.num_held_back += 1
+                break
             self.waiting.popleft()
+            self.num_admitted += 1
             blocks.share_prefix(seq, prefix)
             blocks.allocate(seq, reserve)
             seq.status = SequenceStatus.RUNNING
@@ -113,6 +162,22 @@ class Scheduler:
         """The most tokens seq can reach: prompt + max_tokens within the context limit."""
         return min(seq.num_prompt_tokens + seq.params.max_tokens, seq.max_total_tokens)
 
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether the running sequences and seq, each growing to its worst case, never hold
+        more blocks at once than the engine has (times the overcommit). The peak falls on the
+        last step of one of them: at step t_j = r_j - 1 (r: tokens still to come) sequence i
+        holds the blocks of its c_i + t_j + 1 tokens while r_i > t_j."""
+        group = [*self.running, seq]
+        tokens = torch.tensor([s.num_tokens for s in group])
+        remaining = torch.tensor([max(1, self._full_length(s) - s.num_tokens) for s in group])
+        last = remaining - 1
+        held = (tokens[:, None] + last[None, :] + self.block_manager.block_size) \
+            // self.block_manager.block_size
+        peak = int((held * (remaining[:, None] > last[None, :])).sum(0).max())
+        capacity = self.block_manager.num_free_blocks + sum(len(s.block_table)
+                                                            for s in self.running)
+        return peak <= capacity * self.admission.overcommit
+
     def _take(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         item = ScheduledSequence(seq, seq.num_computed_tokens, num_new)
         self.block_manager.register_full_blocks(seq, seq.num_computed_tokens + num_new)
@@ -133,6 +198,8 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Remove seq from the queues and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
+            if self.admission is not None and seq.stop_reason in ("completed", "length"):
+                self.admission.finished(len(seq.block_table), self.worst_blocks(seq))
             self.running.remove(seq)
             self.block_manager.release(seq)
         elif seq.status is SequenceStatus.WAITING:
