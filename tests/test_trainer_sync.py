@@ -88,6 +88,8 @@ def test_sync_loop_engine_tracks_actor(tmp_path, ray_cluster):
     for key in ("reward/mean", "rollout_gap/abs_diff_mean", "actor/policy/clip_fraction_upper", "actor/grad_norm",
                 "time/update", "time/sync", "throughput/generated_tokens_per_second"):
         assert key in steps[0], key
+    # the engine's admission per step: every turn of the 2 x 2 sessions admitted, none preempted
+    assert steps[0]["rollout/admitted"] >= 4 and steps[0]["rollout/preemptions"] == 0
     # start-up, once: in the step-0 validation record, its parts adding up to the total
     [startup] = [r for r in records if "time/startup" in r]
     assert startup["step"] == 0 and "val/reward" in startup

@@ -49,6 +49,9 @@ class NoStepTrained(RuntimeError):
     """A run ended without one model update."""
 
 
+ADMISSION_COUNTERS = ("admitted", "preemptions", "admission_held_back")
+
+
 class RLTrainer:
     """Holds the fleet and the data of one run; `step` is the actor's weight version."""
 
@@ -60,6 +63,7 @@ class RLTrainer:
         from transformers import AutoTokenizer
 
         self.startup = StartupClock()  # process start -> first token (time/startup)
+        self._engine_counts: dict[str, dict[str, int]] = {}  # server -> counters at last step
         self.startup.mark("trainer")
         self.config = config
         if config.trainer.deterministic:  # the job's own reward or tool code may draw from them
@@ -389,7 +393,23 @@ class RLTrainer:
     async def log_step(self, record: dict[str, float]) -> None:
         """Write the step's record (with the start-up metrics in the run's first one)."""
         record.update(await self.startup_metrics())
+        record.update(await self.admission_metrics())
         self.metrics.log(self.step, record)
+
+    async def admission_metrics(self) -> dict[str, float]:
+        """Per step, summed over the engines that count them (the native engine): sessions
+        admitted (rollout/admitted), preemptions (rollout/preemptions) and steps whose
+        admission the KV reserve held back (rollout/admission_held_back)."""
+        answers = await self.fleet.rollout.control("stats", on_error="leave_out")
+        totals: dict[str, float] = {}
+        for server_id, (stats, *_) in answers.results.items():
+            counts = {key: stats["backend"][key] for key in ADMISSION_COUNTERS
+                      if key in stats["backend"]}
+            before = self._engine_counts.get(server_id, {})
+            self._engine_counts[server_id] = counts
+            for key, value in counts.items():  # a restarted server counts from 0 again
+                totals[key] = totals.get(key, 0.0) + max(0, value - before.get(key, 0))
+        return {f"rollout/{key}": value for key, value in totals.items()}
 
     async def startup_metrics(self) -> dict[str, float]:
         """Once, after the first generation: time/startup and its parts, also logged as one
