@@ -68,7 +68,7 @@ def test_overcommit_halves_on_a_preemption_and_recovers():
     admission = Admission()
     assert admission.overcommit == 1.0
     for _ in range(50):
-        admission.finished(used_blocks=1, worst_blocks=4)  # a quarter of the worst case
+        admission.finished(tokens=16, worst_tokens=64)  # a quarter of the worst case
     assert admission.overcommit == pytest.approx(4.0, rel=0.05)
     admission.stepped(preempted=True)
     assert admission.overcommit == pytest.approx(2.0, rel=0.05)

@@ -61,8 +61,9 @@ class Admission:
     def overcommit(self) -> float:
         return min(self.MAX_OVERCOMMIT, max(1.0, self.damping / max(self.used, 1e-3)))
 
-    def finished(self, used_blocks: int, worst_blocks: int) -> None:
-        share = min(1.0, used_blocks / max(1, worst_blocks))
+    def finished(self, tokens: int, worst_tokens: int) -> None:
+        """A sequence ended at `tokens` of its worst case's `worst_tokens`."""
+        share = min(1.0, tokens / max(1, worst_tokens))
         self.used += self.USED_AVERAGE * (share - self.used)
 
     def stepped(self, preempted: bool) -> None:
@@ -85,10 +86,6 @@ class Scheduler:
         self.num_held_back = 0  # steps that admitted less because of the KV reserve
         self.prompt_tokens_cached = 0
         self.admission = Admission() if follow_kv else None
-
-    def worst_blocks(self, seq: Sequence) -> int:
-        """Blocks seq holds once it generated max_tokens (its worst case)."""
-        return -(-self._full_length(seq) // self.block_manager.block_size)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -199,7 +196,7 @@ class Scheduler:
         """Remove seq from the queues and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             if self.admission is not None and seq.stop_reason in ("completed", "length"):
-                self.admission.finished(len(seq.block_table), self.worst_blocks(seq))
+                self.admission.finished(seq.num_tokens, self._full_length(seq))
             self.running.remove(seq)
             self.block_manager.release(seq)
         elif seq.status is SequenceStatus.WAITING:
