@@ -50,6 +50,7 @@ class NoStepTrained(RuntimeError):
 
 
 ADMISSION_COUNTERS = ("admitted", "preemptions", "admission_held_back")
+ADMISSION_STATS_TIMEOUT_S = 5.0  # each server's stats() for the step's admission metrics
 
 
 class RLTrainer:
@@ -400,7 +401,9 @@ class RLTrainer:
         """Per step, summed over the engines that count them (the native engine): sessions
         admitted (rollout/admitted), preemptions (rollout/preemptions) and steps whose
         admission the KV reserve held back (rollout/admission_held_back)."""
-        answers = await self.fleet.rollout.control("stats", on_error="leave_out")
+        # a stalled server must not hold the step's record: it is left out after a short wait
+        answers = await self.fleet.rollout.control("stats", timeout_s=ADMISSION_STATS_TIMEOUT_S,
+                                                   on_error="leave_out")
         totals: dict[str, float] = {}
         for server_id, (stats, *_) in answers.results.items():
             counts = {key: stats["backend"][key] for key in ADMISSION_COUNTERS
