@@ -31,7 +31,7 @@ def test_temperature_sampling_follows_softmax():
     count = 40_000
     generator = torch.Generator().manual_seed(0)
     for temperature in (1.0, 0.5):
-        tokens, logprobs, _ = sample(LOGITS.repeat(count, 1), seqs(count, temperature=temperature),
+        tokens, logprobs, *_ = sample(LOGITS.repeat(count, 1), seqs(count, temperature=temperature),
                                   "raw", generator)
         expected = (LOGITS / temperature).softmax(-1)
         assert (frequencies(tokens) - expected).abs().max() < 0.01
@@ -43,7 +43,7 @@ def test_temperature_sampling_follows_softmax():
 def test_top_k_and_top_p_restrict_the_support_and_renormalise():
     count = 20_000
     generator = torch.Generator().manual_seed(1)
-    tokens, logprobs, _ = sample(LOGITS.repeat(count, 1), seqs(count, top_k=2), "processed",
+    tokens, logprobs, *_ = sample(LOGITS.repeat(count, 1), seqs(count, top_k=2), "processed",
                               generator)
     assert set(tokens) == {0, 1}
     kept = LOGITS[:2].softmax(-1)
@@ -52,14 +52,14 @@ def test_top_k_and_top_p_restrict_the_support_and_renormalise():
     exact, bound = top2.double().log_softmax(-1), log_softmax_bound(top2)
     assert_within(torch.tensor(logprobs), exact[tokens], bound[tokens], "processed log-probs")
     probs = LOGITS.softmax(-1)  # 0.55, 0.20, 0.12, ...: top_p 0.7 keeps the first two
-    tokens, _, _ = sample(LOGITS.repeat(count, 1), seqs(count, top_p=0.7), "raw", generator)
+    tokens, *_ = sample(LOGITS.repeat(count, 1), seqs(count, top_p=0.7), "raw", generator)
     assert set(tokens) == {0, 1} and probs[:2].sum() > 0.7 > probs[0]
 
 
 def test_greedy_and_mixed_batches():
     generator = torch.Generator().manual_seed(2)
     batch = seqs(3, temperature=0) + seqs(3, temperature=1.0)
-    tokens, logprobs, _ = sample(LOGITS.repeat(6, 1), batch, "raw", generator)
+    tokens, logprobs, *_ = sample(LOGITS.repeat(6, 1), batch, "raw", generator)
     assert tokens[:3] == [0, 0, 0]
     assert len(logprobs) == 6
 
@@ -69,7 +69,7 @@ def test_repetition_penalty_follows_hf():
 
     seen = [0, 3]
     generator = torch.Generator().manual_seed(3)
-    tokens, logprobs, _ = sample(LOGITS[None].clone(), seqs(1, seen, temperature=0,
+    tokens, logprobs, *_ = sample(LOGITS[None].clone(), seqs(1, seen, temperature=0,
                                                          repetition_penalty=5.0),
                               "processed", generator)
     expected = RepetitionPenaltyLogitsProcessor(5.0)(torch.tensor([seen]), LOGITS[None].double())[0]

@@ -25,6 +25,7 @@ from tandem.rollout.engine.sampler import sample
 from tandem.rollout.engine.sequence import Sequence
 from tandem.rollout.native import NativeRollout
 from tandem.rollout.vllm import VLLMRollout
+from tandem.trainer.step_metrics import rollout_metrics
 from tandem.training.engine import TrainingEngine
 from tandem.training.forward import actor_forward, token_entropy, token_log_probs
 from tandem.training.lm_head import chunked_log_probs
@@ -80,17 +81,23 @@ def one_row(**params) -> list[Sequence]:
 def test_recorded_set_is_the_top_k_then_nucleus_of_the_processed_logits():
     logits = torch.tensor([[3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0]])
     generator = torch.Generator().manual_seed(0)
-    _, _, kept = sample(logits.clone(), one_row(temperature=0.8, top_k=5, top_p=0.9,
-                                                return_kept_sets=True), "processed", generator)
+    _, _, kept, log_mass = sample(logits.clone(), one_row(temperature=0.8, top_k=5, top_p=0.9,
+                                                          return_kept_sets=True),
+                                  "processed", generator)
     probs = (logits[0, :5] / 0.8).softmax(-1)  # top-k first, then the nucleus of that distribution
     before = probs.cumsum(0) - probs
     expected = [i for i in range(5) if before[i] < 0.9]
     assert expected == [0, 1, 2] and kept[0].tolist() == expected and kept[0].dtype == torch.int32
-    _, _, kept = sample(logits.clone(), one_row(temperature=0.8, top_k=3), "processed", generator)
-    assert kept == [None]  # not asked for: nothing recorded
-    _, _, kept = sample(logits.clone(), one_row(temperature=0.8, top_k=8, return_kept_sets=True),
-                        "processed", generator)
-    assert kept == [None]  # nothing removed: the full distribution, no set
+    # the set's mass under the tempered full softmax, by hand: e^(x/T) of ids 0-2 over all 8
+    weights = [math.exp(x / 0.8) for x in logits[0].tolist()]
+    assert log_mass[0] == pytest.approx(math.log(sum(weights[:3]) / sum(weights)), abs=1e-6)
+    _, _, kept, log_mass = sample(logits.clone(), one_row(temperature=0.8, top_k=3), "processed",
+                                  generator)
+    assert kept == [None] and log_mass == [None]  # not asked for: nothing recorded
+    _, _, kept, log_mass = sample(logits.clone(), one_row(temperature=0.8, top_k=8,
+                                                          return_kept_sets=True),
+                                  "processed", generator)
+    assert kept == [None] and log_mass == [None]  # nothing removed: the full distribution
 
 
 def test_kept_sets_travel_to_the_batch_with_none_on_context_tokens():
@@ -187,6 +194,11 @@ async def test_replay_closes_the_rollout_gap_to_float32_noise(tiny_path):
                                padded_field(batch["response_mask"]))["rollout_gap/abs_diff_mean"] < 1e-5
     assert mean_log_s > 0.05  # the filters really truncate
     assert replay_off == pytest.approx(mean_log_s, rel=1e-3)
+    # the engine's own record of the kept mass, per step's metrics: the same log S
+    recorded = rollout_metrics(trajectories, {"generate": 1.0})
+    assert recorded["rollout/kept_log_mass"] == pytest.approx(-mean_log_s, rel=1e-3)
+    masses = torch.cat([(-value).exp() for value in minus_log_mass])
+    assert recorded["rollout/kept_mass"] == pytest.approx(float(masses.mean()), rel=1e-3)
 
 
 def test_recorded_rollouts_keep_their_kept_sets(tmp_path):

@@ -39,6 +39,9 @@ def test_plots_are_written(tmp_path):
     assert sorted(p.name for p in paths) == ["logprob_gap.png", "reward.png", "timeline.png"]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # sampling-mask replay's kept mass gets a plot of its own once a step records it
+    logger.log(3, {"rollout/kept_mass": 0.8, "time/generate": 1.0, "time/update": 0.5})
+    assert "kept_mass.png" in [p.name for p in plot_run(tmp_path)]
 
 
 def test_async_runs_get_a_staleness_plot(tmp_path):

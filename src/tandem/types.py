@@ -59,6 +59,11 @@ class TokenOutput:
         return runs
 
 
+# extra_fields of an output with kept sets (native engine): its sampled tokens, and the sums of
+# their kept sets' log mass and mass under the tempered full distribution (summed across calls)
+KEPT_MASS_FIELDS = ("kept_tokens", "kept_log_mass_sum", "kept_mass_sum")
+
+
 @dataclass(frozen=True)
 class KeptSets:
     """The token ids each sampled token was drawn from (what top-k / top-p kept), flat: `counts`

@@ -76,8 +76,8 @@ def test_a_temperature_below_the_floor_is_greedy(temperature, mode):
     assert SamplingParams(temperature=temperature).greedy
     generator = torch.Generator().manual_seed(0)
     for seed in range(20):
-        tokens, logprobs, _ = sample(LOGITS[None].clone(), one_row(temperature, seed), mode, generator)
-        expected, _, _ = sample(LOGITS[None].clone(), one_row(0.0), mode, generator)
+        tokens, logprobs, *_ = sample(LOGITS[None].clone(), one_row(temperature, seed), mode, generator)
+        expected, *_ = sample(LOGITS[None].clone(), one_row(0.0), mode, generator)
         assert tokens == expected == [1]
         assert np.isfinite(logprobs[0])
         # greedy rows report the logprob at temperature 1, like temperature 0

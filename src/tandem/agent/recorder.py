@@ -27,7 +27,7 @@ from tandem.agent.session import TokenClient
 from tandem.agent.tool_parser import parse_tool_calls
 from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import RolloutConfig
-from tandem.types import GenerateRequest, TokenOutput, cut_version_runs
+from tandem.types import KEPT_MASS_FIELDS, GenerateRequest, TokenOutput, cut_version_runs
 
 logger = logging.getLogger(__name__)
 # a recorded token in Python lists (id, mask, logprob, version), rounded up: measured ~57 B
@@ -231,7 +231,9 @@ def cut_at_stop_strings(output: TokenOutput, stops: Sequence[str], chat_format: 
         else:
             low = middle + 1
     log_probs = None if output.log_probs is None else output.log_probs[:low]
-    extra = {**output.extra_fields, "version_runs": cut_version_runs(output.version_runs, low)}
+    extra = {key: value for key, value in output.extra_fields.items()
+             if key not in KEPT_MASS_FIELDS}  # sums over tokens cut here: not known any more
+    extra["version_runs"] = cut_version_runs(output.version_runs, low)
     kept_sets = None if output.kept_sets is None else output.kept_sets.head(low)
     return TokenOutput(output.token_ids[:low], log_probs, "completed", extra, kept_sets), True
 

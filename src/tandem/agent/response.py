@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from tandem.batch.trajectory import CONTEXT_VERSION, Trajectory
-from tandem.types import KeptSets, TokenOutput, expand_version_runs
+from tandem.types import KEPT_MASS_FIELDS, KeptSets, TokenOutput, expand_version_runs
 
 
 @dataclass
@@ -29,6 +29,7 @@ class ResponseBuilder:
     max_version: int | None = None
     kept_sets: list[KeptSets] = field(default_factory=list)  # per call / context run, in order
     has_kept_sets: bool = False
+    kept_mass: dict[str, float] = field(default_factory=dict)  # KEPT_MASS_FIELDS, summed
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -53,6 +54,9 @@ class ResponseBuilder:
         self.token_ids.extend(int(token) for token in output.token_ids)
         self.response_mask.extend([1] * len(output.token_ids))
         self.has_kept_sets |= output.kept_sets is not None
+        if KEPT_MASS_FIELDS[0] in output.extra_fields:
+            for key in KEPT_MASS_FIELDS:
+                self.kept_mass[key] = self.kept_mass.get(key, 0.0) + output.extra_fields[key]
         self.kept_sets.append(output.kept_sets or KeptSets.none(len(output.token_ids)))
         if output.log_probs is None or not self.expect_log_probs:
             self.log_probs.extend([0.0] * len(output.token_ids))
@@ -82,5 +86,6 @@ class ResponseBuilder:
             min_global_steps=self.min_version, max_global_steps=self.max_version,
             response_versions=torch.tensor(self.versions, dtype=torch.long), uid=uid,
             session_id=session_id, num_turns=num_turns, stop_reason=stop_reason,
-            data_source=data_source, ground_truth=ground_truth, metadata=metadata or {},
+            data_source=data_source, ground_truth=ground_truth,
+            metadata={**(metadata or {}), **self.kept_mass},
             kept_sets=KeptSets.join(self.kept_sets) if self.has_kept_sets else None)

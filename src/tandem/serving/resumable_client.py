@@ -11,7 +11,8 @@ generation resumes, so nothing spins here. Should aborted replies keep coming wi
 from __future__ import annotations
 
 from tandem.serving.client import ServerClient
-from tandem.types import GenerateRequest, KeptSets, SamplingParams, TokenOutput, append_version_run
+from tandem.types import (KEPT_MASS_FIELDS, GenerateRequest, KeptSets, SamplingParams, TokenOutput,
+                          append_version_run)
 
 
 # Aborted replies in a row without a new token before a request gives up: far more than weight
@@ -48,6 +49,7 @@ class ResumableClient:
         versions: list[tuple[int, int, int]] = []  # (min, max, last) of segments with tokens
         runs: list[list[int]] = []  # [[version, count], ...] of every token so far
         kept: list[KeptSets] = []
+        kept_mass = dict.fromkeys(KEPT_MASS_FIELDS, 0.0)  # summed over the segments
         resumes = stalled = 0
         while True:
             params["max_tokens"] = budget - len(token_ids)
@@ -57,6 +59,8 @@ class ResumableClient:
             log_probs = _join_log_probs(log_probs, output, request_id)
             if params.get("return_kept_sets") and output.token_ids:
                 kept.append(_kept_sets(output, request_id))
+                for key in kept_mass:
+                    kept_mass[key] += output.extra_fields.get(key, 0.0)
             for version, count in output.version_runs:
                 append_version_run(runs, version, count)
             if output.token_ids:
@@ -83,6 +87,8 @@ class ResumableClient:
         extra.update(global_steps=versions[-1][2], min_global_steps=min(v[0] for v in versions),
                      max_global_steps=max(v[1] for v in versions), version_runs=runs,
                      resumes=resumes)
+        if KEPT_MASS_FIELDS[0] in output.extra_fields:
+            extra.update(kept_mass)
         kept_sets = KeptSets.join(kept) if params.get("return_kept_sets") else None
         return TokenOutput(token_ids, log_probs, stop_reason, extra, kept_sets)
 

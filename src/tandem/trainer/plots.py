@@ -101,6 +101,16 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     axis.set_title("rollout vs actor log-probability gap")
     written.append(_save(figure, output_dir / "logprob_gap.png"))
 
+    kept = _series(records, "rollout/kept_mass")
+    if kept[0]:  # sampling-mask replay: how much of the distribution truncation kept
+        figure, axis = plt.subplots(figsize=(7, 4))
+        axis.plot(*kept, color="tab:purple", label="kept mass per sampled token")
+        axis.set_ylim(0.0, 1.05)
+        axis.set_xlabel("step")
+        axis.legend()
+        axis.set_title("top-k / top-p kept mass per step")
+        written.append(_save(figure, output_dir / "kept_mass.png"))
+
     figure, axis = plt.subplots(figsize=(8, 4))
     colors = phase_colours()
     train = [r for r in records if "time/update" in r]

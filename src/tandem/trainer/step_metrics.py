@@ -84,13 +84,21 @@ def batch_metrics(trajectories: list[Trajectory], batches: list[TensorDict], n_d
 def rollout_metrics(trajectories: list[Trajectory], phase_seconds: dict[str, float]
                     ) -> dict[str, float]:
     """The fraction of trajectories whose tokens span a sync (partial rollouts the resumable
-    client finished) and policy tokens per second: of generation (sync mode), else of the
-    whole step."""
+    client finished), policy tokens per second (of generation in sync mode, else of the whole
+    step) and, where the engine recorded kept sets (top-k / top-p with sampling-mask replay),
+    their mean mass and log mass per sampled token (rollout/kept_mass, rollout/kept_log_mass:
+    the log S by which truncation moves each processed logprob from the full softmax)."""
     spanning = sum(t.min_global_steps != t.max_global_steps for t in trajectories)
     generated = sum(int(t.response_mask.sum()) for t in trajectories)
     seconds = phase_seconds.get("generate") or sum(phase_seconds.values())
-    return {"rollout/cross_version_fraction": spanning / max(len(trajectories), 1),
-            "throughput/generated_tokens_per_second": generated / max(seconds, 1e-9)}
+    metrics = {"rollout/cross_version_fraction": spanning / max(len(trajectories), 1),
+               "throughput/generated_tokens_per_second": generated / max(seconds, 1e-9)}
+    kept_tokens = sum(t.metadata.get("kept_tokens", 0) for t in trajectories)
+    if kept_tokens:
+        for name, key in (("kept_mass", "kept_mass_sum"), ("kept_log_mass", "kept_log_mass_sum")):
+            metrics[f"rollout/{name}"] = sum(t.metadata.get(key, 0.0)
+                                             for t in trajectories) / kept_tokens
+    return metrics
 
 
 def token_lag_metrics(trajectories: list[Trajectory], version: int) -> dict[str, float]:

@@ -152,7 +152,7 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
             return
         self._in_step = True  # stays set only if the loop abandons the step (_ensure_loop)
         try:
-            tokens, log_probs, kept = await self._step_batch(batch)
+            tokens, log_probs, kept, log_masses = await self._step_batch(batch)
         except asyncio.CancelledError:
             # the loop is going away between two layers of this step: blocks it keyed hold
             # K/V for some layers only, so nothing may match them later
@@ -172,25 +172,22 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
             return
         finally:
             self._in_step = False
-        self._record(batch, tokens, log_probs, kept)
+        self._record(batch, tokens, log_probs, kept, log_masses)
 
-    async def _step_batch(self, batch: list[ScheduledSequence]
-                          ) -> tuple[list[int], list[float], list[torch.Tensor | None]]:
+    async def _step_batch(self, batch: list[ScheduledSequence]) -> tuple[list, ...]:
         """One forward for the whole batch, or with rollout.batch_invariant one per sequence,
         so a sequence's logits never depend on which others share its step (their shapes)."""
         if not self.config.batch_invariant:
             return await self._step(batch)
-        tokens, log_probs, kept = [], [], []
+        outputs: tuple[list, ...] = ([], [], [], [])
         for item in batch:
-            one = await self._step([item])
-            tokens += one[0]
-            log_probs += one[1]
-            kept += one[2]
-        return tokens, log_probs, kept
+            for whole, part in zip(outputs, await self._step([item])):
+                whole += part
+        return outputs
 
-    async def _step(self, batch: list[ScheduledSequence]
-                    ) -> tuple[list[int], list[float], list[torch.Tensor | None]]:
-        """Forward + sample, yielding to the loop between layers when the step runs long."""
+    async def _step(self, batch: list[ScheduledSequence]) -> tuple[list, ...]:
+        """Forward + sample (sampler.sample's four lists), yielding to the loop between layers
+        when the step runs long."""
         plan = self.runner.plan_step(batch)
         if self.ranks is not None:
             self.ranks.step(plan)  # the other ranks run the same step, joining its collectives
@@ -213,14 +210,15 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
             raise
         sampling = [item.seq for item in batch if item.samples]
         if not sampling:
-            return [], [], []
+            return [], [], [], []
         with torch.inference_mode():
             return sample(logits, sampling, self.config.logprobs_mode, self.generator)
 
     def _record(self, batch: list[ScheduledSequence], tokens: list[int],
-                log_probs: list[float], kept: list[torch.Tensor | None]) -> None:
+                log_probs: list[float], kept: list[torch.Tensor | None],
+                log_masses: list[float | None]) -> None:
         self.counters["steps"] += 1
-        sampled = iter(zip(tokens, log_probs, kept))
+        sampled = iter(zip(tokens, log_probs, kept, log_masses))
         for item in batch:
             seq = item.seq
             end = item.start + item.num_new
@@ -229,10 +227,10 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
                 0, min(end, seq.num_tokens_at_admission) - item.start)
             if not item.samples:
                 continue
-            token, log_prob, kept_ids = next(sampled)
+            token, log_prob, kept_ids, log_mass = next(sampled)
             if seq.aborted or seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.append(token, log_prob, self.version, kept_ids)
+            seq.append(token, log_prob, self.version, kept_ids, log_mass)
             self.counters["generated_tokens"] += 1
             if self.first_token_time is None:  # the trainer's start-up report reads it
                 self.first_token_time = time.time()
@@ -262,6 +260,9 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
         extra: dict[str, Any] = {"global_steps": max(versions), "version_runs": runs}
         if min(versions) != max(versions):
             extra.update(min_global_steps=min(versions), max_global_steps=max(versions))
+        if seq.params.return_kept_sets:  # sums over the tokens: the kept mass per step's metric
+            extra.update(kept_tokens=seq.kept_tokens, kept_log_mass_sum=seq.kept_log_mass_sum,
+                         kept_mass_sum=seq.kept_mass_sum)
         log_probs = list(seq.log_probs) if seq.params.logprobs else None
         future.set_result(TokenOutput(token_ids=seq.generated_ids, log_probs=log_probs,
                                       stop_reason=seq.stop_reason, extra_fields=extra,

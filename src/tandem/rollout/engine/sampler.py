@@ -4,7 +4,8 @@ divided) take the argmax and the others sample by inverse CDF with one uniform p
 on CPU than a noise value per vocabulary entry), a seeded request from its own generator. The
 logprob is the sampled token's under the raw model distribution (logprobs_mode "raw") or the
 processed one ("processed"; greedy rows at temperature 1). A row whose request asks for
-return_kept_sets also gets the ids its token was drawn from (kept_ids)."""
+return_kept_sets also gets the ids its token was drawn from (kept_ids) and the log of their mass
+under the tempered full distribution (log S: what truncation takes off every logprob)."""
 
 from __future__ import annotations
 
@@ -67,9 +68,9 @@ def kept_ids(processed: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], logprobs_mode: str,
            generator: torch.Generator
-           ) -> tuple[list[int], list[float], list[torch.Tensor | None]]:
-    """logits [S, V] fp32 (one row per sequence) -> sampled token ids, their logprobs and the kept
-    ids of each row (kept_ids)."""
+           ) -> tuple[list[int], list[float], list[torch.Tensor | None], list[float | None]]:
+    """logits [S, V] fp32 (one row per sequence) -> sampled token ids, their logprobs, the kept
+    ids of each row (kept_ids) and their log mass (None where no kept set is recorded)."""
     device = logits.device
     raw_logprobs = logits.log_softmax(dim=-1) if logprobs_mode == "raw" else None
     params = [seq.params for seq in seqs]
@@ -85,7 +86,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], logprobs_mode: str,
         top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
                              device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+        full = logits.logsumexp(dim=-1)
         logits = _apply_top_k_top_p(logits, top_k, top_p)
+        log_mass = (logits.logsumexp(dim=-1) - full).tolist()
+    else:
+        log_mass = [0.0] * len(seqs)
     greedy = [p.greedy for p in params]
     if all(greedy):
         tokens = logits.argmax(dim=-1)
@@ -98,4 +103,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], logprobs_mode: str,
         token_logprobs = logits.log_softmax(dim=-1).gather(-1, chosen)
     else:
         token_logprobs = raw_logprobs.gather(-1, chosen)
-    return tokens.tolist(), token_logprobs[:, 0].tolist(), kept_ids(logits, seqs)
+    kept = kept_ids(logits, seqs)
+    masses = [None if ids is None else mass for ids, mass in zip(kept, log_mass)]
+    return tokens.tolist(), token_logprobs[:, 0].tolist(), kept, masses

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -38,6 +39,9 @@ class Sequence:
     log_probs: list[float] = field(default_factory=list)
     version_runs: list[list[int]] = field(default_factory=list)  # [[version, count]] per generated token
     kept_ids: list[torch.Tensor | None] = field(default_factory=list)  # per token, with return_kept_sets
+    kept_tokens: int = 0  # with return_kept_sets: tokens, and the sums of their kept sets
+    kept_log_mass_sum: float = 0.0  # log mass and mass under the tempered full distribution
+    kept_mass_sum: float = 0.0
     generator: torch.Generator | None = None  # per-request seed
     aborted: bool = False
     stop_reason: str | None = None
@@ -59,12 +63,16 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     def append(self, token_id: int, log_prob: float, version: int,
-               kept_ids: torch.Tensor | None = None) -> None:
-        """Record a sampled token (and its kept set) and decide whether the sequence stops here."""
+               kept_ids: torch.Tensor | None = None, log_mass: float | None = None) -> None:
+        """Record a sampled token (and its kept set with its log mass, None: nothing removed)
+        and decide whether the sequence stops here."""
         self.token_ids.append(token_id)
         self.log_probs.append(log_prob)
         if self.params.return_kept_sets:
             self.kept_ids.append(kept_ids)
+            self.kept_tokens += 1
+            self.kept_log_mass_sum += log_mass or 0.0
+            self.kept_mass_sum += math.exp(log_mass or 0.0)
         append_version_run(self.version_runs, version)
         if token_id in self.params.stop_token_ids or (
                 not self.params.ignore_eos and token_id in self.eos_token_ids):
