@@ -3,7 +3,8 @@ and SIGSTOPped mid-run are restarted, re-synced and rejoin while training goes o
 (rollout.fault_tolerance), past the budget the run fails naming the server; the pool grows from
 1 to 3 replicas and back (rollout.elastic.schedule), each new replica on the trainer's version
 before its first request. No trajectory is lost or trained twice, and the tokens the engines
-returned are exactly the trained ones. About 2 minutes; run by `make test-isolated` in a pytest
+returned are exactly the trained ones; a 30-step soak strikes at a seeded random schedule. About
+5 minutes; run by `make test-isolated` in a pytest
 process of its own, since the pool of three replicas needs the session cluster's 4 CPUs free of
 earlier tests' actors (after the default or slow suite it timed out waiting for them)."""
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 from collections import Counter
 
@@ -150,6 +152,63 @@ def test_killed_and_stalled_servers_come_back_on_the_trainers_version(tmp_path, 
     assert all(r["weight_version"] == r["step"] for r in records)
     with pytest.raises(ProcessLookupError):
         os.kill(stopped[0], 0)  # the stalled process was killed
+
+
+def test_a_30_step_run_survives_a_seeded_schedule_of_kills_and_stalls(tmp_path, ray_cluster):
+    """The soak: SIGKILLs and SIGSTOPs of random replicas at random steps (a seed fixes the
+    schedule), some in the middle of an update and some right after a sync. The run finishes,
+    each fault costs exactly one restart, every replica ends on the trainer's version with the
+    actor's greedy tokens, and no trajectory is lost or trained twice."""
+    rng = random.Random(37)
+    total, faults = 30, sorted(rng.sample(range(2, 29), 5))
+    plan = [(step, rng.choice(("kill", "stop")), rng.choice(("in_update", "after_sync")))
+            for step in faults]
+    config = tiny_config(tmp_path, *QUICK, *FAULTS, f"trainer.total_steps={total}",
+                         "rollout.nnodes=1", "rollout.n_gpus_per_node=2",
+                         f"rollout.fault_tolerance.max_restarts={len(plan)}")
+    run = Run(config)
+    stopped: list[int] = []
+
+    async def main():
+        await run.start()
+        fleet = run.trainer.fleet
+
+        def fault(kind: str, expected_restarts: int):
+            async def strike():
+                victim = rng.choice(sorted(fleet.rollout.replicas))
+                replica = fleet.rollout.replicas[victim]
+                if kind == "kill":
+                    ray_kill(replica.main_server)
+                else:
+                    stopped.append(replica.infos[0].pid)
+                    os.kill(stopped[-1], signal.SIGSTOP)
+                await until(lambda: fleet.health.restarts == expected_restarts
+                            and victim not in fleet.rollout.replicas)
+            return strike
+
+        for number, (step, kind, where) in enumerate(plan, start=1):
+            getattr(run, where)[step] = fault(kind, number)
+        try:
+            await fit_separate_async(run.trainer)
+            return run.trainer.step, await run.greedy_per_replica()
+        finally:
+            for pid in stopped:
+                _continue(pid)
+            await run.trainer.stop()
+
+    step, greedy = asyncio.run(main())
+    print("fault plan (step, fault, where):", plan)
+    assert step == total
+    assert len(greedy) == 2  # the pool kept its size through every restart
+    for version, tokens, actor in greedy.values():
+        assert version == total and tokens == actor
+    run.check_whole()
+    records = records_of(tmp_path)
+    assert records[-1]["fleet/restarts_total"] == len(plan)
+    assert all(r["weight_version"] == r["step"] for r in records)
+    for pid in stopped:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # every stalled process was killed, none left behind
 
 
 def test_past_max_restarts_the_run_fails_naming_the_server(tmp_path, ray_cluster):
