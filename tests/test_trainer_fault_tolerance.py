@@ -182,8 +182,10 @@ def test_a_30_step_run_survives_a_seeded_schedule_of_kills_and_stalls(tmp_path, 
                 else:
                     stopped.append(replica.infos[0].pid)
                     os.kill(stopped[-1], signal.SIGSTOP)
+                # restarts counts a restart when it begins: wait until the new one serves
                 await until(lambda: fleet.health.restarts == expected_restarts
-                            and victim not in fleet.rollout.replicas)
+                            and victim not in fleet.rollout.replicas
+                            and len(fleet.rollout.replicas) == 2)
             return strike
 
         for number, (step, kind, where) in enumerate(plan, start=1):
