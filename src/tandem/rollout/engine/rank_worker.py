@@ -4,7 +4,8 @@ and of the KV cache and run, in lockstep, whatever rank 0 broadcasts. On one hos
 them all; a replica spread over nodes meets at a `Rendezvous` on rank 0's node, where rank 0
 spawns the ranks of its node and each other node's server (serving/rank_host.py) spawns its own.
 
-Rank 0 sends every command to all workers over the replica's gloo group (`RankWorkers`, under
+Rank 0 sends every command to all workers over the replica's gloo group (`RankWorkers`, with
+rank_messages.py's broadcasts and replies, under
 the engine's step lock, so commands never interleave): a step's plan (they run the same forward,
 joining its all-reduces and the logits gather), sleep / wake, KV allocation, the two phases of
 a weight update or an adapter (stage: each rank gets only its slices, point to point, and checks
@@ -21,7 +22,6 @@ import ctypes
 import json
 import logging
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -41,6 +41,8 @@ from tandem.rollout.base import ReplicaFailedError
 from tandem.rollout.engine.lora_merge import LoraState, StagedAdapter, stage_adapter
 from tandem.rollout.engine.memory import held_bytes, release_weights, restore_weights
 from tandem.rollout.engine.model_runner import ModelRunner, StepPlan, torch_dtype
+from tandem.rollout.engine.rank_messages import (broadcast_command, receive_command,
+                                                 receive_reply, send_reply, wait_for)
 from tandem.rollout.engine.tensor_parallel import TensorParallel, make_groups, rank_devices
 from tandem.rollout.engine.slot_weights import flip, map_into, stage_from_slot
 from tandem.rollout.engine.weight_staging import (SlotStage, accepted_shapes, install_staged,
@@ -52,13 +54,8 @@ logger = logging.getLogger(__name__)
 # A collective of a step or a weight transfer waits at most this long for a peer (a dead peer
 # fails it at once: its sockets close); start-up (spawn, imports, loading) shares it.
 COLLECTIVE_TIMEOUT_S = 300.0
-# An idle worker waits this long for its next command (rank 0 may have nothing to do for
-# hours); rank 0's exit closes the sockets and ends the wait at once.
-IDLE_WAIT = timedelta(days=365)
 # How long a failing replica waits for a worker whose sockets closed to be reaped (to name it).
 EXIT_GRACE_S = 1.0
-# Most commands (a decode step's plan) fit in one broadcast of this many bytes.
-COMMAND_BYTES = 16 << 10
 SLICE_TAG = 2  # point-to-point tags: 0 and 1 carry replies, 2.. a weight update's slices
 WORKER_MAIN = ("import json, sys; from tandem.rollout.engine.rank_worker import run_worker; "
                "run_worker(*json.loads(sys.argv[1]))")
@@ -93,56 +90,6 @@ def spawn_workers(ranks: range, size: int, store_host: str, port: int, model_pat
         processes.append(subprocess.Popen(
             [sys.executable, "-c", WORKER_MAIN, json.dumps(arguments)], env=environment))
     return processes
-
-
-# ---- messages over the control group ------------------------------------------------------
-def broadcast_command(group: Any, command: tuple, timeout: timedelta | None = None) -> None:
-    """Rank 0: one pickled command to every rank, in one broadcast when it fits COMMAND_BYTES
-    (a send completes once every rank posted its receive: `timeout` bounds that wait)."""
-    payload = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
-    first = torch.zeros(COMMAND_BYTES, dtype=torch.uint8)
-    first[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
-    head = payload[:COMMAND_BYTES - 8]
-    first[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    group.broadcast(first, 0, timeout).wait()
-    if len(payload) > len(head):
-        rest = torch.frombuffer(bytearray(payload[len(head):]), dtype=torch.uint8)
-        group.broadcast(rest, 0, timeout).wait()
-
-
-def receive_command(group: Any) -> tuple:
-    """Ranks >= 1: the next command of rank 0 (waits as long as rank 0 lives)."""
-    first = torch.empty(COMMAND_BYTES, dtype=torch.uint8)
-    group.broadcast(first, 0, IDLE_WAIT).wait()
-    length = int(first[:8].view(torch.int64))
-    payload = first[8:8 + min(length, COMMAND_BYTES - 8)].numpy().tobytes()
-    if length > COMMAND_BYTES - 8:
-        rest = torch.empty(length - (COMMAND_BYTES - 8), dtype=torch.uint8)
-        group.broadcast(rest, 0).wait()
-        payload += rest.numpy().tobytes()
-    return pickle.loads(payload)
-
-
-def send_reply(group: Any, reply: Any) -> None:
-    payload = torch.frombuffer(bytearray(pickle.dumps(reply)), dtype=torch.uint8)
-    group.send([torch.tensor([payload.numel()], dtype=torch.int64)], 0, 0).wait()
-    group.send([payload], 0, 1).wait()
-
-
-def receive_reply(group: Any, rank: int, timeout: timedelta | None = None) -> Any:
-    """Rank 0: `rank`'s reply to the last command; each wait bounded by `timeout` if given."""
-    length = torch.empty(1, dtype=torch.int64)
-    _wait(group.recv([length], rank, 0), timeout)
-    payload = torch.empty(int(length), dtype=torch.uint8)
-    _wait(group.recv([payload], rank, 1), timeout)
-    return pickle.loads(payload.numpy().tobytes())
-
-
-def _wait(work: Any, timeout: timedelta | None) -> None:
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(timeout)
 
 
 # ---- ranks 1..TP-1 ------------------------------------------------------------------------
@@ -378,7 +325,7 @@ class RankWorkers:
                  for tag, tensor in enumerate(part.values(), start=SLICE_TAG)]
         for rank, work in works:
             try:
-                _wait(work, timeout)
+                wait_for(work, timeout)
             except Exception as error:
                 raise self.fail(error, [rank], timeout) from error
         errors = {rank: self._reply(rank, timeout) for rank in headers}
