@@ -39,10 +39,6 @@ def test_replica_count_divides_devices_by_footprint() -> None:
      r"rollout.data_parallel_size: is 2, but no rollout backend here runs data-parallel ranks .* "
      "set it to 1"),
     (["rollout.data_parallel_size=2"], "rollout.data_parallel_size: is 2"),
-    # a tensor-parallel native replica runs, but not yet what reads back its split weights
-    ([*SEPARATE, *NATIVE_TP2, "rollout.checkpoint_engine.backend=delta"],
-     r"rollout.checkpoint_engine.backend: is 'delta', but a tensor-parallel native engine "
-     r"\(rollout.tensor_model_parallel_size=2\) holds its weights split"),
     (["rollout.tensor_model_parallel_size=2"],
      r"rollout.tensor_model_parallel_size: is 2, but without rollout devices of their own"),
     ([*SEPARATE, *NATIVE_TP2, "rollout.pipeline_model_parallel_size=2"],
@@ -118,6 +114,10 @@ def test_what_is_accepted_is_a_layout_the_fleet_builds() -> None:
     slotted = load_config(overrides=[*SEPARATE, *NATIVE_TP2, "rollout.in_flight_kv=keep",
                                      "rollout.checkpoint_engine.engine_kwargs.double_buffer=true"])
     assert slotted.rollout.in_flight_kv == "keep"
+    # delta patches cut per rank (test_engine_tensor_parallel.py)
+    delta = load_config(overrides=[*SEPARATE, *NATIVE_TP2,
+                                   "rollout.checkpoint_engine.backend=delta"])
+    assert delta.rollout.checkpoint_engine.backend == "delta"
 
 
 def test_a_native_replica_wider_than_a_node_spans_whole_nodes() -> None:

@@ -25,7 +25,7 @@ from tandem.preflight import check_model_fit
 from tandem.rollout.engine import rank_worker
 from tandem.rollout.engine.tensor_parallel import ShardLayout, reshard
 from tandem.rollout.native import NativeRollout
-from tandem.types import GenerateRequest
+from tandem.types import GenerateRequest, WeightPatch
 
 GREEDY = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
 # qwen2: 4 query heads, 2 KV heads (one per rank), tied embeddings, q/k/v biases.
@@ -380,11 +380,63 @@ async def test_weight_slot_regions_are_each_ranks_slices(model_path):
         await rollout.shutdown()
 
 
-async def test_what_a_split_engine_does_not_do_yet_is_refused(qwen2_path):
-    rollout = make(qwen2_path, 2)
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-split", "kv-replicated"])
+def test_a_delta_patch_cut_per_rank_patches_each_slice_exactly(kv_heads):
+    """Every kind of region (rows, columns, vocabulary, replicated, a row-parallel bias held by
+    rank 0 only): each rank's part of a patch, applied to its slice, gives the slice of the
+    patched full weight."""
+    layout = ShardLayout(rank=0, size=2, num_heads=4, num_kv_heads=kv_heads, head_dim=16,
+                         intermediate_size=128, vocab_size=101)
+    shapes = {"model.layers.0.self_attn.q_proj.weight": (64, 64),
+              "model.layers.0.self_attn.k_proj.weight": (16 * kv_heads, 64),
+              "model.layers.0.self_attn.o_proj.weight": (64, 64),
+              "model.layers.0.self_attn.o_proj.bias": (64,),
+              "model.layers.0.mlp.down_proj.weight": (64, 128),
+              "model.embed_tokens.weight": (101, 64), "model.norm.weight": (64,)}
+    generator = torch.Generator().manual_seed(3)
+    for name, shape in shapes.items():
+        full = torch.randn(shape, generator=generator)
+        index = torch.randperm(full.numel(), generator=generator)[:full.numel() // 7]
+        patch = WeightPatch(index, torch.randn(index.shape, generator=generator))
+        patched = full.clone()
+        patch.apply_to(patched)
+        for each in layout.all_ranks():
+            part = each.patch_part(name, patch, torch.Size(shape))
+            local = each.slice(name, full).clone()
+            if part is None:
+                assert name.endswith("o_proj.bias") and each.rank == 1
+            else:
+                part.apply_to(local)
+            assert torch.equal(local, each.slice(name, patched)), (name, each.rank)
+
+
+async def test_the_split_weights_read_back_whole_from_the_loop_and_from_a_sync_thread(
+        model_path):
+    """current_weight assembles every rank's slice; current_values reads each position from
+    the rank holding it, also from another thread while requests generate (between steps)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    state = model.state_dict()
+    rollout = make(model_path, 2)
     try:
-        with pytest.raises(NotImplementedError, match="split over its ranks"):
-            rollout.current_weight("model.norm.weight")
+        for name in rollout.runner.full_shapes:
+            assert torch.equal(rollout.current_weight(name), state[name]), name
+        prompts = random_prompts(6, model.config.vocab_size, 4, 12, seed=4)
+        running = asyncio.ensure_future(run_all(rollout, prompts, {**GREEDY, "max_tokens": 40}))
+        generator = torch.Generator().manual_seed(5)
+
+        def read_all() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+            read = {}
+            for name in rollout.runner.full_shapes:
+                index = torch.randint(0, state[name].numel(), (50,), generator=generator)
+                read[name] = index, rollout.current_values(name, index)
+            return read
+
+        await asyncio.sleep(0.05)
+        read = await asyncio.to_thread(read_all)
+        outputs = await running
+        for name, (index, values) in read.items():
+            assert torch.equal(values, state[name].reshape(-1)[index]), name
+        assert all(len(output.token_ids) == 40 for output in outputs)
     finally:
         await rollout.shutdown()
 

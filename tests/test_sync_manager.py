@@ -130,16 +130,17 @@ def perturb(actor: HybridWorker, seed: int) -> None:
             parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
 
 
-async def make_servers(model_path, log: list[str], count: int = 2) -> ServerManager:
+async def make_servers(model_path, log: list[str], count: int = 2,
+                       rollout: RolloutConfig = ROLLOUT) -> ServerManager:
     """`count` STANDALONE-style replicas whose servers live in this process."""
     options = ServerOptions(model_path=str(model_path))
-    manager = ServerManager(ROLLOUT, options, ReplicaLayout.STANDALONE, LoadBalancer())
+    manager = ServerManager(rollout, options, ReplicaLayout.STANDALONE, LoadBalancer())
     for rank in range(count):
-        replica = RolloutReplica(rank, ROLLOUT, options)
+        replica = RolloutReplica(rank, rollout, options)
         replica.layout = ReplicaLayout.STANDALONE
         server = LoggingServer(replica.server_id, log)
         replica.servers = [server]
-        replica.infos = [await server.start(NativeRollout, model_path, ROLLOUT)]
+        replica.infos = [await server.start(NativeRollout, model_path, rollout)]
         await manager.add_replica(replica)
     return manager
 
@@ -337,19 +338,25 @@ async def test_the_in_process_sync_has_a_deadline_naming_the_worker():
                                      "sync/servers_behind"}
 
 
+@pytest.mark.parametrize("tp", [1, 2], ids=["one-rank", "tensor-parallel"])
 async def test_a_delta_sync_encodes_before_the_pause_and_patches_the_servers_in_place(
-        model_path, tmp_path):
-    servers = await make_servers(model_path, [])
+        model_path, tmp_path, tp):
+    """tensor-parallel: one TP=2 replica whose check reads rank 1's values and whose patches
+    are cut per rank (changes in both ranks' slices: vocabulary rows, q_proj rows, o_proj
+    columns); current_weight assembles every rank's slice."""
+    rollout = dataclasses.replace(ROLLOUT, tensor_model_parallel_size=tp)
+    servers = await make_servers(model_path, [], count=2 // tp, rollout=rollout)
     actor = make_actor(backend="delta", timeout_s=10.0, engine_kwargs=IN_PROCESS_DELTA)
     manager = cross_process(actor, servers)
     first = await manager.sync(version=1)  # nothing kept yet: every tensor dense
     embed = "model.embed_tokens.weight"
     served = [replica.servers[0].backend for replica in servers.replicas.values()]
     addresses = [backend.runner.named_parameters()[embed].data_ptr() for backend in served]
-    with torch.no_grad():  # a few elements of a dense weight and of a packed linear move
+    with torch.no_grad():  # a few elements of a dense weight and of packed linears move
         model = actor.actor.model
-        model.get_parameter(embed).view(-1)[[3, 500, 901]] += 0.25
-        model.get_parameter("model.layers.0.self_attn.q_proj.weight").view(-1)[[7, 8]] -= 0.5
+        model.get_parameter(embed).view(-1)[[3, 500, 901, -7]] += 0.25
+        model.get_parameter("model.layers.0.self_attn.q_proj.weight").view(-1)[[7, 8, -2]] -= 0.5
+        model.get_parameter("model.layers.1.self_attn.o_proj.weight")[[0, 5], -1] += 0.125
     report = await manager.sync(version=2)
     assert report.behind() == [] and report.left_out == {}
     assert report.timings["sync/encode_s"] > 0.0 and report.timings["sync/pause_s"] > 0.0

@@ -9,9 +9,8 @@ naming them gets this error, not an unknown-key one). A replica fits on one node
 rollout.nnodes is 0 or 1, except for a native replica wider than a node (TP a multiple of
 rollout.n_gpus_per_node): it spans TP / n_gpus_per_node nodes, one server per node, and nnodes
 is a multiple of that (serving/replica.py). A tensor-parallel native replica runs its ranks as
-processes (rollout/engine/rank_worker.py); what it does not do yet (delta
-syncs) is refused here. Whether the model's heads split over TP is the preflight's (it reads the
-model).
+processes (rollout/engine/rank_worker.py) and takes every sync backend. Whether the model's
+heads split over TP is the preflight's (it reads the model).
 """
 
 from __future__ import annotations
@@ -62,7 +61,6 @@ def fleet_problem(config: TandemConfig) -> str | None:
 
 def _parallelism_problem(config: TandemConfig) -> str | None:
     rollout = config.rollout
-    tp = rollout.tensor_model_parallel_size
     if rollout.pipeline_model_parallel_size != 1:
         return (f"rollout.pipeline_model_parallel_size: is {rollout.pipeline_model_parallel_size}; "
                 "pipeline parallelism is not supported by any rollout backend. Set it to 1.")
@@ -73,28 +71,9 @@ def _parallelism_problem(config: TandemConfig) -> str | None:
         return (f"rollout.data_parallel_size: is {rollout.data_parallel_size}, but no rollout "
                 "backend here runs data-parallel ranks inside one replica; set it to 1: the fleet "
                 "makes one replica per footprint, so more devices give more replicas")
-    if rollout.name == "native" and tp != 1:
-        problem = _native_tensor_parallel_problem(config)
-        if problem:
-            return problem
     if rollout.name in CUDA_ONLY_BACKENDS and not config.model.device.startswith("cuda"):
         return (f"rollout.name: the {rollout.name!r} backend runs on CUDA only, but model.device="
                 f"{config.model.device!r}; set model.device=cuda or rollout.name=native / vllm")
-    return None
-
-
-def _native_tensor_parallel_problem(config: TandemConfig) -> str | None:
-    """What a tensor-parallel native engine does not do yet: read its split weights back (delta
-    syncs). (Weight slots it has, one per rank's slices flipped together, and LoRA adapters.)"""
-    rollout = config.rollout
-    tp = rollout.tensor_model_parallel_size
-    ckpt = rollout.checkpoint_engine
-    where = (f"but a tensor-parallel native engine (rollout.tensor_model_parallel_size={tp}) "
-             "holds its weights split over its ranks and")
-    fix = "or set rollout.tensor_model_parallel_size=1"
-    if ckpt.backend == "delta":
-        return (f"rollout.checkpoint_engine.backend: is 'delta', {where} cannot read them back to "
-                f"patch them yet; use auto, shm or gloo, {fix}")
     return None
 
 

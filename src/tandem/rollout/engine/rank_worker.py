@@ -47,6 +47,7 @@ from tandem.rollout.engine.tensor_parallel import TensorParallel, make_groups, r
 from tandem.rollout.engine.slot_weights import flip, map_into, stage_from_slot
 from tandem.rollout.engine.weight_staging import (SlotStage, accepted_shapes, install_staged,
                                                   stage_weights)
+from tandem.types import WeightPatch
 from tandem.weight_layout import Chunk, map_file, view
 
 logger = logging.getLogger(__name__)
@@ -144,17 +145,20 @@ class RankWorker:
             self.runner.allocate_kv_cache(*self.kv_shape)
         return self.memory_bytes()
 
-    def stage(self, headers: dict[int, list[tuple[str, tuple, torch.dtype]]], version: int
-              ) -> str | None:
-        """Receive this rank's slices and check them like rank 0 does its own, one at a time
-        (a received slice is staged before the next arrives; an adapter's slices are merged into
-        this rank's base); returns the error or None."""
+    def stage(self, headers: dict[int, list[tuple[str, list[tuple[tuple, torch.dtype]]]]],
+              version: int) -> str | None:
+        """Receive this rank's slices (or a delta's patches of them: index and values) and check
+        them like rank 0 does its own, one at a time (a received slice is staged before the next
+        arrives; an adapter's slices are merged into this rank's base); returns the error or
+        None."""
         def received():
-            for tag, (name, shape, dtype) in enumerate(headers[self.group.rank()],
-                                                       start=SLICE_TAG):
-                tensor = torch.empty(shape, dtype=dtype)
-                self.group.recv([tensor], 0, tag).wait()
-                yield name, tensor
+            tag = SLICE_TAG
+            for name, parts in headers[self.group.rank()]:
+                tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in parts]
+                for tensor in tensors:
+                    self.group.recv([tensor], 0, tag).wait()
+                    tag += 1
+                yield name, tensors[0] if len(tensors) == 1 else WeightPatch(*tensors)
 
         stream = received()
         try:
@@ -208,6 +212,14 @@ class RankWorker:
             flip(self.runner, self.slot_stage, self.slot_views[self.slot_stage.index])
         self.slot_stage = None
         return self.memory_bytes()
+
+    def values(self, name: str, positions: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        """This rank's slice of `name` at its flat positions, if it was asked."""
+        local = positions.get(self.group.rank())
+        if local is None:
+            return None
+        return self.runner.dense_weight(name).reshape(-1).index_select(
+            0, local.to(self.runner.device)).cpu()
 
     def weights(self, names: list[str] | None) -> dict[str, torch.Tensor]:
         """Host copies of this rank's slices (all weights when `names` is None)."""
@@ -310,19 +322,23 @@ class RankWorkers:
     def wake_up(self, tags: list[str]) -> None:
         self._fan_out("wake_up", tags)
 
-    def stage(self, slices: list[dict[str, torch.Tensor]], version: int,
+    def stage(self, slices: list[dict[str, torch.Tensor | WeightPatch]], version: int,
               timeout_s: float | None = None) -> None:
-        """Phase one of an update: each worker gets its slices (`slices[rank - 1]`) and checks
+        """Phase one of an update: each worker gets its slices (`slices[rank - 1]`; a delta's
+        patches of them travel as index and values) and checks
         them. If any refuses, all discard (phase two with install=False) and this raises,
         naming the ranks: every rank stays on the old version. Every wait is bounded by
         `timeout_s` (a sync's deadline); a rank that misses it fails the replica, named."""
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        headers = {rank: [(name, tuple(t.shape), t.dtype) for name, t in part.items()]
-                   for rank, part in enumerate(slices, start=1)}
+        wire = [{name: _wire_parts(item) for name, item in part.items()} for part in slices]
+        headers = {rank: [(name, [(tuple(t.shape), t.dtype) for t in parts])
+                          for name, parts in part.items()]
+                   for rank, part in enumerate(wire, start=1)}
         self._command("stage", headers, version, timeout=timeout)
         works = [(rank, self.group.send([tensor], rank, tag))
-                 for rank, part in enumerate(slices, start=1)
-                 for tag, tensor in enumerate(part.values(), start=SLICE_TAG)]
+                 for rank, part in enumerate(wire, start=1)
+                 for tag, tensor in enumerate((t for parts in part.values() for t in parts),
+                                              start=SLICE_TAG)]
         for rank, work in works:
             try:
                 wait_for(work, timeout)
@@ -366,6 +382,11 @@ class RankWorkers:
         """Each worker's slices (for checks), ranks 1.. in order."""
         return self._fan_out("weights", names)
 
+    def values(self, name: str, positions: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
+        """Each worker's values of its slice of `name` at its flat `positions[rank]` (None for
+        a rank not asked), ranks 1.. in order (a delta sync's check)."""
+        return self._fan_out("values", name, positions)
+
     def stop(self, gracefully: bool = True, timeout_s: float = 30.0) -> None:
         """Tell every worker to exit and wait for it; one that does not, or every one when not
         `gracefully` (a failed start: a worker may be blocked sending its report), is killed."""
@@ -383,7 +404,7 @@ class RankWorkers:
                  ) -> list[Any]:
         self._command(verb, *arguments, timeout=timeout)
         replies = [self._reply(rank, timeout) for rank in range(1, self.size)]
-        if verb != "weights":
+        if verb not in ("weights", "values"):  # the others answer with their memory
             self.memory = replies
         return replies
 
@@ -419,6 +440,13 @@ class RankWorkers:
         self.failure = (f"tensor-parallel replica failed: {culprits} ({type(error).__name__}: "
                         f"{error}); the replica must be restarted")
         return ReplicaFailedError(self.failure)
+
+
+def _wire_parts(item: torch.Tensor | WeightPatch) -> list[torch.Tensor]:
+    """The tensors a slice travels as: itself, or a patch's index and values."""
+    if isinstance(item, WeightPatch):
+        return [item.index.contiguous(), item.values.contiguous()]
+    return [item]
 
 
 def _exit_codes(processes: list[subprocess.Popen], grace_s: float) -> dict[int, int]:

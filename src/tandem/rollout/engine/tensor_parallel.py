@@ -31,6 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.types import WeightPatch
+
 logger = logging.getLogger(__name__)
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -132,6 +134,35 @@ class ShardLayout:
         dim, indices = where
         return tensor[indices] if dim == 0 else tensor[:, indices]
 
+    def positions(self, name: str, index: torch.Tensor, shape: torch.Size
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Which flat positions `index` of the full weight `name` (of `shape`) this rank holds,
+        as (a mask over `index`, their flat positions in its slice); None where it holds zeros in
+        place of the weight (a row-parallel bias on ranks > 0)."""
+        where = self.region(name)
+        if where is None:
+            return torch.ones_like(index, dtype=torch.bool), index
+        if where == ZEROS:
+            return None
+        dim, indices = where
+        columns = math.prod(shape[1:])
+        row, column = index // columns, index % columns
+        if dim == 0:
+            mask = (row >= indices.start) & (row < indices.stop)
+            return mask, index[mask] - indices.start * columns
+        mask = (column >= indices.start) & (column < indices.stop)
+        width = indices.stop - indices.start
+        return mask, row[mask] * width + column[mask] - indices.start
+
+    def patch_part(self, name: str, patch: WeightPatch, shape: torch.Size) -> WeightPatch | None:
+        """This rank's part of a delta patch of the full weight `name`: the changes that fall in
+        its slice, at its flat positions (None: it holds zeros in place of the weight)."""
+        held = self.positions(name, patch.index, shape)
+        if held is None:
+            return None
+        mask, local = held
+        return WeightPatch(local, patch.values[mask])
+
     def adapter_slices(self, module: str, a: torch.Tensor, b: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (A, B) of a LoRA pair on linear `module`, A [r, in], B [out, r]: B's rows
@@ -162,12 +193,13 @@ def shard_model(model: nn.Module, layout: ShardLayout) -> dict[str, torch.Size]:
     return full_shapes
 
 
-def reshard(named_tensors: Iterable[tuple[str, torch.Tensor]], layouts: list[ShardLayout],
-            full_shapes: dict[str, torch.Size], alias: dict[str, str]
-            ) -> Iterator[tuple[str, list[torch.Tensor]]]:
+def reshard(named_tensors: Iterable[tuple[str, torch.Tensor | WeightPatch]],
+            layouts: list[ShardLayout], full_shapes: dict[str, torch.Size], alias: dict[str, str]
+            ) -> Iterator[tuple[str, list[torch.Tensor | WeightPatch | None]]]:
     """The resharding plan: every (HF name, full tensor) of a state-dict stream becomes
-    (engine name, [the slice of rank 0, rank 1, ...]), views where slicing allows. Names and full
-    shapes are checked here, before any rank sees the tensor; `alias` maps the names the engine
+    (engine name, [the slice of rank 0, rank 1, ...]), views where slicing allows; a delta's
+    WeightPatch of the full tensor becomes each rank's part (ShardLayout.patch_part; None for a
+    rank that holds zeros in its place). Names and full shapes are checked here, before any rank sees the tensor; `alias` maps the names the engine
     serves under another one (a tied lm_head -> the embedding)."""
     for name, tensor in named_tensors:
         key = alias.get(name, name)
@@ -175,10 +207,9 @@ def reshard(named_tensors: Iterable[tuple[str, torch.Tensor]], layouts: list[Sha
         if shape is None:
             raise ValueError(f"update_weights: unknown weight {name!r} (expected HF names such "
                              f"as {next(iter(full_shapes))!r})")
-        if not isinstance(tensor, torch.Tensor):
-            raise NotImplementedError(f"update_weights: {name!r} is a {type(tensor).__name__}; a "
-                                      "tensor-parallel engine takes full tensors only (delta "
-                                      "patches into its slices are not built yet)")
+        if isinstance(tensor, WeightPatch):  # a delta's changes: each rank's part, or None
+            yield key, [layout.patch_part(key, tensor, shape) for layout in layouts]
+            continue
         if tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the "
                              f"model expects {tuple(shape)}")

@@ -4,7 +4,8 @@ without touching the engine, then swapped in between two steps (committed).
 `WeightUpdates` is that part of AsyncEngine's API (the engine mixes it in): stage_weights,
 commit_weights (a full or partial stream, a delta's patches, a merged adapter, or a flip to a
 weight slot staged by slot_weights.py), update_weights (both at once) and the reads a delta sync
-checks against. A tensor-parallel engine stages each rank's slices (stage_shards): rank 0
+checks against (tensor parallel: gathered from the ranks between two steps). A tensor-parallel
+engine stages each rank's slices (stage_shards; a delta's patches cut per rank): rank 0
 checks its own at staging; the other ranks receive and check theirs at commit, and only when
 every rank has staged does any install (rank_worker.RankWorkers.stage). An adapter is cut the
 same way (stage_adapter_shards): each rank merges its slices of A and B into its own base slices.
@@ -12,9 +13,11 @@ same way (stage_adapter_shards): each rank merges its slices of A and B into its
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -22,7 +25,7 @@ from tandem.rollout.adapter_stream import is_adapter_name, peek_stream, read_ada
 from tandem.rollout.base import all_finite, check_coverage, checked_version
 from tandem.rollout.engine.lora_merge import (LoraState, StagedAdapter, adapter_tensors,
                                               merge_adapter, stage_adapter)
-from tandem.rollout.engine.tensor_parallel import reshard
+from tandem.rollout.engine.tensor_parallel import ZEROS, reshard
 from tandem.types import WeightPatch
 
 
@@ -111,7 +114,8 @@ def stage_shards(runner: Any, shapes: Mapping[str, torch.Size],
                  named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> ShardedStage:
     """Reshard a full stream (tensor_parallel.reshard) as it arrives: rank 0's slice of each
     tensor is staged (checked) like a whole one, the other ranks' slices are copied to host
-    tensors of the engine's dtype (a transport's buffers are reused) to be sent at commit."""
+    tensors of the engine's dtype (a transport's buffers are reused) to be sent at commit; a
+    delta's patch is cut into each rank's part the same way (its changes in that rank's slice)."""
     layouts = runner.tensor_parallel.layout.all_ranks()
     others: list[dict[str, torch.Tensor]] = [{} for _ in layouts[1:]]
     tied = weight_key("lm_head.weight", runner.full_shapes, runner.config)
@@ -120,9 +124,14 @@ def stage_shards(runner: Any, shapes: Mapping[str, torch.Size],
         for key, parts in reshard(named_tensors, layouts, runner.full_shapes,
                                   {"lm_head.weight": tied}):
             for held, part in zip(others, parts[1:]):
+                if isinstance(part, WeightPatch) or part is None:  # None: that rank holds zeros
+                    if part is not None:
+                        held[key] = part  # the index and values are the part's own
+                    continue
                 held[key] = (torch.empty(part.shape, dtype=runner.dtype).copy_(part)
                              if part.is_floating_point() else part.clone())
-            yield key, parts[0]
+            if parts[0] is not None:
+                yield key, parts[0]
 
     return ShardedStage(stage_weights(runner, shapes, rank_zero(), version), others)
 
@@ -273,30 +282,100 @@ class WeightUpdates:
         await self.commit_weights(self.stage_weights(named_tensors), version, partial)
 
     def current_weight(self, name: str) -> torch.Tensor:
-        """A host copy of the HF-named weight now served (packed linears unpacked), or of an
-        adapter tensor (lora_A / lora_B) as last received."""
+        """A host copy of the HF-named weight now served (packed linears unpacked; a tensor-
+        parallel engine's assembled from every rank's slice), or of an adapter tensor (lora_A /
+        lora_B) as last received."""
         if is_adapter_name(name):
             if name not in self.lora.adapter:
                 raise KeyError(f"current_weight: no adapter tensor {name!r} is served")
             return self.lora.adapter[name].clone()
-        self._refuse_split_reads()
         key = weight_key(name, self._accepted_shapes(), self.runner.config)
-        return self.runner.dense_weight(key).to("cpu", copy=True)
+        if self.ranks is None:
+            return self.runner.dense_weight(key).to("cpu", copy=True)
+        return self._between_steps(lambda: self._assembled(key))
 
     def current_values(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Host copies of the served weight `name` at flat positions `index` (a delta sync's
-        check: O(len(index)) for a dense weight; a packed linear is unpacked)."""
-        self._refuse_split_reads()
+        check: O(len(index)) for a dense weight; a packed linear is unpacked; a tensor-parallel
+        engine asks each rank for the positions in its slice)."""
         key = weight_key(name, self._accepted_shapes(), self.runner.config)
         if key in self.unfilled_weights:  # dropped by sleep: what it holds is no version
             raise RuntimeError(self._weights_missing_message())
-        flat = self.runner.dense_weight(key).reshape(-1)
-        return flat.index_select(0, index.to(self.device)).cpu()
+        if self.ranks is None:
+            flat = self.runner.dense_weight(key).reshape(-1)
+            return flat.index_select(0, index.to(self.device)).cpu()
+        return self._between_steps(lambda: self._gathered_values(key, index.to(torch.int64)))
 
-    def _refuse_split_reads(self) -> None:
-        if self.ranks is not None:
-            raise NotImplementedError("a tensor-parallel engine's weights are split over its "
-                                      "ranks; reading them back (a delta sync) is not built yet")
+    def _assembled(self, key: str) -> torch.Tensor:
+        """The full weight `key` from every rank's slice (ShardLayout.region)."""
+        slices = [{key: self.runner.dense_weight(key).cpu()}] + self.ranks.weights([key])
+        full = torch.empty(self.runner.full_shapes[key], dtype=self.runner.dtype)
+        for layout, held in zip(self.runner.tensor_parallel.layout.all_ranks(), slices):
+            where = layout.region(key)
+            if where is None:  # replicated (or rank 0's whole row-parallel bias)
+                return held[key].clone()
+            if where != ZEROS:
+                dim, indices = where
+                full.narrow(dim, indices.start, indices.stop - indices.start).copy_(held[key])
+        return full
+
+    def _gathered_values(self, key: str, index: torch.Tensor) -> torch.Tensor:
+        """The full weight `key` at flat positions `index`, each read from the first rank
+        whose slice holds it (ShardLayout.positions), in the order of `index`."""
+        shape = self.runner.full_shapes[key]
+        values = torch.empty(index.shape, dtype=self.runner.dtype)
+        filled = torch.zeros(index.shape, dtype=torch.bool)
+        asked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layout in self.runner.tensor_parallel.layout.all_ranks():
+            held = layout.positions(key, index, shape)
+            if held is None:
+                continue
+            mask, local = held
+            fresh = ~filled[mask]
+            take = torch.zeros_like(filled)
+            take[mask] = fresh
+            filled |= take
+            if layout.rank == 0:
+                flat = self.runner.dense_weight(key).reshape(-1)
+                values[take] = flat.index_select(0, local[fresh].to(self.device)).cpu()
+            else:
+                asked[layout.rank] = (take, local[fresh])
+        if asked:
+            replies = self.ranks.values(key, {rank: local for rank, (_, local) in asked.items()})
+            for rank, (take, _) in asked.items():
+                values[take] = replies[rank - 1]
+        return values
+
+    def _between_steps(self, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run `read`, which talks to the tensor-parallel ranks, while no step does: under the
+        step lock on the engine's loop when called from another thread (a sync's receiver),
+        directly when no loop runs or the caller is the loop itself between steps."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            return read()
+        try:
+            caller = asyncio.get_running_loop()
+        except RuntimeError:
+            caller = None
+        if caller is loop:
+            if self._lock.locked():
+                raise RuntimeError("reading a tensor-parallel engine's weights from its own "
+                                   "event loop while a step holds it; call it from another "
+                                   "thread or between steps")
+            return read()
+
+        async def locked() -> torch.Tensor:
+            async with self._lock:
+                return read()
+
+        future = asyncio.run_coroutine_threadsafe(locked(), loop)
+        try:
+            return future.result(self.config.checkpoint_engine.timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"reading the weights of a tensor-parallel engine: no step "
+                               f"boundary within {self.config.checkpoint_engine.timeout_s} s "
+                               "(rollout.checkpoint_engine.timeout_s)") from None
 
     def patches_in_place(self, name: str) -> bool:
         """Model weights (dense ones in place at commit, packed linears re-packed at staging);
