@@ -59,7 +59,8 @@ def test_seed_config_slice_fields_exist():
     (["rollout.mode=sync"], "rollout.mode", "rollout.mode=async"),
     (["rollout.pipeline_model_parallel_size=2"], "rollout.pipeline_model_parallel_size", "Set it to 1"),
     (["trainer.trainer_mode=async"], "trainer.trainer_mode", "separate_async"),
-    (["rollout.disaggregation.enabled=true"], "rollout.disaggregation.enabled", "not built"),
+    (["rollout.disaggregation.enabled=true"], "rollout.disaggregation.enabled",
+     "needs rollout devices of its own"),
     (["rollout.top_p=0"], "rollout.top_p", "(0, 1]"),
     (["rollout.temperature=-1"], "rollout.temperature", ">= 0"),
     (["rollout.top_k=0"], "rollout.top_k", "-1"),
@@ -75,10 +76,35 @@ def test_invalid_values_name_the_field_and_fix(overrides, field, words):
     assert field in str(error.value) and words in str(error.value)
 
 
-def test_disaggregation_is_refused_until_it_is_built():
-    base = ["rollout.name=vllm", "rollout.disaggregation.enabled=true"]
-    with pytest.raises(ConfigError, match="rollout.disaggregation.enabled: .* not built yet"):
-        load_config(overrides=base)
+PD = ["rollout.disaggregation.enabled=true", "rollout.nnodes=1", "rollout.n_gpus_per_node=2"]
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["rollout.name=vllm"], "rollout.disaggregation.enabled: prefill/decode disaggregation runs "
+     "on the native engine; rollout.name='vllm'"),
+    (["rollout.disaggregation.prefill_replicas=2"], "rollout.disaggregation.prefill_replicas: "
+     "is 2; a prefill/decode replica has one prefill engine"),
+    (["rollout.disaggregation.decode_tensor_parallel_size=2"],
+     "rollout.disaggregation.decode_tensor_parallel_size: is 2, but each engine"),
+    (["rollout.tensor_model_parallel_size=2"], "rollout.tensor_model_parallel_size: is 2, but a "
+     "prefill/decode replica sizes its engines"),
+    (["rollout.disaggregation.decode_replicas=2"], "rollout.n_gpus_per_node: a prefill/decode "
+     "replica of 3 devices (1 prefill + 2 decode) fits on one node"),
+    (["rollout.in_flight_kv=keep"], "has no weight slots yet"),
+])
+def test_a_prefill_decode_replica_is_refused_where_it_does_not_run(overrides, words):
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=[*PD, *overrides])
+    assert words in str(error.value)
+
+
+def test_a_prefill_decode_replica_occupies_the_seeds_footprint():
+    from tandem.config.footprint import replica_count, replica_world_size, rollout_devices
+
+    config = load_config(overrides=[*PD, "rollout.n_gpus_per_node=6",
+                                    "rollout.disaggregation.decode_replicas=2"])
+    assert replica_world_size(config.rollout) == 1 * 1 + 1 * 2
+    assert replica_count(rollout_devices(config), replica_world_size(config.rollout)) == 2
     with pytest.raises(ConfigError, match="pipeline_model_parallel_size"):
         load_config(overrides=["rollout.pipeline_model_parallel_size=2"])
 

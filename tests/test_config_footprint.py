@@ -33,8 +33,7 @@ def test_replica_count_divides_devices_by_footprint() -> None:
 
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.name=vllm", "rollout.disaggregation.enabled=true"],
-     r"rollout.disaggregation.enabled: prefill/decode disaggregation is not built yet .* set it "
-     "to false"),
+     r"rollout.disaggregation.enabled: prefill/decode disaggregation runs on the native engine"),
     (["rollout.name=vllm", "rollout.data_parallel_size=2"],
      r"rollout.data_parallel_size: is 2, but no rollout backend here runs data-parallel ranks .* "
      "set it to 1"),

@@ -3,9 +3,10 @@ layouts are built, checked at load time (docs/serving.md, "Footprint and replica
 
 With rollout devices of their own (rollout.nnodes x rollout.n_gpus_per_node > 0, any trainer mode)
 the rollout runs as STANDALONE replicas; without, inside the training workers (HYBRID; not for
-separate_async). world_size = TP: data-parallel ranks, pipeline parallelism and prefill/decode
-disaggregation are refused until a backend runs them (their fields stay in the schema so that
-naming them gets this error, not an unknown-key one). A replica fits on one node, so
+separate_async). world_size = TP, or for a prefill/decode replica (native, one node)
+TP_prefill x 1 + TP_decode x decode_replicas: data-parallel ranks and pipeline parallelism are
+refused until a backend runs them (their fields stay in the schema so that naming them gets
+this error, not an unknown-key one). A replica fits on one node, so
 rollout.nnodes is 0 or 1, except for a native replica wider than a node (TP a multiple of
 rollout.n_gpus_per_node): it spans TP / n_gpus_per_node nodes, one server per node, and nnodes
 is a multiple of that (serving/replica.py). A tensor-parallel native replica runs its ranks as
@@ -22,7 +23,12 @@ CUDA_ONLY_BACKENDS = ("sglang",)
 
 
 def replica_world_size(config: RolloutConfig) -> int:
-    """Devices one replica occupies (its tensor-parallel size)."""
+    """Devices one replica occupies: its tensor-parallel size, or for a prefill/decode replica
+    the seed's TP_prefill x N_prefill + TP_decode x N_decode."""
+    pd = config.disaggregation
+    if pd.enabled:
+        return (pd.prefill_tensor_parallel_size * pd.prefill_replicas
+                + pd.decode_tensor_parallel_size * pd.decode_replicas)
     return config.tensor_model_parallel_size
 
 
@@ -64,7 +70,7 @@ def _parallelism_problem(config: TandemConfig) -> str | None:
     if rollout.pipeline_model_parallel_size != 1:
         return (f"rollout.pipeline_model_parallel_size: is {rollout.pipeline_model_parallel_size}; "
                 "pipeline parallelism is not supported by any rollout backend. Set it to 1.")
-    problem = _disaggregation_problem(rollout)
+    problem = _disaggregation_problem(config)
     if problem:
         return problem
     if rollout.data_parallel_size != 1:
@@ -77,17 +83,52 @@ def _parallelism_problem(config: TandemConfig) -> str | None:
     return None
 
 
-def _disaggregation_problem(rollout: RolloutConfig) -> str | None:
-    disaggregation = rollout.disaggregation
-    if disaggregation.enabled:
-        return ("rollout.disaggregation.enabled: prefill/decode disaggregation is not built yet "
-                "(a plain engine would start and the reserved devices would idle); set it to false")
+def _disaggregation_problem(config: TandemConfig) -> str | None:
+    """A prefill/decode replica (rollout/disaggregated.py): the native engine, one prefill and
+    N decode engines of TP 1 on one node, standalone."""
+    rollout = config.rollout
+    pd = rollout.disaggregation
     sizes = ("prefill_tensor_parallel_size", "prefill_replicas", "decode_tensor_parallel_size",
              "decode_replicas")
-    for field in changed_fields(disaggregation, sizes):
-        return (f"rollout.disaggregation.{field}: is {getattr(disaggregation, field)}, but "
-                "rollout.disaggregation.enabled=false (prefill/decode disaggregation is not "
-                "built yet), so it sizes nothing; remove it (default 1)")
+    if not pd.enabled:
+        for field in changed_fields(pd, sizes):
+            return (f"rollout.disaggregation.{field}: is {getattr(pd, field)}, but "
+                    "rollout.disaggregation.enabled=false, so it sizes nothing; remove it "
+                    "(default 1) or enable prefill/decode disaggregation")
+        return None
+    if rollout.name != "native":
+        return (f"rollout.disaggregation.enabled: prefill/decode disaggregation runs on the "
+                f"native engine; rollout.name={rollout.name!r}'s needs its KV connector (NIXL or "
+                "Mooncake, CUDA) and is not wired yet. Set rollout.name=native or disable it")
+    if pd.prefill_replicas != 1:
+        return (f"rollout.disaggregation.prefill_replicas: is {pd.prefill_replicas}; a "
+                "prefill/decode replica has one prefill engine (as the seed's); set it to 1 and "
+                "scale with decode_replicas or more replicas")
+    for side in ("prefill", "decode"):
+        size = getattr(pd, f"{side}_tensor_parallel_size")
+        if size != 1:
+            return (f"rollout.disaggregation.{side}_tensor_parallel_size: is {size}, but each "
+                    "engine of a prefill/decode replica runs on one device for now; set it to 1")
+    if rollout.tensor_model_parallel_size != 1:
+        return (f"rollout.tensor_model_parallel_size: is {rollout.tensor_model_parallel_size}, "
+                "but a prefill/decode replica sizes its engines with rollout.disaggregation's "
+                "*_tensor_parallel_size; set it to 1")
+    if not rollout_devices(config):
+        return ("rollout.disaggregation.enabled: a prefill/decode replica needs rollout devices "
+                "of its own (one per engine), but rollout.nnodes x rollout.n_gpus_per_node = 0 "
+                "(the engines would live in a training worker); set rollout.nnodes=1 and "
+                "rollout.n_gpus_per_node to a multiple of its footprint")
+    ckpt = rollout.checkpoint_engine
+    if ckpt.engine_kwargs.get("double_buffer") or rollout.in_flight_kv == "keep":
+        return ("rollout.checkpoint_engine.engine_kwargs.double_buffer / rollout.in_flight_kv: "
+                "a prefill/decode replica has no weight slots yet; remove double_buffer and "
+                "set in_flight_kv=recompute")
+    world, per_node = replica_world_size(rollout), rollout.n_gpus_per_node
+    if world > per_node or per_node % world or rollout.nnodes != 1:
+        return (f"rollout.n_gpus_per_node: a prefill/decode replica of {world} devices "
+                f"(1 prefill + {pd.decode_replicas} decode) fits on one node, and the node's "
+                f"{per_node} devices must hold whole replicas; set rollout.nnodes=1 and "
+                f"rollout.n_gpus_per_node to a multiple of {world}")
     return None
 
 

@@ -33,7 +33,8 @@ class ValKwargs:
 
 @dataclass
 class DisaggregationConfig:
-    """Prefill/decode disaggregation (vllm and sglang only)."""
+    """Prefill/decode disaggregation: one prefill and decode_replicas decode engines per replica
+    (the native engine, each of TP 1, on one node; rollout/disaggregated.py)."""
 
     enabled: bool = False
     prefill_tensor_parallel_size: int = 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from typing import Any
 
 # name -> "module:attribute" of a BaseRollout subclass; imported only when asked for.
 _ROLLOUT_BACKENDS: dict[str, str] = {
@@ -34,6 +35,16 @@ def unavailable_reason(name: str) -> str | None:
             return (f"rollout backend {name!r} needs the {package!r} package, not installed: "
                     f"{remedy}")
     return None
+
+
+def rollout_class(config: Any) -> type:
+    """The class a replica of rollout `config` runs: its backend's, or the prefill/decode
+    replica of native engines when rollout.disaggregation.enabled."""
+    if config.disaggregation.enabled:
+        from tandem.rollout.disaggregated import DisaggregatedRollout
+
+        return DisaggregatedRollout
+    return get_rollout_class(config.name)
 
 
 def get_rollout_class(name: str) -> type:

@@ -19,7 +19,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from tandem.config.footprint import replica_nodes, replica_world_size
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.engine.rank_worker import Rendezvous
-from tandem.rollout.registry import get_rollout_class
+from tandem.rollout.registry import rollout_class
 from tandem.serving.rank_host import RankHostActor, RankHostInfo
 from tandem.serving.placement import device_bundle, in_bundle, reserve, wait_placed
 from tandem.serving.remote import NoAnswerError, call, is_actor
@@ -74,7 +74,7 @@ class RolloutReplica:
         self.config = config
         self.options = options
         self.world_size = replica_world_size(config)
-        self.backend_class = get_rollout_class(config.name)
+        self.backend_class = rollout_class(config)
         self.server_id = f"replica-{replica_rank}"
         self.layout: ReplicaLayout | None = None
         self.servers: list[Any] = []

@@ -5,9 +5,10 @@ event loop between steps and, within a long step, between decoder layers, so the
 calls. Steps run on the event loop's own thread, never in a helper thread (docs/engine.md, "One
 OpenMP team per process"). Control calls take the same lock as a step, so they never run in the
 middle of one: sleep/wake live in memory.py, weight updates in weight_staging.py, the
-double-buffered slots in slot_weights.py. With rollout.tensor_model_parallel_size > 1 this engine
-is rank 0 of a tensor-parallel replica: it schedules and samples once and sends each step's plan
-to the worker ranks (rank_worker.py), which run the same forward on their slices in lockstep.
+double-buffered slots in slot_weights.py, prefill/decode handoffs in kv_handoff.py. With
+rollout.tensor_model_parallel_size > 1 this engine is rank 0 of a tensor-parallel replica: it
+schedules and samples once and sends each step's plan to the worker ranks (rank_worker.py),
+which run the same forward on their slices in lockstep.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from tandem.config.choices import ADMISSION, IN_FLIGHT_KV, LOGPROBS_MODES
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.base import BaseRollout, ReplicaFailedError
 from tandem.rollout.engine.block_manager import BlockManager
+from tandem.rollout.engine.kv_handoff import KVHandoff
 from tandem.rollout.engine.lora_merge import LoraState
 from tandem.rollout.engine.memory import MemoryControl, plan_num_blocks
 from tandem.rollout.engine.model_runner import ModelRunner, torch_dtype
 from tandem.rollout.engine.rank_worker import RankWorkers, Rendezvous
 from tandem.rollout.engine.sampler import sample
 from tandem.rollout.engine.scheduler import ScheduledSequence, Scheduler
-from tandem.rollout.engine.sequence import Sequence, SequenceStatus
+from tandem.rollout.engine.sequence import PREFILLED, Sequence, SequenceStatus
 from tandem.rollout.engine.slot_weights import SlotServing
 from tandem.rollout.engine.weight_staging import WeightUpdates
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 YIELD_EVERY_S = 0.02
 
 
-class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
+class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, KVHandoff, BaseRollout):
     """The native engine; `rollout/native.py`'s NativeRollout adds create() and capabilities."""
 
     def __init__(self, model_path: str | Path, config: RolloutConfig, dtype: str = "float32",
@@ -79,6 +81,7 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
         self.max_model_len = self.runner.max_model_len
         self.version = 0
         self.requests: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}  # prefilled sequences whose blocks a handoff reads
         self.aborted: set[str] = set()  # request ids to finish at the next step boundary
         self.closed = False
         self.kv_released = False
@@ -87,7 +90,7 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
         self.weight_shapes: dict[str, torch.Size] = {}
         self.lora = LoraState()  # the adapter merged into the served weights, if any
         self.counters = {"steps": 0, "prompt_tokens_computed": 0, "generated_tokens": 0,
-                         "failed_steps": 0}
+                         "failed_steps": 0, "handoff_blocks": 0, "handoffs_recomputed": 0}
         self.first_token_time: float | None = None  # time.time() of the first sampled token
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -247,13 +250,19 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
         self.aborted.clear()
 
     def _finish(self, seq: Sequence, error: BaseException | None = None) -> None:
-        self.scheduler.finish(seq)
+        hold = error is None and seq.stop_reason == PREFILLED  # its blocks await a handoff
+        self.scheduler.finish(seq, hold=hold)
+        if hold:
+            self.held[seq.request_id] = seq
         self.requests.pop(seq.request_id, None)
         future = seq.future
         if future is None or future.done():
             return
         if error is not None:
             future.set_exception(error)
+            return
+        if hold:  # prefill() reads the held sequence itself
+            future.set_result(None)
             return
         runs = [list(run) for run in seq.version_runs]
         versions = [version for version, _ in runs] or [self.version]
@@ -264,9 +273,19 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
             extra.update(kept_tokens=seq.kept_tokens, kept_log_mass_sum=seq.kept_log_mass_sum,
                          kept_mass_sum=seq.kept_mass_sum)
         log_probs = list(seq.log_probs) if seq.params.logprobs else None
-        future.set_result(TokenOutput(token_ids=seq.generated_ids, log_probs=log_probs,
-                                      stop_reason=seq.stop_reason, extra_fields=extra,
-                                      kept_sets=seq.kept_sets()))
+        try:
+            output = TokenOutput(token_ids=seq.generated_ids, log_probs=log_probs,
+                                 stop_reason=seq.stop_reason, extra_fields=extra,
+                                 kept_sets=seq.kept_sets())
+        except Exception as failure:  # the caller gets the error, never waits forever
+            future.set_exception(failure)
+            return
+        future.set_result(output)
+
+    def _reset_blocks(self, num_blocks: int) -> None:
+        """Forget every block, the ones held for KV handoffs included."""
+        self.blocks.reset(num_blocks)
+        self.held.clear()
 
     def _fail_everything(self, error: BaseException) -> None:
         failure = RuntimeError(f"native engine failed: {type(error).__name__}: {error}")
@@ -274,11 +293,17 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
             self._finish(seq, error=failure)
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
-        self.blocks.reset(self.blocks.num_blocks)
+        self._reset_blocks(self.blocks.num_blocks)
 
     # ---- requests -------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> TokenOutput:
         """Queue one request and await its result (stop, budget, or abort with partial tokens)."""
+        seq = self._new_sequence(request)
+        self.scheduler.add(seq)
+        return await self._result(seq)
+
+    def _new_sequence(self, request: GenerateRequest) -> Sequence:
+        """The checked request as a sequence registered under its id, not yet scheduled."""
         if self.closed:
             raise RuntimeError("the native engine is shut down")
         self.raise_if_failed()
@@ -301,7 +326,10 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, BaseRollout):
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        return seq
+
+    async def _result(self, seq: Sequence) -> TokenOutput:
+        """Await a registered sequence's output; a caller that goes away aborts it."""
         self._work.set()
         try:
             return await asyncio.shield(seq.future)

@@ -48,7 +48,7 @@ class MemoryControl:
             if "kv_cache" in tags and not self.kv_released:
                 self.scheduler.preempt_all()  # unfinished requests recompute after wake_up
                 self.runner.free_kv_cache()
-                self.blocks.reset(0)
+                self._reset_blocks(0)
                 self.kv_released = True
             if "weights" in tags and self.weights_state == "loaded":
                 self.scheduler.preempt_all()
@@ -65,7 +65,7 @@ class MemoryControl:
                 self._restore_weights()
             if "kv_cache" in tags and self.kv_released:
                 self.runner.allocate_kv_cache(self.num_blocks, self.block_size)
-                self.blocks.reset(self.num_blocks)
+                self._reset_blocks(self.num_blocks)
                 self.kv_released = False
             if self.ranks is not None:
                 self.ranks.wake_up(tags)

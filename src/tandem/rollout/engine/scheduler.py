@@ -192,13 +192,15 @@ class Scheduler:
             self.preempt(seq)
         self.running = []
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove seq from the queues and free its blocks."""
+    def finish(self, seq: Sequence, hold: bool = False) -> None:
+        """Remove seq from the queues and free its blocks (`hold`: keep them, for a KV handoff;
+        the holder releases them)."""
         if seq.status is SequenceStatus.RUNNING:
             if self.admission is not None and seq.stop_reason in ("completed", "length"):
                 self.admission.finished(seq.num_tokens, self._full_length(seq))
             self.running.remove(seq)
-            self.block_manager.release(seq)
+            if not hold:
+                self.block_manager.release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED

@@ -12,6 +12,9 @@ import torch
 from tandem.types import KeptSets, SamplingParams, append_version_run
 
 
+PREFILLED = "prefilled"  # stop reason of a prefill-only sequence after its first token (kv_handoff.py)
+
+
 class SequenceStatus(Enum):
     WAITING = "waiting"  # no KV blocks (new, or preempted for recompute)
     RUNNING = "running"  # holds KV blocks; scheduled every step until it finishes
@@ -43,6 +46,7 @@ class Sequence:
     kept_log_mass_sum: float = 0.0  # log mass and mass under the tempered full distribution
     kept_mass_sum: float = 0.0
     generator: torch.Generator | None = None  # per-request seed
+    prefill_only: bool = False  # stop after the first token, its blocks held (kv_handoff.py)
     aborted: bool = False
     stop_reason: str | None = None
     error: BaseException | None = None
@@ -80,6 +84,8 @@ class Sequence:
         elif (self.num_generated >= self.params.max_tokens
               or self.num_tokens >= self.max_total_tokens):
             self.stop_reason = "length"
+        elif self.prefill_only:
+            self.stop_reason = PREFILLED
 
     def kept_sets(self) -> KeptSets | None:
         """The kept set of every generated token, when the request asked for them."""

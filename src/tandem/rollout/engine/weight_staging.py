@@ -257,6 +257,8 @@ class WeightUpdates:
             if not (slot and self.config.in_flight_kv == "keep"):
                 self.scheduler.preempt_all()
             self.blocks.clear_prefix_cache()
+            for request_id in list(self.held):  # KV of the old weights no decode may take
+                self.release_prefilled(request_id)
             if slot:
                 replaced = self._flip_to_slot(staged)
                 if self.ranks is not None:  # before the next step: every rank on one version

@@ -1,0 +1,185 @@
+"""A prefill/decode replica (rollout/disaggregated.py: one prefill and two decode native engines,
+KV blocks handed over by engine/kv_handoff.py) against a plain engine on a tiny fp32 model:
+greedy tokens and log-probs on 32 prompts of two-turn sessions (the second turn's prompt holds
+the first turn's answer and a tool's tokens), only a turn's new blocks moved, a sync between
+prefill and decode, an abort mid-decode, a failed transfer, and no block left held."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from float_bounds import assert_within, token_logprob_bounds
+from tandem.config.schema import DisaggregationConfig, RolloutConfig
+from tandem.models import build_tiny_model
+from tandem.rollout.disaggregated import DisaggregatedRollout
+from tandem.rollout.native import NativeRollout
+from tandem.types import GenerateRequest
+
+BLOCK = 4
+PLAIN = RolloutConfig(kv_cache_memory_bytes=8 << 20, block_size=BLOCK)
+PD = dataclasses.replace(PLAIN, disaggregation=DisaggregationConfig(enabled=True,
+                                                                     decode_replicas=2))
+GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True, "logprobs": True}
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return build_tiny_model()
+
+
+def sessions(count: int, vocab: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(first prompt, the tool's tokens appended after the first answer) per session."""
+    rng = random.Random(seed)
+    return [([rng.randrange(10, vocab) for _ in range(rng.randint(3, 30))],
+             [rng.randrange(10, vocab) for _ in range(rng.randint(1, 9))]) for _ in range(count)]
+
+
+async def run_sessions(engine, plan, prefix: str) -> list:
+    """Both turns of every session, one request at a time; the second turn's prompt is the first
+    prompt + its answer + the tool's tokens (the same request id: one session)."""
+    outputs = []
+    for index, (prompt, tool) in enumerate(plan):
+        first = await engine.generate(GenerateRequest(f"{prefix}{index}", prompt, GREEDY))
+        second_prompt = prompt + first.token_ids + tool
+        second = await engine.generate(GenerateRequest(f"{prefix}{index}", second_prompt, GREEDY))
+        outputs += [(prompt, first), (second_prompt, second)]
+    return outputs
+
+
+def assert_nothing_held(pd: DisaggregatedRollout) -> None:
+    for engine in pd.engines:
+        assert engine.held == {} and engine.requests == {}
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+async def test_a_pd_replica_equals_a_plain_engine_on_32_prompts_of_two_turn_sessions(
+        model_path):
+    """One at a time, a first turn's tokens and log-probs are bit-equal (the same shapes on
+    both); a second turn's prompt is partly read from the prefix caches, in other chunks
+    on each side, so its log-probs agree within the float32 bound of the exact ones. All 32
+    at once: greedy tokens equal."""
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    plan = sessions(16, hf.config.vocab_size, seed=3)
+    plain = NativeRollout.create(model_path, PLAIN)
+    pd = DisaggregatedRollout.create(model_path, PD)
+    try:
+        expected = await run_sessions(plain, plan, "s")
+        got = await run_sessions(pd, plan, "s")
+        assert len(got) == 32
+        for turn, ((prompt, want), (_, have)) in enumerate(zip(expected, got)):
+            assert have.token_ids == want.token_ids, turn
+            assert have.extra_fields["version_runs"] == [[0, 12]]
+            if turn % 2 == 0:
+                assert have.log_probs == want.log_probs, turn
+            else:
+                exact, bound = token_logprob_bounds(hf, prompt, have.token_ids)
+                assert_within(torch.tensor(have.log_probs), exact, bound, "PD vs exact")
+                assert_within(torch.tensor(want.log_probs), exact, bound, "plain vs exact")
+        stats = pd.stats()
+        assert stats["handoffs_recomputed"] == 0 and stats["kv_transfer_blocks"] > 0
+        # both decode engines took sessions; each session stayed on one
+        assert all(engine.counters["handoff_blocks"] > 0 for engine in pd.decode_engines)
+        assert_nothing_held(pd)
+        prompts = [prompt for prompt, _ in expected]
+        at_once = await asyncio.gather(*(pd.generate(GenerateRequest(f"b{i}", p, GREEDY))
+                                         for i, p in enumerate(prompts)))
+        assert [o.token_ids for o in at_once] == [o.token_ids for _, o in expected]
+        assert_nothing_held(pd)
+    finally:
+        await plain.shutdown()
+        await pd.shutdown()
+
+
+async def test_a_second_turn_moves_only_its_new_blocks(model_path):
+    """The decode engine's prefix cache holds the first turn (prompt and answer), the prefill
+    engine's the first prompt: the second turn computes and moves only what they lack."""
+    pd = DisaggregatedRollout.create(model_path, PD)
+    prefill = pd.prefill_engine
+    try:
+        prompt, tool = list(range(10, 27)), [40, 41, 42, 43, 44]  # 17 prompt tokens
+        first = await pd.generate(GenerateRequest("session", prompt, GREEDY))
+        decode = next(e for e in pd.decode_engines if e.counters["handoff_blocks"])
+        assert decode.counters["handoff_blocks"] == -(-17 // BLOCK)  # all 5 blocks, cold
+        second_prompt = prompt + first.token_ids + tool  # 34 tokens
+        computed = prefill.counters["prompt_tokens_computed"]
+        moved = decode.counters["handoff_blocks"]
+        await pd.generate(GenerateRequest("session", second_prompt, GREEDY))
+        # prefill: its cache has the first prompt's 4 full blocks (16 tokens)
+        assert prefill.counters["prompt_tokens_computed"] - computed == 34 - 16
+        # decode: its cache has the 7 full blocks of turn one's 28 computed tokens (17 + 11:
+        # the last answer token's KV is never computed); 9 blocks cover 34 tokens: 2 move
+        assert decode.counters["handoff_blocks"] - moved == -(-34 // BLOCK) - (17 + 11) // BLOCK
+        assert_nothing_held(pd)
+    finally:
+        await pd.shutdown()
+
+
+async def test_a_sync_between_prefill_and_decode_recomputes_with_the_new_weights(
+        model_path, tmp_path):
+    """KV computed with version 0 is never decoded with version 1 (invariant 3): the decode
+    engine recomputes the prompt; the first token keeps its version, the rest are the new
+    weights' continuation."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape,
+                                               generator=torch.Generator().manual_seed(1)))
+    model.save_pretrained(tmp_path)
+    pd = DisaggregatedRollout.create(model_path, PD)
+    fresh = NativeRollout.create(tmp_path, PLAIN)
+    try:
+        request = GenerateRequest("r", list(range(10, 23)), GREEDY)
+        prefilled = await pd.prefill_engine.prefill(request)
+        await pd.update_weights(model.state_dict().items(), version=1)
+        assert [engine.weight_version for engine in pd.engines] == [1, 1, 1]
+        assert pd.prefill_engine.held == {}  # the sync's preemption keeps nothing of version 0
+        output = await pd.decode_engines[0].generate_prefilled(request, prefilled,
+                                                               pd.prefill_engine, pd.transfer)
+        assert pd.decode_engines[0].counters["handoffs_recomputed"] == 1
+        assert output.extra_fields["version_runs"] == [[0, 1], [1, 11]]
+        assert output.token_ids[0] == prefilled.token
+        tail = await fresh.generate(GenerateRequest("t", request.prompt_ids + [prefilled.token],
+                                                    {**GREEDY, "max_tokens": 11}))
+        assert output.token_ids[1:] == tail.token_ids
+        assert_nothing_held(pd)
+    finally:
+        await pd.shutdown()
+        await fresh.shutdown()
+
+
+async def test_an_abort_mid_decode_and_a_failed_transfer_lose_nothing(model_path):
+    pd = DisaggregatedRollout.create(model_path, PD)
+    plain = NativeRollout.create(model_path, PLAIN)
+    try:
+        long = {**GREEDY, "max_tokens": 400}
+        running = asyncio.ensure_future(pd.generate(GenerateRequest("long", [5, 6, 7], long)))
+        while not any(engine.requests.get("long") for engine in pd.decode_engines):
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        await pd.abort("long")
+        aborted = await running
+        assert aborted.stop_reason == "aborted" and 1 <= len(aborted.token_ids) < 400
+        assert len(aborted.log_probs) == len(aborted.token_ids)
+        assert_nothing_held(pd)
+
+        class Broken:
+            blocks_moved = bytes_moved = 0
+
+            def copy(self, *args):
+                raise OSError("link down")
+
+        pd.transfer = Broken()  # the request's transfer fails: the decode side recomputes
+        request = GenerateRequest("again", list(range(30, 45)), GREEDY)
+        output = await pd.generate(request)
+        assert output.token_ids == (await plain.generate(request)).token_ids
+        assert sum(e.counters["handoffs_recomputed"] for e in pd.decode_engines) == 1
+        assert_nothing_held(pd)
+    finally:
+        await pd.shutdown()
+        await plain.shutdown()
