@@ -81,13 +81,14 @@ PD = ["rollout.disaggregation.enabled=true", "rollout.nnodes=1", "rollout.n_gpus
 
 @pytest.mark.parametrize("overrides, words", [
     (["rollout.name=vllm"], "rollout.disaggregation.enabled: prefill/decode disaggregation runs "
-     "on the native engine; rollout.name='vllm'"),
+     "on the native engine; the vllm backend's"),
     (["rollout.disaggregation.prefill_replicas=2"], "rollout.disaggregation.prefill_replicas: "
      "is 2; a prefill/decode replica has one prefill engine"),
     (["rollout.disaggregation.decode_tensor_parallel_size=2"],
      "rollout.disaggregation.decode_tensor_parallel_size: is 2, but each engine"),
-    (["rollout.tensor_model_parallel_size=2"], "rollout.tensor_model_parallel_size: is 2, but a "
-     "prefill/decode replica sizes its engines"),
+    (["rollout.tensor_model_parallel_size=2"], "rollout.tensor_model_parallel_size / "
+     "data_parallel_size: are 2 / 1, but a prefill/decode replica sizes its engines"),
+    (["rollout.data_parallel_size=2"], "are 1 / 2, but a prefill/decode replica"),
     (["rollout.disaggregation.decode_replicas=2"], "rollout.n_gpus_per_node: a prefill/decode "
      "replica of 3 devices (1 prefill + 2 decode) fits on one node"),
     (["rollout.in_flight_kv=keep"], "has no weight slots yet"),

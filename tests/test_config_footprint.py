@@ -19,7 +19,7 @@ NATIVE_TP2 = ["rollout.tensor_model_parallel_size=2", "rollout.nnodes=1",
               "rollout.n_gpus_per_node=2"]
 
 
-def test_world_size_is_the_tensor_parallel_size() -> None:
+def test_world_size_is_tensor_times_data_parallel() -> None:
     assert replica_world_size(RolloutConfig(name="vllm")) == 1
     assert replica_world_size(RolloutConfig(name="vllm", tensor_model_parallel_size=2)) == 2
 
@@ -35,9 +35,15 @@ def test_replica_count_divides_devices_by_footprint() -> None:
     (["rollout.name=vllm", "rollout.disaggregation.enabled=true"],
      r"rollout.disaggregation.enabled: prefill/decode disaggregation runs on the native engine"),
     (["rollout.name=vllm", "rollout.data_parallel_size=2"],
-     r"rollout.data_parallel_size: is 2, but no rollout backend here runs data-parallel ranks .* "
-     "set it to 1"),
-    (["rollout.data_parallel_size=2"], "rollout.data_parallel_size: is 2"),
+     r"rollout.data_parallel_size: is 2, but data-parallel engine groups inside a replica run "
+     r"on the native engine; the vllm backend's own .* Set it to 1"),
+    (["rollout.data_parallel_size=2"],
+     r"rollout.data_parallel_size: is 2, but a data-parallel replica needs rollout devices"),
+    ([*SEPARATE, *NATIVE_TP2, "rollout.data_parallel_size=2"],
+     r"rollout.data_parallel_size: a replica of 2 engine groups x 2 ranks = 4 devices fits on "
+     r"one node, and the node's 2 devices"),
+    ([*SEPARATE, *NATIVE_TP2, "rollout.n_gpus_per_node=4", "rollout.data_parallel_size=2",
+      "rollout.in_flight_kv=keep"], "a data-parallel replica has no weight slots yet"),
     (["rollout.tensor_model_parallel_size=2"],
      r"rollout.tensor_model_parallel_size: is 2, but without rollout devices of their own"),
     ([*SEPARATE, *NATIVE_TP2, "rollout.pipeline_model_parallel_size=2"],
@@ -113,6 +119,11 @@ def test_what_is_accepted_is_a_layout_the_fleet_builds() -> None:
     slotted = load_config(overrides=[*SEPARATE, *NATIVE_TP2, "rollout.in_flight_kv=keep",
                                      "rollout.checkpoint_engine.engine_kwargs.double_buffer=true"])
     assert slotted.rollout.in_flight_kv == "keep"
+    # the seed's world_size: TP x DP devices a replica (rollout/data_parallel.py)
+    wide = load_config(overrides=[*SEPARATE, *NATIVE_TP2, "rollout.n_gpus_per_node=8",
+                                  "rollout.data_parallel_size=2"])
+    assert replica_world_size(wide.rollout) == 4
+    assert replica_count(rollout_devices(wide), replica_world_size(wide.rollout)) == 2
     # delta patches cut per rank (test_engine_tensor_parallel.py)
     delta = load_config(overrides=[*SEPARATE, *NATIVE_TP2,
                                    "rollout.checkpoint_engine.backend=delta"])

@@ -3,8 +3,9 @@ and SIGSTOPped mid-run are restarted, re-synced and rejoin while training goes o
 (rollout.fault_tolerance), past the budget the run fails naming the server; the pool grows from
 1 to 3 replicas and back (rollout.elastic.schedule), each new replica on the trainer's version
 before its first request. No trajectory is lost or trained twice, and the tokens the engines
-returned are exactly the trained ones; a 30-step soak strikes at a seeded random schedule. About
-5 minutes; run by `make test-isolated` in a pytest
+returned are exactly the trained ones; a 30-step soak strikes at a seeded random schedule, and a
+soak of hundreds of multi-turn sessions does so in separate_async and colocate_async alike. About
+8 minutes; run by `make test-isolated` in a pytest
 process of its own, since the pool of three replicas needs the session cluster's 4 CPUs free of
 earlier tests' actors (after the default or slow suite it timed out waiting for them)."""
 
@@ -241,7 +242,7 @@ def test_a_soak_of_hundreds_of_multi_turn_sessions_survives_kills_and_stalls(
 
     train, _ = make_datasets(tmp_path / "data", 256, 8, seed=3)
     total, staleness = 10, 2
-    rng = random.Random(42)
+    rng = random.Random(40)  # kills and a stall, after a sync and inside an update
     plan = [(step, rng.choice(("kill", "stop")), rng.choice(("in_update", "after_sync")))
             for step in sorted(rng.sample(range(4, total), 3))]
     config = load_config(overrides=[
@@ -303,7 +304,7 @@ def test_a_soak_of_hundreds_of_multi_turn_sessions_survives_kills_and_stalls(
     assert len(run.batches) == total
     sessions = [entry for batch in run.batches for entry in batch]
     assert len(sessions) == total * 128
-    assert all(stop in ("completed", "length") for _, _, _, stop, _ in sessions)
+    assert all(stop != "aborted" for _, _, _, stop, _ in sessions)  # each one whole
     assert sum(turns > 2 for *_, turns in sessions) > len(sessions) // 4  # a tool call, then more
     for index, batch in enumerate(run.batches):  # update `index + 1` trains on version index
         assert all(index - oldest <= staleness for _, _, oldest, _, _ in batch), index

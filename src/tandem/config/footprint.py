@@ -3,10 +3,10 @@ layouts are built, checked at load time (docs/serving.md, "Footprint and replica
 
 With rollout devices of their own (rollout.nnodes x rollout.n_gpus_per_node > 0, any trainer mode)
 the rollout runs as STANDALONE replicas; without, inside the training workers (HYBRID; not for
-separate_async). world_size = TP, or for a prefill/decode replica (native, one node)
-TP_prefill x 1 + TP_decode x decode_replicas: data-parallel ranks and pipeline parallelism are
-refused until a backend runs them (their fields stay in the schema so that naming them gets
-this error, not an unknown-key one). A replica fits on one node, so
+separate_async). world_size = TP x DP (data-parallel engine groups: native, one node), or for a
+prefill/decode replica (native, one node) TP_prefill x 1 + TP_decode x decode_replicas; pipeline
+parallelism is refused until a backend runs it (its field stays in the schema so that naming it
+gets this error, not an unknown-key one). A replica fits on one node, so
 rollout.nnodes is 0 or 1, except for a native replica wider than a node (TP a multiple of
 rollout.n_gpus_per_node): it spans TP / n_gpus_per_node nodes, one server per node, and nnodes
 is a multiple of that (serving/replica.py). A tensor-parallel native replica runs its ranks as
@@ -23,13 +23,13 @@ CUDA_ONLY_BACKENDS = ("sglang",)
 
 
 def replica_world_size(config: RolloutConfig) -> int:
-    """Devices one replica occupies: its tensor-parallel size, or for a prefill/decode replica
-    the seed's TP_prefill x N_prefill + TP_decode x N_decode."""
+    """Devices one replica occupies: TP x DP (the seed's world_size; PP is 1), or for a
+    prefill/decode replica TP_prefill x N_prefill + TP_decode x N_decode."""
     pd = config.disaggregation
     if pd.enabled:
         return (pd.prefill_tensor_parallel_size * pd.prefill_replicas
                 + pd.decode_tensor_parallel_size * pd.decode_replicas)
-    return config.tensor_model_parallel_size
+    return config.tensor_model_parallel_size * config.data_parallel_size
 
 
 def replica_nodes(config: RolloutConfig) -> int:
@@ -74,12 +74,41 @@ def _parallelism_problem(config: TandemConfig) -> str | None:
     if problem:
         return problem
     if rollout.data_parallel_size != 1:
-        return (f"rollout.data_parallel_size: is {rollout.data_parallel_size}, but no rollout "
-                "backend here runs data-parallel ranks inside one replica; set it to 1: the fleet "
-                "makes one replica per footprint, so more devices give more replicas")
+        problem = _data_parallel_problem(config)
+        if problem:
+            return problem
     if rollout.name in CUDA_ONLY_BACKENDS and not config.model.device.startswith("cuda"):
         return (f"rollout.name: the {rollout.name!r} backend runs on CUDA only, but model.device="
                 f"{config.model.device!r}; set model.device=cuda or rollout.name=native / vllm")
+    return None
+
+
+def _data_parallel_problem(config: TandemConfig) -> str | None:
+    """A data-parallel replica (rollout/data_parallel.py): native engine groups of TP ranks
+    each, on one node, standalone."""
+    rollout = config.rollout
+    dp = rollout.data_parallel_size
+    if rollout.name != "native":
+        return (f"rollout.data_parallel_size: is {dp}, but data-parallel engine groups inside a "
+                f"replica run on the native engine; the {rollout.name} backend's own data "
+                "parallelism is not wired (rollout.name). Set it to 1: more devices give more "
+                "replicas")
+    if not rollout_devices(config):
+        return (f"rollout.data_parallel_size: is {dp}, but a data-parallel replica needs rollout "
+                "devices of its own (one per rank), and rollout.nnodes x "
+                "rollout.n_gpus_per_node = 0 (the engines would live in a training worker); "
+                "set it to 1, or give the rollout devices of its own")
+    world, per_node = replica_world_size(rollout), rollout.n_gpus_per_node
+    if world > per_node or per_node % world or rollout.nnodes != 1:
+        return (f"rollout.data_parallel_size: a replica of {dp} engine groups x "
+                f"{rollout.tensor_model_parallel_size} ranks = {world} devices fits on one node, "
+                f"and the node's {per_node} devices must hold whole replicas; set "
+                f"rollout.nnodes=1 and rollout.n_gpus_per_node to a multiple of {world}")
+    if rollout.checkpoint_engine.engine_kwargs.get("double_buffer") or \
+            rollout.in_flight_kv == "keep":
+        return ("rollout.checkpoint_engine.engine_kwargs.double_buffer / rollout.in_flight_kv: "
+                "a data-parallel replica has no weight slots yet; remove double_buffer and set "
+                "in_flight_kv=recompute")
     return None
 
 
@@ -98,7 +127,7 @@ def _disaggregation_problem(config: TandemConfig) -> str | None:
         return None
     if rollout.name != "native":
         return (f"rollout.disaggregation.enabled: prefill/decode disaggregation runs on the "
-                f"native engine; rollout.name={rollout.name!r}'s needs its KV connector (NIXL or "
+                f"native engine; the {rollout.name} backend's needs its KV connector (NIXL or "
                 "Mooncake, CUDA) and is not wired yet. Set rollout.name=native or disable it")
     if pd.prefill_replicas != 1:
         return (f"rollout.disaggregation.prefill_replicas: is {pd.prefill_replicas}; a "
@@ -109,10 +138,11 @@ def _disaggregation_problem(config: TandemConfig) -> str | None:
         if size != 1:
             return (f"rollout.disaggregation.{side}_tensor_parallel_size: is {size}, but each "
                     "engine of a prefill/decode replica runs on one device for now; set it to 1")
-    if rollout.tensor_model_parallel_size != 1:
-        return (f"rollout.tensor_model_parallel_size: is {rollout.tensor_model_parallel_size}, "
-                "but a prefill/decode replica sizes its engines with rollout.disaggregation's "
-                "*_tensor_parallel_size; set it to 1")
+    if rollout.tensor_model_parallel_size != 1 or rollout.data_parallel_size != 1:
+        return (f"rollout.tensor_model_parallel_size / data_parallel_size: are "
+                f"{rollout.tensor_model_parallel_size} / {rollout.data_parallel_size}, but a "
+                "prefill/decode replica sizes its engines with rollout.disaggregation's fields "
+                "(and the seed's PD replica has DP 1); set both to 1")
     if not rollout_devices(config):
         return ("rollout.disaggregation.enabled: a prefill/decode replica needs rollout devices "
                 "of its own (one per engine), but rollout.nnodes x rollout.n_gpus_per_node = 0 "

@@ -38,12 +38,17 @@ def unavailable_reason(name: str) -> str | None:
 
 
 def rollout_class(config: Any) -> type:
-    """The class a replica of rollout `config` runs: its backend's, or the prefill/decode
-    replica of native engines when rollout.disaggregation.enabled."""
+    """The class a replica of rollout `config` runs: its backend's, or for native engines a
+    prefill/decode replica (rollout.disaggregation.enabled) or a data-parallel one
+    (rollout.data_parallel_size > 1)."""
     if config.disaggregation.enabled:
         from tandem.rollout.disaggregated import DisaggregatedRollout
 
         return DisaggregatedRollout
+    if config.data_parallel_size > 1:
+        from tandem.rollout.data_parallel import DataParallelRollout
+
+        return DataParallelRollout
     return get_rollout_class(config.name)
 
 
