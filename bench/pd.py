@@ -92,8 +92,8 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     path = build_tiny_model(SPEC)
-    vocab = SPEC.vocab_size
     plain = NativeRollout.create(path, CONFIG)
+    vocab = plain.runner.vocab_size
     pd = DisaggregatedRollout.create(path, dataclasses.replace(
         CONFIG, disaggregation=DisaggregationConfig(enabled=True, decode_replicas=1)))
     results: dict[str, list[tuple[float, float]]] = {"plain": [], "pd": []}

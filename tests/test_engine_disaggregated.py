@@ -18,6 +18,7 @@ from float_bounds import assert_within, token_logprob_bounds
 from tandem.config.schema import DisaggregationConfig, RolloutConfig
 from tandem.models import build_tiny_model
 from tandem.rollout.disaggregated import DisaggregatedRollout
+from tandem.rollout.engine.kv_transfer import InProcessTransfer, block_runs
 from tandem.rollout.native import NativeRollout
 from tandem.types import GenerateRequest
 
@@ -183,3 +184,27 @@ async def test_an_abort_mid_decode_and_a_failed_transfer_lose_nothing(model_path
     finally:
         await pd.shutdown()
         await plain.shutdown()
+
+
+def test_a_transfer_copies_each_block_into_its_place_in_runs():
+    class Cache:  # a runner's KV caches: [kv heads, blocks, block size, head dim] per layer
+        def __init__(self, fill):
+            self.block_size = 2
+            self.key_caches = [fill(l) for l in range(2)]
+            self.value_caches = [-fill(l) for l in range(2)]
+
+    source = Cache(lambda layer: torch.arange(3 * 8 * 2 * 4.0).reshape(3, 8, 2, 4) + layer)
+    target = Cache(lambda layer: torch.zeros(3, 8, 2, 4))
+    src, dst = [1, 2, 3, 6, 0], [4, 5, 6, 0, 7]
+    assert block_runs(src, dst) == [(1, 4, 3), (6, 0, 1), (0, 7, 1)]
+    transfer = InProcessTransfer()
+    moved = transfer.copy(source, src, target, dst)
+    assert moved == 2 * 2 * 5 * 3 * 2 * 4 * 4 and transfer.blocks_moved == 5
+    for layer in range(2):
+        for held, into in ((source.key_caches[layer], target.key_caches[layer]),
+                           (source.value_caches[layer], target.value_caches[layer])):
+            assert torch.equal(into[:, dst], held[:, src])
+            untouched = [b for b in range(8) if b not in dst]
+            assert torch.equal(into[:, untouched], torch.zeros(3, len(untouched), 2, 4))
+    with pytest.raises(ValueError, match="2 source blocks for 1 target blocks"):
+        transfer.copy(source, [0, 1], target, [0])

@@ -1,6 +1,6 @@
 """KV transfers of a prefill/decode handoff (kv_handoff.py): copy some blocks of one engine's KV
 cache into blocks of another's, every layer's keys and values, block table to block table
-(each block copied once, straight into its place).
+(each block copied once, straight into its place; consecutive blocks in one piece).
 
 `InProcessTransfer` serves engines in one process (the disaggregated replica of
 rollout/disaggregated.py), on one device or across devices. Transfers between processes
@@ -11,7 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+
+def block_runs(source: list[int], target: list[int]) -> list[tuple[int, int, int]]:
+    """(source start, target start, count) of the runs where both block lists go up by one
+    together: a run is copied in one piece."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in zip(source, target):
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
 
 
 class InProcessTransfer:
@@ -37,14 +47,14 @@ class InProcessTransfer:
             raise ValueError("KV transfer: the engines' caches differ in block size or layers "
                              "(prefill and decode must serve one model with one block_size)")
         moved = 0
+        runs = block_runs(source_blocks, target_blocks)
         for caches in ((source.key_caches, target.key_caches),
                        (source.value_caches, target.value_caches)):
-            for held, into in zip(*caches):
-                src = torch.tensor(source_blocks, device=held.device)
-                dst = torch.tensor(target_blocks, device=into.device)
-                part = held.index_select(1, src)  # [kv heads, blocks, block size, head dim]
-                into.index_copy_(1, dst, part.to(into.device, into.dtype))
-                moved += part.numel() * part.element_size()
+            for held, into in zip(*caches):  # [kv heads, blocks, block size, head dim]
+                for start, to, count in runs:  # one strided copy per run, into its place
+                    part = held.narrow(1, start, count)
+                    into.narrow(1, to, count).copy_(part)
+                    moved += part.numel() * part.element_size()
         self.blocks_moved += len(source_blocks)
         self.bytes_moved += moved
         return moved
