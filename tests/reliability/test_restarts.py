@@ -20,7 +20,7 @@ import ray
 import test_dead_servers
 from tandem.config.schema import FaultToleranceConfig
 from tandem.fleet.health import FleetHealth, ServerRestartError
-from tandem.fleet.rollout_pool import RolloutPool, scheduled_size
+from tandem.fleet.rollout_pool import RolloutPool, pressure_size, scheduled_size
 from tandem.fleet.weight_sync import SyncReport
 from tandem.serving.balancer import LoadBalancer, NoServerError, NoServerYet
 from tandem.serving.manager import ServerManager
@@ -121,6 +121,47 @@ def test_a_dead_server_that_will_restart_makes_requests_wait_not_fail() -> None:
     with pytest.raises(NoServerError) as given_up:
         balancer.acquire("y")
     assert not isinstance(given_up.value, NoServerYet)
+
+
+def test_the_pressure_adds_or_removes_one_replica_within_the_bounds() -> None:
+    from tandem.config.schema import ElasticAutoConfig
+
+    auto = ElasticAutoConfig(enable=True, min_replicas=1, max_replicas=3, grow_above=0.3,
+                             shrink_above=0.5)
+    assert pressure_size(2, 0.4, 0.0, auto, capacity=4) == 3  # the trainer waited: grow
+    assert pressure_size(3, 0.9, 0.0, auto, capacity=4) == 3  # at max_replicas
+    assert pressure_size(2, 0.1, 0.6, auto, capacity=4) == 1  # the rollout was held back
+    assert pressure_size(1, 0.1, 0.9, auto, capacity=4) == 1  # at min_replicas
+    assert pressure_size(2, 0.2, 0.4, auto, capacity=4) == 2  # neither past its threshold
+    assert pressure_size(2, 0.4, 0.0, ElasticAutoConfig(enable=True), capacity=2) == 2
+    assert pressure_size(4, 0.0, 0.0, auto, capacity=4) == 3  # back within max_replicas
+
+
+async def test_separate_async_resizes_by_the_last_steps_idle_fractions() -> None:
+    """Fleet.follow_pressure, which fit_separate_async calls after each sync with the previous
+    step's record (none before the first step)."""
+    from tandem.config.load import load_config
+    from tandem.fleet.fleet import Fleet
+
+    class Pool:
+        sizes = [2]
+
+        def size(self):
+            return self.sizes[-1]
+
+        async def resize(self, replicas):
+            self.sizes.append(replicas)
+
+    fleet = Fleet.__new__(Fleet)
+    fleet.config = load_config(overrides=["trainer.trainer_mode=separate_async",
+                                          "rollout.elastic.auto.enable=true", "rollout.nnodes=1",
+                                          "rollout.n_gpus_per_node=3"])
+    fleet.pool = Pool()
+    await fleet.follow_pressure(None)
+    for trainer_idle, rollout_idle in ((0.5, 0.0), (0.6, 0.0), (0.6, 0.0), (0.0, 0.8)):
+        await fleet.follow_pressure({"idle/trainer_fraction": trainer_idle,
+                                     "idle/rollout_fraction": rollout_idle})
+    assert fleet.pool.sizes == [2, 3, 2]  # grown to the 3 devices' capacity, then shrunk
 
 
 def test_the_schedule_gives_the_size_of_its_last_entry_reached() -> None:
@@ -398,6 +439,17 @@ async def test_a_judge_replica_comes_back_without_a_weight_sync(
      r"rollout.elastic.schedule\[0\]: is \[2\]; each entry is \[step, replicas\]"),
     (["trainer.trainer_mode=separate_async", "rollout.elastic.schedule=[[20,2]]"],
      r"its last entry is at step 20, after the run's last \(trainer.total_steps=10\)"),
+    (["rollout.elastic.auto.enable=true", "rollout.nnodes=1", "rollout.n_gpus_per_node=2"],
+     r"rollout.elastic.auto.enable: is true, but trainer.trainer_mode='sync': the pressure it "
+     r"follows .* exists only in separate_async"),
+    (["trainer.trainer_mode=separate_async", "rollout.elastic.auto.enable=true",
+      "rollout.nnodes=1", "rollout.n_gpus_per_node=2", "rollout.elastic.schedule=[[2,1]]"],
+     r"rollout.elastic.schedule is set too, and both would size the pool; keep one"),
+    (["trainer.trainer_mode=separate_async", "rollout.elastic.auto.enable=true",
+      "rollout.nnodes=1", "rollout.n_gpus_per_node=2", "rollout.elastic.auto.max_replicas=3"],
+     r"rollout.elastic.auto: min_replicas=1, max_replicas=3 \(0: 2, what the rollout devices "
+     r"hold\); need 1 <= min_replicas <= max_replicas <= 2"),
+    (["rollout.elastic.auto.grow_above=1.5"], r"rollout.elastic.auto.grow_above: is 1.5"),
 ])
 def test_restart_and_elastic_options_that_cannot_run_are_refused_at_load(overrides, message):
     from tandem.config.load import ConfigError, load_config

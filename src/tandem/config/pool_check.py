@@ -5,7 +5,7 @@ neither restarted nor added."""
 
 from __future__ import annotations
 
-from tandem.config.footprint import rollout_devices
+from tandem.config.footprint import replica_count, replica_world_size, rollout_devices
 from tandem.config.schema import TandemConfig
 
 HYBRID_IS_FATAL = ("the rollout engines run inside the training workers (the hybrid layout: "
@@ -27,7 +27,34 @@ def _fault_tolerance_problem(config: TandemConfig) -> str | None:
     return None
 
 
+def _auto_problem(config: TandemConfig) -> str | None:
+    auto = config.rollout.elastic.auto
+    if not auto.enable:
+        return None
+    where = "rollout.elastic.auto.enable: is true, but"
+    if config.trainer.trainer_mode != "separate_async":
+        return (f"{where} trainer.trainer_mode={config.trainer.trainer_mode!r}: the pressure it "
+                "follows (the trainer waiting on rollout, the rollout held back by a full "
+                "buffer) exists only in separate_async; disable it or use rollout.elastic."
+                "schedule")
+    if not rollout_devices(config):
+        return f"{where} {HYBRID_IS_FATAL}; disable it or give the rollout devices of its own"
+    if config.rollout.elastic.schedule:
+        return (f"{where} rollout.elastic.schedule is set too, and both would size the pool; "
+                "keep one")
+    capacity = replica_count(rollout_devices(config), replica_world_size(config.rollout))
+    high = auto.max_replicas or capacity
+    if not 1 <= auto.min_replicas <= high <= capacity:
+        return (f"rollout.elastic.auto: min_replicas={auto.min_replicas}, max_replicas="
+                f"{auto.max_replicas} (0: {capacity}, what the rollout devices hold); need "
+                f"1 <= min_replicas <= max_replicas <= {capacity}")
+    return None
+
+
 def _elastic_problem(config: TandemConfig) -> str | None:
+    problem = _auto_problem(config)
+    if problem:
+        return problem
     schedule = config.rollout.elastic.schedule
     if not schedule:
         return None

@@ -31,6 +31,10 @@ RANGES: dict[str, str] = {
     "rollout.seed": "[0, 9223372036854775807]",  # an int64: torch and numpy seeds
     "rollout.agent_concurrency": "[1, inf)",
     "rollout.environment.reward_weight": "(-inf, inf)",  # finite, like reward.weights
+    "rollout.elastic.auto.min_replicas": "[1, inf)",
+    "rollout.elastic.auto.max_replicas": "[0, inf)",  # 0: what the rollout devices hold
+    "rollout.elastic.auto.grow_above": "(0, 1)",
+    "rollout.elastic.auto.shrink_above": "(0, 1)",
     "rollout.fault_tolerance.max_restarts": "[0, inf)",  # 0: the first failure ends the run
     "rollout.fault_tolerance.health_interval_s": "(0, inf)",
     "rollout.torch_threads": "[0, inf)",  # 0: auto

@@ -115,12 +115,27 @@ class FaultToleranceConfig:
 
 
 @dataclass
+class ElasticAutoConfig:
+    """The pool's size from the last step's idle fractions (separate_async): one replica more
+    after a step in which the trainer waited on rollout for more than grow_above of it, one
+    fewer after one in which the rollout was held back (full buffer, sync) more than
+    shrink_above; within [min_replicas, max_replicas]."""
+
+    enable: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 0  # 0: as many as the rollout devices hold
+    grow_above: float = 0.3  # idle/trainer_fraction
+    shrink_above: float = 0.5  # idle/rollout_fraction
+
+
+@dataclass
 class ElasticConfig:
     """The standalone rollout pool's size by step (docs/trainer.md, "An elastic pool")."""
 
     # [[step, replicas], ...]: from the weight sync of `step` on, the pool has `replicas`
     # replicas (added ones serve that version before their first request); empty: fixed size
     schedule: list[list[int]] = field(default_factory=list)
+    auto: ElasticAutoConfig = field(default_factory=ElasticAutoConfig)
 
 
 @dataclass

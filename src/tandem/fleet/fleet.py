@@ -16,7 +16,7 @@ from typing import Any, Awaitable, Iterable, Sequence, TypeVar
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from tandem.config.footprint import rollout_devices
+from tandem.config.footprint import replica_count, replica_world_size, rollout_devices
 from tandem.config.schema import TandemConfig
 from tandem.config.pool_check import HYBRID_IS_FATAL
 from tandem.serving.client import DEAD_SERVER_ERRORS
@@ -28,7 +28,7 @@ from tandem.serving.resumable_client import ResumableClient
 from tandem.fleet import placement
 from tandem.fleet.health import FleetHealth
 from tandem.fleet.hybrid_worker import HybridWorkerActor
-from tandem.fleet.rollout_pool import RolloutPool, scheduled_size
+from tandem.fleet.rollout_pool import RolloutPool, pressure_size, scheduled_size
 from tandem.fleet.served_rewards import ServedRewards
 from tandem.fleet.startup import StartupClock
 from tandem.fleet.weight_sync import (CrossProcessSync, InProcessSync, WeightSync,
@@ -293,6 +293,24 @@ class Fleet:
         replicas = scheduled_size(self.config.rollout.elastic.schedule, step)
         if replicas is not None:
             await self._standalone("follow_schedule").resize(replicas)
+
+    async def follow_pressure(self, metrics: dict[str, float] | None) -> None:
+        """Resize the standalone pool by rollout.elastic.auto from the last step's idle
+        fractions (`metrics`: its record; None before the first step: nothing changes)."""
+        auto = self.config.rollout.elastic.auto
+        if not auto.enable or metrics is None:
+            return
+        pool = self._standalone("follow_pressure")
+        capacity = replica_count(rollout_devices(self.config),
+                                 replica_world_size(self.config.rollout))
+        size = pool.size()
+        target = pressure_size(size, metrics["idle/trainer_fraction"],
+                               metrics["idle/rollout_fraction"], auto, capacity)
+        if target != size:
+            logger.info("rollout.elastic.auto: trainer idle %.2f, rollout idle %.2f of the last "
+                        "step: %d -> %d replicas", metrics["idle/trainer_fraction"],
+                        metrics["idle/rollout_fraction"], size, target)
+            await pool.resize(target)
 
     def _standalone(self, what: str) -> RolloutPool:
         if self.pool is None:

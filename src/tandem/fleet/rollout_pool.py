@@ -222,3 +222,16 @@ def scheduled_size(schedule: list[list[int]], step: int) -> int | None:
     that of its last entry at or before `step`; None before the first."""
     sizes = [replicas for at, replicas in schedule if at <= step]
     return sizes[-1] if sizes else None
+
+
+def pressure_size(size: int, trainer_idle: float, rollout_idle: float, auto: Any,
+                  capacity: int) -> int:
+    """The pool size rollout.elastic.auto sets after a step with these idle fractions: one more
+    when the trainer waited on rollout above grow_above, one fewer when the rollout was held
+    back above shrink_above, within [min_replicas, max_replicas or capacity]."""
+    high = min(auto.max_replicas or capacity, capacity)
+    if trainer_idle > auto.grow_above and size < high:
+        return size + 1
+    if rollout_idle > auto.shrink_above and size > auto.min_replicas:
+        return size - 1
+    return min(max(size, auto.min_replicas), high)

@@ -44,6 +44,7 @@ async def fit_separate_async(trainer: RLTrainer,
     buffer = make_buffer(policy, trainer.config.data.train_batch_size, trainer.step)
     producer = RolloutProducer(trainer, buffer, start_batch=trainer.step)
     idle = RolloutIdleClock(buffer)
+    last: dict[str, float] | None = None  # the previous step's metrics (its idle fractions)
     bar = progress_bar(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
                        initial=trainer.step, total=config.total_steps, disable=not config.progress)
     try:
@@ -89,6 +90,7 @@ async def fit_separate_async(trainer: RLTrainer,
                 sync_metrics = await fleet.sync_weights(trainer.step)
             with timer.phase("resize"):  # added replicas load the version just synced
                 await fleet.follow_schedule(trainer.step)
+                await fleet.follow_pressure(last)  # rollout.elastic.auto: the last step's idle
             # the actor holds the served version until the next update; joining before the bound
             # admits this version's groups lets them start on the spill engines too
             if spill is not None and spill.should_join(buffer.depth, trainer.step,
@@ -103,6 +105,7 @@ async def fit_separate_async(trainer: RLTrainer,
             if spill is not None:
                 metrics["spill/tokens"] = float(spill.spilled_tokens - spilled)
                 metrics["spill/joins_total"] = float(spill.joins)
+            last = metrics
             metrics = await trainer.step_record(trajectories, batches, metrics, timer)
             if trainer.validation_due():
                 metrics.update(await trainer.validate_and_report(on_validation))
