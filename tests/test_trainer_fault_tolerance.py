@@ -1,7 +1,8 @@
 """Issue 42 end to end on a tiny model, trainer_mode=separate_async: standalone servers SIGKILLed
 and SIGSTOPped mid-run are restarted, re-synced and rejoin while training goes on
 (rollout.fault_tolerance), past the budget the run fails naming the server; the pool grows from
-1 to 3 replicas and back (rollout.elastic.schedule), each new replica on the trainer's version
+1 to 3 replicas and back (rollout.elastic.schedule) and grows when the trainer waits on rollout
+(rollout.elastic.auto), each new replica on the trainer's version
 before its first request. No trajectory is lost or trained twice, and the tokens the engines
 returned are exactly the trained ones; a 30-step soak strikes at a seeded random schedule, and a
 soak of hundreds of multi-turn sessions does so in separate_async and colocate_async alike. About
@@ -339,6 +340,49 @@ def test_past_max_restarts_the_run_fails_naming_the_server(tmp_path, ray_cluster
                                                  r"rollout.fault_tolerance.max_restarts=0: the run "
                                                  r"stops. Raise max_restarts"):
         asyncio.run(asyncio.wait_for(main(), 240))
+
+
+def test_the_pool_grows_when_the_trainer_waits_on_rollout(tmp_path, ray_cluster):
+    """rollout.elastic.auto: the pool starts at min_replicas; with max_staleness=0 the trainer
+    waits for every batch (idle/trainer_fraction above the low grow_above), so each sync adds
+    one replica, synced before its first request, up to what the 3 rollout devices hold."""
+    config = tiny_config(tmp_path, *QUICK, "trainer.total_steps=5",
+                         "trainer.async_rollout.max_staleness=0", "rollout.nnodes=1",
+                         "rollout.n_gpus_per_node=3", "rollout.elastic.auto.enable=true",
+                         "rollout.elastic.auto.grow_above=0.01",
+                         "rollout.elastic.auto.shrink_above=1")  # never shrinks
+    run = Run(config)
+    joined = []  # (server_id, its version, the pool's, requests it had served) at registration
+
+    async def main():
+        await run.start()
+        pool = run.trainer.fleet.pool
+        add_replica = pool.manager.add_replica
+
+        async def spy(replica):
+            stats = await call(replica.main_server, "stats")
+            joined.append((replica.server_id, stats["weight_version"], pool.version,
+                           stats["requests"]))
+            await add_replica(replica)
+
+        pool.manager.add_replica = spy
+        try:
+            await fit_separate_async(run.trainer)
+            return run.trainer.step
+        finally:
+            await run.trainer.stop()
+
+    assert asyncio.run(main()) == 5
+    records = records_of(tmp_path)
+    sizes = [int(r["fleet/replicas"]) for r in records]
+    assert sizes[0] == 1 and sizes[-1] == 3  # from min_replicas to the devices' capacity
+    for before, after, record in zip(sizes, sizes[1:], records):  # one more after a wait
+        assert after == min(3, before + (record["idle/trainer_fraction"] > 0.01))
+    assert [(sid, version, served) for sid, version, served, _ in joined] == [
+        ("replica-1", sizes.index(2) + 1, sizes.index(2) + 1),
+        ("replica-2", sizes.index(3) + 1, sizes.index(3) + 1)]
+    assert all(requests == 0 for *_, requests in joined)  # synced before its first request
+    run.check_whole()
 
 
 def test_the_pool_grows_from_one_to_three_and_back_each_new_replica_on_the_version(

@@ -33,8 +33,8 @@ RANGES: dict[str, str] = {
     "rollout.environment.reward_weight": "(-inf, inf)",  # finite, like reward.weights
     "rollout.elastic.auto.min_replicas": "[1, inf)",
     "rollout.elastic.auto.max_replicas": "[0, inf)",  # 0: what the rollout devices hold
-    "rollout.elastic.auto.grow_above": "(0, 1)",
-    "rollout.elastic.auto.shrink_above": "(0, 1)",
+    "rollout.elastic.auto.grow_above": "(0, 1]",  # 1: never grows (a fraction is at most 1)
+    "rollout.elastic.auto.shrink_above": "(0, 1]",  # 1: never shrinks
     "rollout.fault_tolerance.max_restarts": "[0, inf)",  # 0: the first failure ends the run
     "rollout.fault_tolerance.health_interval_s": "(0, inf)",
     "rollout.torch_threads": "[0, inf)",  # 0: auto

@@ -92,7 +92,11 @@ class Fleet:
                                 start_timeout_s=timeout_s, control_timeout_s=timeout_s)
         ckpt = config.rollout.checkpoint_engine
         if self.layout is ReplicaLayout.STANDALONE:  # on CPU a device is one core
-            self.rollout = await ServerManager.create(config.rollout, options, "standalone")
+            auto = config.rollout.elastic.auto  # sized by pressure: start at its minimum
+            first = (auto.min_replicas * replica_world_size(config.rollout) if auto.enable
+                     else None)
+            self.rollout = await ServerManager.create(config.rollout, options, "standalone",
+                                                      total_devices=first)
             sender_node = await call(self.workers[0], "node_id", timeout_s=timeout_s)
             self.transport = choose_transport(ckpt.backend, config.model.device, sender_node,
                                               receiver_nodes(self.rollout.replicas.values()),
