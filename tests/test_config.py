@@ -90,7 +90,7 @@ PD = ["rollout.disaggregation.enabled=true", "rollout.nnodes=1", "rollout.n_gpus
      "data_parallel_size: are 2 / 1, but a prefill/decode replica sizes its engines"),
     (["rollout.data_parallel_size=2"], "are 1 / 2, but a prefill/decode replica"),
     (["rollout.disaggregation.decode_replicas=2"], "rollout.n_gpus_per_node: a prefill/decode "
-     "replica of 3 devices (1 prefill + 2 decode) fits on one node"),
+     "replica of 1 prefill + 2 decode engines = 3 devices fits on one node"),
     (["rollout.in_flight_kv=keep"], "has no weight slots yet"),
 ])
 def test_a_prefill_decode_replica_is_refused_where_it_does_not_run(overrides, words):

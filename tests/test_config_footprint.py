@@ -40,8 +40,8 @@ def test_replica_count_divides_devices_by_footprint() -> None:
     (["rollout.data_parallel_size=2"],
      r"rollout.data_parallel_size: is 2, but a data-parallel replica needs rollout devices"),
     ([*SEPARATE, *NATIVE_TP2, "rollout.data_parallel_size=2"],
-     r"rollout.data_parallel_size: a replica of 2 engine groups x 2 ranks = 4 devices fits on "
-     r"one node, and the node's 2 devices"),
+     r"rollout.n_gpus_per_node: a data-parallel replica of 2 engine groups x 2 ranks = 4 "
+     r"devices fits on one node, and the node's 2 devices"),
     ([*SEPARATE, *NATIVE_TP2, "rollout.n_gpus_per_node=4", "rollout.data_parallel_size=2",
       "rollout.in_flight_kv=keep"], "a data-parallel replica has no weight slots yet"),
     (["rollout.tensor_model_parallel_size=2"],

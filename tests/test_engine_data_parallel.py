@@ -11,8 +11,8 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
+from test_engine_tensor_parallel import perturbed_model
 from tandem.config.schema import RolloutConfig
 from tandem.models import build_tiny_model
 from tandem.rollout.base import ReplicaFailedError
@@ -63,22 +63,17 @@ async def test_requests_spread_over_the_groups_and_a_session_stays_on_its_own(mo
 
 async def test_a_weight_update_reaches_every_group_or_takes_the_replica_out(model_path,
                                                                           tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn(parameter.shape,
-                                               generator=torch.Generator().manual_seed(2)))
-    model.save_pretrained(tmp_path)
+    state = perturbed_model(model_path, tmp_path, seed=2)  # saved in tmp_path
     batch = prompts(8, 700, seed=2)
     dp = DataParallelRollout.create(model_path, DP2)
     fresh = NativeRollout.create(tmp_path, PLAIN)
     try:
-        bad = dict(model.state_dict())
+        bad = dict(state)
         bad["model.norm.weight"] = torch.full_like(bad["model.norm.weight"], float("nan"))
         with pytest.raises(ValueError, match="NaN"):  # refused at staging: nothing installed
             await dp.update_weights(bad.items(), version=1)
         assert [engine.weight_version for engine in dp.engines] == [0, 0]
-        await dp.update_weights(model.state_dict().items(), version=1)
+        await dp.update_weights(state.items(), version=1)
         assert [engine.weight_version for engine in dp.engines] == [1, 1] == [dp.weight_version] * 2
         assert await greedy(dp, batch, "u") == await greedy(fresh, batch, "u")
 
@@ -87,7 +82,7 @@ async def test_a_weight_update_reaches_every_group_or_takes_the_replica_out(mode
 
         dp.engines[1].commit_weights = refuse  # the second group refuses after the first took it
         with pytest.raises(ReplicaFailedError, match="engine 1 refused version 2"):
-            await dp.update_weights(model.state_dict().items(), version=2)
+            await dp.update_weights(state.items(), version=2)
         with pytest.raises(ReplicaFailedError):  # out of the fleet: the probe and generate say so
             dp.weight_version
         with pytest.raises(ReplicaFailedError):

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from float_bounds import assert_within, token_logprob_bounds
+from test_engine_tensor_parallel import perturbed_model
 from tandem.config.schema import DisaggregationConfig, RolloutConfig
 from tandem.models import build_tiny_model
 from tandem.rollout.disaggregated import DisaggregatedRollout
@@ -126,18 +127,13 @@ async def test_a_sync_between_prefill_and_decode_recomputes_with_the_new_weights
     """KV computed with version 0 is never decoded with version 1 (invariant 3): the decode
     engine recomputes the prompt; the first token keeps its version, the rest are the new
     weights' continuation."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn(parameter.shape,
-                                               generator=torch.Generator().manual_seed(1)))
-    model.save_pretrained(tmp_path)
+    state = perturbed_model(model_path, tmp_path, seed=1)  # saved in tmp_path
     pd = DisaggregatedRollout.create(model_path, PD)
     fresh = NativeRollout.create(tmp_path, PLAIN)
     try:
         request = GenerateRequest("r", list(range(10, 23)), GREEDY)
         prefilled = await pd.prefill_engine.prefill(request)
-        await pd.update_weights(model.state_dict().items(), version=1)
+        await pd.update_weights(state.items(), version=1)
         assert [engine.weight_version for engine in pd.engines] == [1, 1, 1]
         assert pd.prefill_engine.held == {}  # the sync's preemption keeps nothing of version 0
         output = await pd.decode_engines[0].generate_prefilled(request, prefilled,

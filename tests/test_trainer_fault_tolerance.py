@@ -60,6 +60,8 @@ class Run:
         self.after_sync: dict[int, object] = {}
         self.in_update: dict[int, object] = {}
         self.counter: CountingClient | None = None
+        self.joined: list[tuple[str, int, int, int]] = []  # see spy_joins
+        self.stopped: list[int] = []  # pids SIGSTOPped by strike_at's faults
 
     async def start(self) -> None:
         trainer = self.trainer
@@ -89,6 +91,45 @@ class Run:
             return await update(batch)
 
         trainer.make_batch, trainer.fleet.sync_weights, trainer.update = batch_spy, sync_spy, update_spy
+
+    def strike_at(self, plan: list[tuple[int, str, str]], rng: random.Random,
+                  timeout_s: float = 120.0) -> None:
+        """Register `plan`'s faults, (step, "kill" | "stop", "in_update" | "after_sync"): each
+        SIGKILLs or SIGSTOPs a random replica, then waits until its restart serves and the pool
+        has its size again (restarts counts a restart when it begins)."""
+        fleet = self.trainer.fleet
+        size = len(fleet.rollout.replicas)
+
+        def fault(kind: str, expected_restarts: int):
+            async def strike():
+                victim = rng.choice(sorted(fleet.rollout.replicas))
+                replica = fleet.rollout.replicas[victim]
+                if kind == "kill":
+                    ray_kill(replica.main_server)
+                else:
+                    self.stopped.append(replica.infos[0].pid)
+                    os.kill(self.stopped[-1], signal.SIGSTOP)
+                await until(lambda: fleet.health.restarts == expected_restarts
+                            and victim not in fleet.rollout.replicas
+                            and len(fleet.rollout.replicas) == size, timeout_s)
+            return strike
+
+        for number, (step, kind, where) in enumerate(plan, start=1):
+            getattr(self, where)[step] = fault(kind, number)
+
+    def spy_joins(self) -> None:
+        """From now on, record in `joined` each replica the pool adds, as it registers:
+        (server_id, its version, the pool's, requests it had served)."""
+        pool = self.trainer.fleet.pool
+        add_replica = pool.manager.add_replica
+
+        async def spy(replica):
+            stats = await call(replica.main_server, "stats")
+            self.joined.append((replica.server_id, stats["weight_version"], pool.version,
+                                stats["requests"]))
+            await add_replica(replica)
+
+        pool.manager.add_replica = spy
 
     def check_whole(self) -> None:
         """Every group of every step trained once, with exactly the tokens the client got."""
@@ -176,34 +217,15 @@ def test_a_30_step_run_survives_a_seeded_schedule_of_kills_and_stalls(tmp_path, 
                          "rollout.nnodes=1", "rollout.n_gpus_per_node=2",
                          f"rollout.fault_tolerance.max_restarts={len(plan)}")
     run = Run(config)
-    stopped: list[int] = []
 
     async def main():
         await run.start()
-        fleet = run.trainer.fleet
-
-        def fault(kind: str, expected_restarts: int):
-            async def strike():
-                victim = rng.choice(sorted(fleet.rollout.replicas))
-                replica = fleet.rollout.replicas[victim]
-                if kind == "kill":
-                    ray_kill(replica.main_server)
-                else:
-                    stopped.append(replica.infos[0].pid)
-                    os.kill(stopped[-1], signal.SIGSTOP)
-                # restarts counts a restart when it begins: wait until the new one serves
-                await until(lambda: fleet.health.restarts == expected_restarts
-                            and victim not in fleet.rollout.replicas
-                            and len(fleet.rollout.replicas) == 2)
-            return strike
-
-        for number, (step, kind, where) in enumerate(plan, start=1):
-            getattr(run, where)[step] = fault(kind, number)
+        run.strike_at(plan, rng)
         try:
             await fit_separate_async(run.trainer)
             return run.trainer.step, await run.greedy_per_replica()
         finally:
-            for pid in stopped:
+            for pid in run.stopped:
                 _continue(pid)
             await run.trainer.stop()
 
@@ -217,7 +239,7 @@ def test_a_30_step_run_survives_a_seeded_schedule_of_kills_and_stalls(tmp_path, 
     records = records_of(tmp_path)
     assert records[-1]["fleet/restarts_total"] == len(plan)
     assert all(r["weight_version"] == r["step"] for r in records)
-    for pid in stopped:
+    for pid in run.stopped:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # every stalled process was killed, none left behind
 
@@ -259,32 +281,15 @@ def test_a_soak_of_hundreds_of_multi_turn_sessions_survives_kills_and_stalls(
         "rollout.nnodes=1", "rollout.n_gpus_per_node=2", *FAULTS,
         f"rollout.fault_tolerance.max_restarts={len(plan)}"])
     run = Run(config)
-    stopped: list[int] = []
     memory: dict[str, int] = {}
 
     async def main():
         await run.start()
-        fleet = run.trainer.fleet
-
-        def fault(kind: str, expected_restarts: int):
-            async def strike():
-                victim = rng.choice(sorted(fleet.rollout.replicas))
-                replica = fleet.rollout.replicas[victim]
-                if kind == "kill":
-                    ray_kill(replica.main_server)
-                else:
-                    stopped.append(replica.infos[0].pid)
-                    os.kill(stopped[-1], signal.SIGSTOP)
-                await until(lambda: fleet.health.restarts == expected_restarts
-                            and victim not in fleet.rollout.replicas
-                            and len(fleet.rollout.replicas) == 2, timeout_s=180)
-            return strike
+        run.strike_at(plan, rng, timeout_s=180)
 
         async def measure(key: str):
             memory[key] = resident_bytes()
 
-        for number, (step, kind, where) in enumerate(plan, start=1):
-            getattr(run, where)[step] = fault(kind, number)
         run.after_sync[3] = lambda: measure("warm")
         fit = fit_separate_async if mode == "separate_async" else fit_colocate_async
         try:
@@ -292,7 +297,7 @@ def test_a_soak_of_hundreds_of_multi_turn_sessions_survives_kills_and_stalls(
             memory["end"] = resident_bytes()
             return run.trainer.step, await run.greedy_per_replica()
         finally:
-            for pid in stopped:
+            for pid in run.stopped:
                 _continue(pid)
             await run.trainer.stop()
 
@@ -313,7 +318,7 @@ def test_a_soak_of_hundreds_of_multi_turn_sessions_survives_kills_and_stalls(
     assert records[-1]["fleet/restarts_total"] == len(plan)
     assert max(r["staleness/lag_max"] for r in records) <= staleness
     assert memory["end"] <= 1.1 * memory["warm"], memory
-    for pid in stopped:
+    for pid in run.stopped:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
@@ -352,20 +357,10 @@ def test_the_pool_grows_when_the_trainer_waits_on_rollout(tmp_path, ray_cluster)
                          "rollout.elastic.auto.grow_above=0.01",
                          "rollout.elastic.auto.shrink_above=1")  # never shrinks
     run = Run(config)
-    joined = []  # (server_id, its version, the pool's, requests it had served) at registration
 
     async def main():
         await run.start()
-        pool = run.trainer.fleet.pool
-        add_replica = pool.manager.add_replica
-
-        async def spy(replica):
-            stats = await call(replica.main_server, "stats")
-            joined.append((replica.server_id, stats["weight_version"], pool.version,
-                           stats["requests"]))
-            await add_replica(replica)
-
-        pool.manager.add_replica = spy
+        run.spy_joins()
         try:
             await fit_separate_async(run.trainer)
             return run.trainer.step
@@ -378,10 +373,10 @@ def test_the_pool_grows_when_the_trainer_waits_on_rollout(tmp_path, ray_cluster)
     assert sizes[0] == 1 and sizes[-1] == 3  # from min_replicas to the devices' capacity
     for before, after, record in zip(sizes, sizes[1:], records):  # one more after a wait
         assert after == min(3, before + (record["idle/trainer_fraction"] > 0.01))
-    assert [(sid, version, served) for sid, version, served, _ in joined] == [
+    assert [(sid, version, served) for sid, version, served, _ in run.joined] == [
         ("replica-1", sizes.index(2) + 1, sizes.index(2) + 1),
         ("replica-2", sizes.index(3) + 1, sizes.index(3) + 1)]
-    assert all(requests == 0 for *_, requests in joined)  # synced before its first request
+    assert all(requests == 0 for *_, requests in run.joined)  # synced before its first request
     run.check_whole()
 
 
@@ -390,20 +385,10 @@ def test_the_pool_grows_from_one_to_three_and_back_each_new_replica_on_the_versi
     config = tiny_config(tmp_path, *QUICK, "trainer.total_steps=6",
                          "rollout.elastic.schedule=[[2,3],[4,1]]")
     run = Run(config)
-    joined = []  # (server_id, its version, the pool's, requests it had served) at registration
 
     async def main():
         await run.start()
-        pool = run.trainer.fleet.pool
-        add_replica = pool.manager.add_replica
-
-        async def spy(replica):
-            stats = await call(replica.main_server, "stats")
-            joined.append((replica.server_id, stats["weight_version"], pool.version,
-                           stats["requests"]))
-            await add_replica(replica)
-
-        pool.manager.add_replica = spy
+        run.spy_joins()
         try:
             await fit_separate_async(run.trainer)
             return run.trainer.step, sorted(run.trainer.fleet.rollout.replicas)
@@ -412,9 +397,9 @@ def test_the_pool_grows_from_one_to_three_and_back_each_new_replica_on_the_versi
 
     step, replicas = asyncio.run(main())
     assert step == 6 and replicas == ["replica-0"]
-    assert [(sid, version, served) for sid, version, served, _ in joined] == [
+    assert [(sid, version, served) for sid, version, served, _ in run.joined] == [
         ("replica-1", 2, 2), ("replica-2", 2, 2)]
-    assert all(requests == 0 for *_, requests in joined)  # synced before its first request
+    assert all(requests == 0 for *_, requests in run.joined)  # synced before its first request
     run.check_whole()
     records = records_of(tmp_path)
     assert [r["fleet/replicas"] for r in records] == [1, 3, 3, 1, 1, 1]

@@ -93,21 +93,30 @@ def _data_parallel_problem(config: TandemConfig) -> str | None:
                 f"replica run on the native engine; the {rollout.name} backend's own data "
                 "parallelism is not wired (rollout.name). Set it to 1: more devices give more "
                 "replicas")
+    return _engine_group_problem(
+        config, f"rollout.data_parallel_size: is {dp}, but", "a data-parallel replica",
+        f"{dp} engine groups x {rollout.tensor_model_parallel_size} ranks")
+
+
+def _engine_group_problem(config: TandemConfig, where: str, replica: str, parts: str
+                          ) -> str | None:
+    """What a replica of several engines in one server (rollout/engine_group.py) needs:
+    rollout devices of its own, whole replicas on one node, no weight slots."""
+    rollout = config.rollout
     if not rollout_devices(config):
-        return (f"rollout.data_parallel_size: is {dp}, but a data-parallel replica needs rollout "
-                "devices of its own (one per rank), and rollout.nnodes x "
-                "rollout.n_gpus_per_node = 0 (the engines would live in a training worker); "
-                "set it to 1, or give the rollout devices of its own")
+        return (f"{where} {replica} needs rollout devices of its own (one per engine rank), and "
+                "rollout.nnodes x rollout.n_gpus_per_node = 0 (the engines would live in a "
+                "training worker); give the rollout devices of its own (rollout.nnodes=1, "
+                "rollout.n_gpus_per_node a multiple of its footprint)")
     world, per_node = replica_world_size(rollout), rollout.n_gpus_per_node
     if world > per_node or per_node % world or rollout.nnodes != 1:
-        return (f"rollout.data_parallel_size: a replica of {dp} engine groups x "
-                f"{rollout.tensor_model_parallel_size} ranks = {world} devices fits on one node, "
-                f"and the node's {per_node} devices must hold whole replicas; set "
+        return (f"rollout.n_gpus_per_node: {replica} of {parts} = {world} devices fits on one "
+                f"node, and the node's {per_node} devices must hold whole replicas; set "
                 f"rollout.nnodes=1 and rollout.n_gpus_per_node to a multiple of {world}")
     if rollout.checkpoint_engine.engine_kwargs.get("double_buffer") or \
             rollout.in_flight_kv == "keep":
         return ("rollout.checkpoint_engine.engine_kwargs.double_buffer / rollout.in_flight_kv: "
-                "a data-parallel replica has no weight slots yet; remove double_buffer and set "
+                f"{replica} has no weight slots yet; remove double_buffer and set "
                 "in_flight_kv=recompute")
     return None
 
@@ -143,23 +152,9 @@ def _disaggregation_problem(config: TandemConfig) -> str | None:
                 f"{rollout.tensor_model_parallel_size} / {rollout.data_parallel_size}, but a "
                 "prefill/decode replica sizes its engines with rollout.disaggregation's fields "
                 "(and the seed's PD replica has DP 1); set both to 1")
-    if not rollout_devices(config):
-        return ("rollout.disaggregation.enabled: a prefill/decode replica needs rollout devices "
-                "of its own (one per engine), but rollout.nnodes x rollout.n_gpus_per_node = 0 "
-                "(the engines would live in a training worker); set rollout.nnodes=1 and "
-                "rollout.n_gpus_per_node to a multiple of its footprint")
-    ckpt = rollout.checkpoint_engine
-    if ckpt.engine_kwargs.get("double_buffer") or rollout.in_flight_kv == "keep":
-        return ("rollout.checkpoint_engine.engine_kwargs.double_buffer / rollout.in_flight_kv: "
-                "a prefill/decode replica has no weight slots yet; remove double_buffer and "
-                "set in_flight_kv=recompute")
-    world, per_node = replica_world_size(rollout), rollout.n_gpus_per_node
-    if world > per_node or per_node % world or rollout.nnodes != 1:
-        return (f"rollout.n_gpus_per_node: a prefill/decode replica of {world} devices "
-                f"(1 prefill + {pd.decode_replicas} decode) fits on one node, and the node's "
-                f"{per_node} devices must hold whole replicas; set rollout.nnodes=1 and "
-                f"rollout.n_gpus_per_node to a multiple of {world}")
-    return None
+    return _engine_group_problem(config, "rollout.disaggregation.enabled: is true, but",
+                                 "a prefill/decode replica",
+                                 f"1 prefill + {pd.decode_replicas} decode engines")
 
 
 def _hybrid_problem(rollout: RolloutConfig) -> str | None:
