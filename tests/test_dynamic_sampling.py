@@ -49,6 +49,10 @@ def test_the_filter_keeps_varying_groups_by_reward_or_by_a_detail():
     with pytest.raises(ValueError, match=r"algorithm\.filter_groups\.metric: is 'pass'.*a/0 "
                                          r"no such detail \(it gave \['acc'\]\)"):
         GroupFilter("pass").split(samples)
+    samples[0].reward_extra["verdict"] = "yes"  # a text detail is no metric to filter on
+    with pytest.raises(ValueError, match=r"metric: is 'verdict', but the reward gave sample "
+                                         r"a/0 verdict='yes', no finite number"):
+        GroupFilter("verdict").split(samples)
 
 
 def test_the_config_is_refused_where_it_cannot_be_honoured():

@@ -119,6 +119,16 @@ async def bad_reward(client, row):
     return "good"
 
 
+async def text_acc(client, row):
+    await client.chat.completions.create(model="tandem", messages=row.messages)
+    return {"score": 1.0, "acc": "yes"}  # acc is logged as a metric: it must be a number
+
+
+async def huge_score(client, row):
+    await client.chat.completions.create(model="tandem", messages=row.messages)
+    return 1e39
+
+
 @pytest.mark.parametrize("agent, expected", [(answer_once, (0.25, {"judge": "yes"})),
                                              (answer_float, (0.5, {}))])
 async def test_reward_info_from_the_agent_wins_over_the_reward_fn(tokenizer, agent, expected):
@@ -135,8 +145,12 @@ async def test_reward_info_from_the_agent_wins_over_the_reward_fn(tokenizer, age
     assert (trajectory.reward, trajectory.reward_extra) == expected
 
 
-@pytest.mark.parametrize("agent, words", [(no_calls, "made no successful chat call"),
-                                          (bad_reward, "returned 'good'")])
+@pytest.mark.parametrize("agent, words", [
+    (no_calls, "made no successful chat call"),
+    (bad_reward, "the openai agent .* returned str; return a float"),
+    (text_acc, "the openai agent .* returned detail 'acc'='yes' .* is a finite number"),
+    (huge_score, "the openai agent .* returned score 1e\\+39, non-finite or beyond float32"),
+])
 async def test_agents_that_break_the_contract_get_clear_errors(tokenizer, agent, words):
     from tandem.agent.chat_format import ChatFormat
     from tandem.agent.openai_agent import OpenAIAgentLoop
@@ -145,7 +159,7 @@ async def test_agents_that_break_the_contract_get_clear_errors(tokenizer, agent,
     _, config = configs(100)
     loop = OpenAIAgentLoop(ScriptedEngine(tokenizer), ChatFormat(tokenizer), config, agent)
     try:
-        with pytest.raises(ValueError, match=words):
+        with pytest.raises((ValueError, TypeError), match=words):  # fails this session only
             await loop.run(Session(rows(1)[0], 0, "row0-0"))
         assert loop.recorder.sessions == {}  # the session is closed even when the agent fails
     finally:

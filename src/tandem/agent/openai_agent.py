@@ -21,6 +21,7 @@ from tandem.agent.recorder import ChatRecorder, SessionSettings
 from tandem.agent.session import Session, TokenClient
 from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import RolloutConfig
+from tandem.rewards.scorer import to_result
 from tandem.agent.openai_endpoint import SESSION_HEADER, EndpointServer, create_app
 
 AgentFn = Callable[[openai.AsyncOpenAI, DatasetRow], Awaitable[Any]]
@@ -40,14 +41,13 @@ def load_agent(path: str) -> AgentFn:
 
 
 def _reward(info: Any) -> tuple[float, dict[str, Any]] | None:
+    """The agent's own reward, checked like a reward function's (rewards.scorer.to_result: a
+    number within float32, metric details numbers); None: the reward functions score."""
     if info is None:
         return None
-    if isinstance(info, (int, float)) and not isinstance(info, bool):
-        return float(info), {}
-    if isinstance(info, dict) and isinstance(info.get("score"), (int, float)):
-        return float(info["score"]), {k: v for k, v in info.items() if k != "score"}
-    raise ValueError(f"the openai agent returned {info!r}; return None (the reward function "
-                     "scores), a float score, or a dict with a float 'score'")
+    result = to_result(info, "the openai agent (its return value; None lets the reward "
+                             "functions score)")
+    return result.score, result.extra
 
 
 class OpenAIAgentLoop:

@@ -6,12 +6,13 @@ such a group before it reaches the rollout buffer (trainer/producer.py)."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING
 
 from tandem import algorithms
 from tandem.agent.runner import AllSessionsFailed
 from tandem.batch.trajectory import Trajectory
-from tandem.rewards.scorer import FAILED
+from tandem.rewards.scorer import FAILED, as_number
 
 if TYPE_CHECKING:
     from tandem.trainer.rl_trainer import RLTrainer
@@ -39,7 +40,13 @@ class GroupFilter:
             return float(trajectory.reward)
         extra = trajectory.reward_extra
         if self.metric in extra:
-            return float(extra[self.metric])
+            number = as_number(extra[self.metric])
+            if number is None or not math.isfinite(number):
+                raise ValueError(f"algorithm.filter_groups.metric: is {self.metric!r}, but the "
+                                 f"reward gave sample {trajectory.uid}/{trajectory.session_id} "
+                                 f"{self.metric}={extra[self.metric]!r}, no finite number; set "
+                                 "it to reward or to a numeric detail")
+            return number
         if extra.get(FAILED):
             return 0.0
         raise ValueError(f"algorithm.filter_groups.metric: is {self.metric!r}, but the reward gave "
