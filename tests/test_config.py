@@ -136,6 +136,8 @@ NOT_READ = [
     *[([f"rollout.disaggregation.{name}=7"], f"rollout.disaggregation.{name}", "enabled=false")
       for name in ("prefill_tensor_parallel_size", "prefill_replicas",
                    "decode_tensor_parallel_size", "decode_replicas")],
+    (["rollout.disaggregation.kv_transfer=mooncake"], "rollout.disaggregation.kv_transfer",
+     "enabled=false"),
     # what vLLM / SGLang never read
     (["rollout.name=vllm", "rollout.block_size=32"], "rollout.block_size", "vllm backend on cpu never"),
     ([*SGLANG, "rollout.block_size=32"], "rollout.block_size", "sglang backend on cuda never"),

@@ -19,7 +19,7 @@ from test_engine_tensor_parallel import perturbed_model
 from tandem.config.schema import DisaggregationConfig, RolloutConfig
 from tandem.models import build_tiny_model
 from tandem.rollout.disaggregated import DisaggregatedRollout
-from tandem.rollout.engine.kv_transfer import InProcessTransfer, block_runs
+from tandem.rollout.engine.kv_transfer import InProcessTransfer, MooncakeTransfer, block_runs
 from tandem.rollout.native import NativeRollout
 from tandem.types import GenerateRequest
 
@@ -182,18 +182,55 @@ async def test_an_abort_mid_decode_and_a_failed_transfer_lose_nothing(model_path
         await plain.shutdown()
 
 
-def test_a_transfer_copies_each_block_into_its_place_in_runs():
+def mooncake_or_skip():
+    """Mooncake's transfer engine (the pd extra; `make ibverbs` installs libibverbs1 where it
+    can), or a skip naming the fix."""
+    try:
+        return MooncakeTransfer()
+    except ImportError as error:
+        pytest.skip(str(error))
+
+
+async def test_mooncake_moves_the_blocks_and_the_tokens_are_a_plain_engines(model_path):
+    """rollout.disaggregation.kv_transfer=mooncake: the blocks go through Mooncake's transfer
+    engine (TCP on loopback), one write per run of each KV head, into the registered cache."""
+    mooncake_or_skip()
+    mooncake = dataclasses.replace(PD, disaggregation=dataclasses.replace(
+        PD.disaggregation, kv_transfer="mooncake"))
+    plan = sessions(4, 700, seed=8)
+    plain = NativeRollout.create(model_path, PLAIN)
+    pd = DisaggregatedRollout.create(model_path, mooncake)
+    try:
+        assert isinstance(pd.transfer, MooncakeTransfer)
+        expected = await run_sessions(plain, plan, "m")
+        got = await run_sessions(pd, plan, "m")
+        assert [o.token_ids for _, o in got] == [o.token_ids for _, o in expected]
+        assert [o.log_probs for _, o in got[::2]] == [o.log_probs for _, o in expected[::2]]
+        stats = pd.stats()
+        assert stats["handoffs_recomputed"] == 0 and stats["kv_transfer_blocks"] > 0
+        runner = pd.prefill_engine.runner
+        block_bytes = 2 * len(runner.key_caches) * runner.key_caches[0][:, 0].numel() * 4
+        assert stats["kv_transfer_bytes"] == stats["kv_transfer_blocks"] * block_bytes
+        assert_nothing_held(pd)
+    finally:
+        await plain.shutdown()
+        await pd.shutdown()
+
+
+@pytest.mark.parametrize("make", [InProcessTransfer, mooncake_or_skip], ids=["in_process",
+                                                                           "mooncake"])
+def test_a_transfer_copies_each_block_into_its_place_in_runs(make):
     class Cache:  # a runner's KV caches: [kv heads, blocks, block size, head dim] per layer
         def __init__(self, fill):
             self.block_size = 2
-            self.key_caches = [fill(l) for l in range(2)]
-            self.value_caches = [-fill(l) for l in range(2)]
+            self.key_caches = [fill(l).contiguous() for l in range(2)]
+            self.value_caches = [(-fill(l)).contiguous() for l in range(2)]
 
     source = Cache(lambda layer: torch.arange(3 * 8 * 2 * 4.0).reshape(3, 8, 2, 4) + layer)
     target = Cache(lambda layer: torch.zeros(3, 8, 2, 4))
     src, dst = [1, 2, 3, 6, 0], [4, 5, 6, 0, 7]
     assert block_runs(src, dst) == [(1, 4, 3), (6, 0, 1), (0, 7, 1)]
-    transfer = InProcessTransfer()
+    transfer = make()
     moved = transfer.copy(source, src, target, dst)
     assert moved == 2 * 2 * 5 * 3 * 2 * 4 * 4 and transfer.blocks_moved == 5
     for layer in range(2):

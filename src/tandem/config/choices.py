@@ -15,6 +15,8 @@ IN_FLIGHT_KV = ("recompute", "keep")
 # kv = while the admitted sequences' worst-case KV fits (native only); fixed = while blocks for
 # the prompt are free (preempting and recomputing when they run out later)
 ADMISSION = ("auto", "kv", "fixed")
+# how a prefill/decode replica moves KV blocks: a copy inside the process, or Mooncake's engine
+KV_TRANSFERS = ("in_process", "mooncake")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")
 ADV_ESTIMATORS = ("grpo", "gae")
@@ -47,6 +49,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.logprobs_mode": LOGPROBS_MODES,
     "rollout.in_flight_kv": IN_FLIGHT_KV,
     "rollout.admission": ADMISSION,
+    "rollout.disaggregation.kv_transfer": KV_TRANSFERS,
     "rollout.multi_turn.tool_response_truncate_side": TRUNCATE_SIDES,
     "rollout.environment.kind": ENVIRONMENT_KINDS,
     "actor.loss_agg_mode": LOSS_AGG_MODES,

@@ -127,12 +127,12 @@ def _disaggregation_problem(config: TandemConfig) -> str | None:
     rollout = config.rollout
     pd = rollout.disaggregation
     sizes = ("prefill_tensor_parallel_size", "prefill_replicas", "decode_tensor_parallel_size",
-             "decode_replicas")
+             "decode_replicas", "kv_transfer")
     if not pd.enabled:
         for field in changed_fields(pd, sizes):
-            return (f"rollout.disaggregation.{field}: is {getattr(pd, field)}, but "
-                    "rollout.disaggregation.enabled=false, so it sizes nothing; remove it "
-                    "(default 1) or enable prefill/decode disaggregation")
+            return (f"rollout.disaggregation.{field}: is {getattr(pd, field)!r}, but "
+                    "rollout.disaggregation.enabled=false, so nothing reads it; remove it or "
+                    "enable prefill/decode disaggregation")
         return None
     if rollout.name != "native":
         return (f"rollout.disaggregation.enabled: prefill/decode disaggregation runs on the "

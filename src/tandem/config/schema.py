@@ -41,6 +41,7 @@ class DisaggregationConfig:
     prefill_replicas: int = 1
     decode_tensor_parallel_size: int = 1
     decode_replicas: int = 1
+    kv_transfer: str = "in_process"  # or mooncake: Mooncake's transfer engine (the pd extra)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config.schema import DisaggregationConfig, RolloutConfig
-from tandem.rollout.engine.kv_transfer import InProcessTransfer
+from tandem.rollout.engine.kv_transfer import InProcessTransfer, make_transfer
 from tandem.rollout.engine_group import EngineGroup, engine_devices, stop_started
 from tandem.rollout.native import NativeRollout
 from tandem.types import GenerateRequest, TokenOutput
@@ -46,10 +46,11 @@ class DisaggregatedRollout(EngineGroup):
         try:
             for engine_device in engine_devices(device, 1 + config.disaggregation.decode_replicas):
                 engines.append(NativeRollout.create(model_path, plain, dtype, engine_device))
+            transfer = make_transfer(config.disaggregation.kv_transfer)
         except BaseException:
             stop_started(engines)
             raise
-        return cls(engines[0], engines[1:])
+        return cls(engines[0], engines[1:], transfer)
 
     async def generate(self, request: GenerateRequest) -> TokenOutput:
         """Prefill, then decode on the session's decode engine (or the least loaded one)."""

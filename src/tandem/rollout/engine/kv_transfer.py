@@ -3,13 +3,19 @@ cache into blocks of another's, every layer's keys and values, block table to bl
 (each block copied once, straight into its place; consecutive blocks in one piece).
 
 `InProcessTransfer` serves engines in one process (the disaggregated replica of
-rollout/disaggregated.py), on one device or across devices. Transfers between processes
-(a shared-memory cache, Mooncake's transfer engine) take the same call.
+rollout/disaggregated.py), on one device or across devices. `MooncakeTransfer` writes the same
+runs through Mooncake's transfer engine (rollout.disaggregation.kv_transfer=mooncake: TCP here,
+RDMA on clusters; the `pd` extra), the path KV takes between processes and hosts: each side's
+cache is registered once and every run is one write into the target's memory.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+MOONCAKE_INSTALL = ("pip install 'mooncake-transfer-engine-non-cuda>=0.3.13' (the pd extra; "
+                    "mooncake-transfer-engine on CUDA) and the RDMA verbs library it links "
+                    "(Debian/Ubuntu: apt-get install libibverbs1)")
 
 
 def block_runs(source: list[int], target: list[int]) -> list[tuple[int, int, int]]:
@@ -58,3 +64,77 @@ class InProcessTransfer:
         self.blocks_moved += len(source_blocks)
         self.bytes_moved += moved
         return moved
+
+
+class MooncakeTransfer:
+    """KV runs written by Mooncake's TransferEngine from the source's cache straight into the
+    target's (both registered with it), over TCP on this box; counts blocks and bytes."""
+
+    name = "mooncake"
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as error:
+            raise ImportError(f"rollout.disaggregation.kv_transfer=mooncake: Mooncake's transfer "
+                              f"engine does not import ({error}); {MOONCAKE_INSTALL}") from None
+        self.engine = TransferEngine()
+        code = self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
+        if code != 0:
+            raise RuntimeError(f"Mooncake's transfer engine did not start on {host} (code {code})")
+        self.peer = f"{host}:{self.engine.get_rpc_port()}"
+        self.registered: dict[int, int] = {}  # data_ptr -> bytes, of every cache tensor
+        self.blocks_moved = 0
+        self.bytes_moved = 0
+
+    def _register(self, tensor: Any) -> int:
+        address, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        if self.registered.get(address) != size:  # a cache re-allocated after a sleep
+            code = self.engine.register_memory(address, size)
+            if code != 0:
+                raise RuntimeError(f"Mooncake could not register {size} bytes of KV cache "
+                                   f"(code {code})")
+            self.registered[address] = size
+        return address
+
+    def copy(self, source: Any, source_blocks: list[int], target: Any,
+             target_blocks: list[int]) -> int:
+        """As InProcessTransfer.copy, each run of each KV head of each layer one write."""
+        if len(source_blocks) != len(target_blocks):
+            raise ValueError(f"KV transfer: {len(source_blocks)} source blocks for "
+                             f"{len(target_blocks)} target blocks")
+        moved = 0
+        runs = block_runs(source_blocks, target_blocks)
+        for caches in ((source.key_caches, target.key_caches),
+                       (source.value_caches, target.value_caches)):
+            for held, into in zip(*caches):  # [kv heads, blocks, block size, head dim]
+                if held.shape[0] != into.shape[0] or held.shape[2:] != into.shape[2:] \
+                        or held.dtype != into.dtype or not held.is_contiguous() \
+                        or not into.is_contiguous():
+                    raise ValueError("KV transfer: the engines' caches differ in layout or dtype "
+                                     "(prefill and decode must serve one model alike)")
+                src, dst = self._register(held), self._register(into)
+                block = held.stride(1) * held.element_size()  # bytes of one block of one head
+                for head in range(held.shape[0]):
+                    src_head = src + head * held.stride(0) * held.element_size()
+                    dst_head = dst + head * into.stride(0) * into.element_size()
+                    for start, to, count in runs:
+                        code = self.engine.transfer_sync_write(
+                            self.peer, src_head + start * block, dst_head + to * block,
+                            count * block)
+                        if code != 0:
+                            raise RuntimeError(f"Mooncake write of {count} KV block(s) failed "
+                                               f"(code {code})")
+                        moved += count * block
+        self.blocks_moved += len(source_blocks)
+        self.bytes_moved += moved
+        return moved
+
+
+def make_transfer(name: str) -> InProcessTransfer | MooncakeTransfer:
+    """The KV transfer rollout.disaggregation.kv_transfer names."""
+    if name == "in_process":
+        return InProcessTransfer()
+    if name == "mooncake":
+        return MooncakeTransfer()
+    raise ValueError(f"rollout.disaggregation.kv_transfer={name!r}: use in_process or mooncake")
