@@ -43,7 +43,7 @@ bubblewrap:
 # elsewhere its tests skip, naming the fix.
 ibverbs:
 	@ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null 2>&1; } \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null 2>&1; } \
 	  || echo "Mooncake's transfer engine needs libibverbs1 (sudo apt-get install -y libibverbs1); its tests skip" >&2
 
 # Rebuild the shipped warmed-up models from scratch (src/tandem/models/demo_model = tiny:demo,
