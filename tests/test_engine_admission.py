@@ -77,6 +77,26 @@ def test_overcommit_halves_on_a_preemption_and_recovers():
     assert admission.overcommit == pytest.approx(4.0, rel=0.05)
 
 
+def test_a_prefill_engine_admits_by_the_prompts_not_by_max_tokens():
+    """A prefill-only sequence (a prefill/decode replica's prefill side) stops at its first
+    token: its worst case is prompt + 1, so a cache for four such prompts takes four at once,
+    where four full answers of max_tokens would fit one."""
+    def admitted(prefill_only: bool) -> int:
+        scheduler = Scheduler(BlockManager(12, BLOCK, enable_prefix_caching=False),
+                              max_num_seqs=64, max_num_batched_tokens=4096, follow_kv=True)
+        params = SamplingParams(max_tokens=2 * BLOCK * 6, ignore_eos=True)
+        for index in range(4):
+            seq = Sequence(f"p{index}", [3 + index] * (2 * BLOCK), params, frozenset(), 4096)
+            seq.prefill_only = prefill_only
+            scheduler.add(seq)
+        scheduler.schedule()  # one sequence is always admitted
+        scheduler.schedule()
+        return len(scheduler.running)
+
+    assert admitted(prefill_only=True) == 4  # 4 x 3 blocks (32 prompt tokens + 1) = 12
+    assert admitted(prefill_only=False) == 1  # each may reach 224 tokens: 14 blocks
+
+
 def test_admission_other_than_auto_is_refused_for_engines_with_their_own_scheduler():
     with pytest.raises(ConfigError, match="rollout.admission: is 'kv', but the vllm backend "
                                           "admits requests by its own scheduler"):

@@ -156,8 +156,10 @@ class Scheduler:
 
     @staticmethod
     def _full_length(seq: Sequence) -> int:
-        """The most tokens seq can reach: prompt + max_tokens within the context limit."""
-        return min(seq.num_prompt_tokens + seq.params.max_tokens, seq.max_total_tokens)
+        """The most tokens seq can reach: prompt + max_tokens within the context limit (a
+        prefill-only sequence stops at its first token)."""
+        budget = 1 if seq.prefill_only else seq.params.max_tokens
+        return min(seq.num_prompt_tokens + budget, seq.max_total_tokens)
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether the running sequences and seq, each growing to its worst case, never hold
