@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tandem.rollout.engine.sequence import Sequence, SequenceStatus
+from tandem.rollout.engine.sequence import Sequence
 from tandem.types import GenerateRequest, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -112,28 +112,18 @@ class KVHandoff:
         the blocks copied, or None (nothing changed) when the KV cannot be used."""
         tokens = prefilled.num_tokens
         source_blocks = source.held_blocks(seq.request_id, tokens)
-        if (source_blocks is None or prefilled.version != self.version or self.kv_released
-                or len(self.scheduler.running) >= self.scheduler.max_num_seqs):
+        if source_blocks is None or prefilled.version != self.version or self.kv_released:
             return None
-        blocks = self.blocks
-        prefix = blocks.find_prefix(seq)
-        if not blocks.can_admit(seq, prefix, tokens):
+        first = self.scheduler.reserve_computed(seq, tokens)
+        if first is None:
             return None
-        blocks.share_prefix(seq, prefix)
-        blocks.allocate(seq, tokens)
-        first = len(prefix)
         try:
             transfer.copy(source.runner, source_blocks[first:], self.runner,
                           seq.block_table[first:])
         except Exception:  # this request's transfer fails, never the engine: recompute it
             logger.exception("KV transfer of request %r failed; it is recomputed on the decode "
                              "side", seq.request_id)
-            blocks.release(seq)
+            self.blocks.release(seq)
             return None
-        seq.num_computed_tokens = seq.num_tokens_at_admission = tokens
-        blocks.register_full_blocks(seq, tokens)
-        seq.status = SequenceStatus.RUNNING
-        self.scheduler.running.append(seq)
-        self.scheduler.num_admitted += 1
-        self.scheduler.prompt_tokens_cached += first * blocks.block_size
+        self.scheduler.run_computed(seq, tokens, first)
         return len(seq.block_table) - first

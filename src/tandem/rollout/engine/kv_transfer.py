@@ -30,10 +30,11 @@ def block_runs(source: list[int], target: list[int]) -> list[tuple[int, int, int
     return runs
 
 
-class InProcessTransfer:
-    """Copies between the KV caches of two engines of this process; counts blocks and bytes."""
+class KVTransfer:
+    """What every transfer does around its writes: the checks, the runs of every layer's keys
+    and values, the counts of blocks and bytes. `write` moves one run of one cache tensor."""
 
-    name = "in_process"
+    name = ""
 
     def __init__(self) -> None:
         self.blocks_moved = 0
@@ -57,22 +58,38 @@ class InProcessTransfer:
         for caches in ((source.key_caches, target.key_caches),
                        (source.value_caches, target.value_caches)):
             for held, into in zip(*caches):  # [kv heads, blocks, block size, head dim]
-                for start, to, count in runs:  # one strided copy per run, into its place
-                    part = held.narrow(1, start, count)
-                    into.narrow(1, to, count).copy_(part)
-                    moved += part.numel() * part.element_size()
+                moved += self.write(held, into, runs)
         self.blocks_moved += len(source_blocks)
         self.bytes_moved += moved
         return moved
 
+    def write(self, held: Any, into: Any, runs: list[tuple[int, int, int]]) -> int:
+        raise NotImplementedError
 
-class MooncakeTransfer:
+
+class InProcessTransfer(KVTransfer):
+    """Copies between the KV caches of two engines of this process."""
+
+    name = "in_process"
+
+    def write(self, held: Any, into: Any, runs: list[tuple[int, int, int]]) -> int:
+        """One strided copy per run, straight into its place."""
+        moved = 0
+        for start, to, count in runs:
+            part = held.narrow(1, start, count)
+            into.narrow(1, to, count).copy_(part)
+            moved += part.numel() * part.element_size()
+        return moved
+
+
+class MooncakeTransfer(KVTransfer):
     """KV runs written by Mooncake's TransferEngine from the source's cache straight into the
-    target's (both registered with it), over TCP on this box; counts blocks and bytes."""
+    target's (both registered with it), over TCP on this box."""
 
     name = "mooncake"
 
     def __init__(self, host: str = "127.0.0.1") -> None:
+        super().__init__()
         try:
             from mooncake.engine import TransferEngine
         except ImportError as error:
@@ -84,8 +101,6 @@ class MooncakeTransfer:
             raise RuntimeError(f"Mooncake's transfer engine did not start on {host} (code {code})")
         self.peer = f"{host}:{self.engine.get_rpc_port()}"
         self.registered: dict[int, int] = {}  # data_ptr -> bytes, of every cache tensor
-        self.blocks_moved = 0
-        self.bytes_moved = 0
 
     def _register(self, tensor: Any) -> int:
         address, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
@@ -97,37 +112,26 @@ class MooncakeTransfer:
             self.registered[address] = size
         return address
 
-    def copy(self, source: Any, source_blocks: list[int], target: Any,
-             target_blocks: list[int]) -> int:
-        """As InProcessTransfer.copy, each run of each KV head of each layer one write."""
-        if len(source_blocks) != len(target_blocks):
-            raise ValueError(f"KV transfer: {len(source_blocks)} source blocks for "
-                             f"{len(target_blocks)} target blocks")
+    def write(self, held: Any, into: Any, runs: list[tuple[int, int, int]]) -> int:
+        """Each run of each KV head one write into the target's registered memory."""
+        if held.shape[0] != into.shape[0] or held.shape[2:] != into.shape[2:] \
+                or held.dtype != into.dtype or not held.is_contiguous() \
+                or not into.is_contiguous():
+            raise ValueError("KV transfer: the engines' caches differ in layout or dtype "
+                             "(prefill and decode must serve one model alike)")
+        src, dst = self._register(held), self._register(into)
+        block = held.stride(1) * held.element_size()  # bytes of one block of one head
         moved = 0
-        runs = block_runs(source_blocks, target_blocks)
-        for caches in ((source.key_caches, target.key_caches),
-                       (source.value_caches, target.value_caches)):
-            for held, into in zip(*caches):  # [kv heads, blocks, block size, head dim]
-                if held.shape[0] != into.shape[0] or held.shape[2:] != into.shape[2:] \
-                        or held.dtype != into.dtype or not held.is_contiguous() \
-                        or not into.is_contiguous():
-                    raise ValueError("KV transfer: the engines' caches differ in layout or dtype "
-                                     "(prefill and decode must serve one model alike)")
-                src, dst = self._register(held), self._register(into)
-                block = held.stride(1) * held.element_size()  # bytes of one block of one head
-                for head in range(held.shape[0]):
-                    src_head = src + head * held.stride(0) * held.element_size()
-                    dst_head = dst + head * into.stride(0) * into.element_size()
-                    for start, to, count in runs:
-                        code = self.engine.transfer_sync_write(
-                            self.peer, src_head + start * block, dst_head + to * block,
-                            count * block)
-                        if code != 0:
-                            raise RuntimeError(f"Mooncake write of {count} KV block(s) failed "
-                                               f"(code {code})")
-                        moved += count * block
-        self.blocks_moved += len(source_blocks)
-        self.bytes_moved += moved
+        for head in range(held.shape[0]):
+            src_head = src + head * held.stride(0) * held.element_size()
+            dst_head = dst + head * into.stride(0) * into.element_size()
+            for start, to, count in runs:
+                code = self.engine.transfer_sync_write(
+                    self.peer, src_head + start * block, dst_head + to * block, count * block)
+                if code != 0:
+                    raise RuntimeError(f"Mooncake write of {count} KV block(s) failed "
+                                       f"(code {code})")
+                moved += count * block
         return moved
 
 

@@ -145,6 +145,31 @@ class Scheduler:
             budget -= num_new
         return scheduled
 
+    def reserve_computed(self, seq: Sequence, tokens: int) -> int | None:
+        """Blocks for a sequence whose first `tokens` tokens have KV computed elsewhere (a
+        prefill/decode handoff): its cached prefix shared, the rest allocated to be filled;
+        returns how many leading blocks came from the prefix cache, None (nothing changed)
+        when it does not fit now. run_computed admits it once the blocks are filled."""
+        blocks = self.block_manager
+        if len(self.running) >= self.max_num_seqs:
+            return None
+        prefix = blocks.find_prefix(seq)
+        if not blocks.can_admit(seq, prefix, tokens):
+            return None
+        blocks.share_prefix(seq, prefix)
+        blocks.allocate(seq, tokens)
+        return len(prefix)
+
+    def run_computed(self, seq: Sequence, tokens: int, cached_blocks: int) -> None:
+        """Admit a sequence reserve_computed placed, its first `tokens` tokens' KV now in its
+        blocks: it runs from the next step on, like one whose prompt was just computed here."""
+        seq.num_computed_tokens = seq.num_tokens_at_admission = tokens
+        self.block_manager.register_full_blocks(seq, tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.num_admitted += 1
+        self.prompt_tokens_cached += cached_blocks * self.block_manager.block_size
+
     def _chunk(self, seq: Sequence, computed: int, budget: int) -> int:
         """Tokens of seq to compute this step from `computed` on; batch-invariant: the whole
         fixed-boundary chunk or 0 (wait), else as many as the budget allows."""
