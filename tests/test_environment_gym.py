@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 from transformers import AutoTokenizer
 
 from tandem.agent.chat_format import ChatFormat
@@ -99,6 +100,22 @@ async def test_an_openenv_shaped_environment_gets_its_action_type_and_async_call
     assert '"guess"' in prompt and '"metadata"' not in prompt  # the Action's schema as the tool's
 
 
+async def test_an_environment_on_openenvs_own_classes_runs_as_a_tool_loop(tokenizer):
+    """With the openenv extra installed (`make test-environments`): OpenEnv's Environment base,
+    its Action subclass built from the call's arguments, its Observation read as the tool turn."""
+    pytest.importorskip("openenv.core.env_server.interfaces", reason="the openenv extra: make openenv")
+    entry = f"{ENVS.parent / 'openenv_guess.py'}:GuessEnv"
+    loop = runner(tokenizer, [call("step", '{"guess": 9}'), call("step", '{"guess": 7}')],
+                  entry=entry)
+    [trajectory] = await loop.run([DatasetRow(messages=[{"role": "system", "content": "Play."}],
+                                              uid="r0")])
+    tools = [m["content"] for m in trajectory.metadata["messages"] if m["role"] == "tool"]
+    assert tools == ['{"message": "lower"}', '{"message": "correct"}']
+    assert trajectory.metadata["environment_reward"] == pytest.approx(0.9)
+    prompt = tokenizer.decode(trajectory.prompts)
+    assert '"guess"' in prompt and '"metadata"' not in prompt
+
+
 async def test_environment_reward_weight_adds_to_the_users_reward(tokenizer):
     config = config_for(f"{ENVS}:ArithmeticEnv")
     config.environment.reward_weight = 0.5
@@ -124,6 +141,13 @@ def test_step_results_of_every_shape():
     with pytest.raises(TypeError, match="reward"):
         step_outcome(("o", "high", False, {}))
     assert observation_text({"board": [1, 2]}) == '{"board": [1, 2]}'
+
+    class Seen(BaseModel):  # an OpenEnv-style Observation: bookkeeping and unset fields unread
+        text: str | None = None
+        done: bool = False
+        reward: float | None = None
+    assert observation_text(Seen(text="hi", done=True, reward=1.0)) == '{"text": "hi"}'
+    assert observation_text(Seen()) == ""  # nothing observed: no user turn of "{}"
 
 
 @pytest.mark.parametrize("overrides, field", [

@@ -11,7 +11,7 @@ from tandem.agent.chat_format import ChatFormat
 from tandem.agent.dataset import PromptDataset
 from tandem.agent.prompt_fit import loop_tool_schemas, overlong_rows
 from tandem.config.choices import ConfigError
-from tandem.config.load import load_config
+from tandem.config.load import load_config, to_yaml
 from tandem.demo.tasks import make_datasets, write_jsonl
 from tandem.preflight import check_job, check_prompts
 
@@ -131,3 +131,23 @@ def test_a_run_that_trains_no_step_fails_naming_why(tmp_path, ray_cluster):
     with pytest.raises(NoStepTrained, match=r"no step trained: all 2 step\(s\) .* the first: "
                                             r"step 1: .*rollout\.prompt_length=320"):
         asyncio.run(run())
+
+
+def test_tandem_train_that_trains_no_step_exits_non_zero_naming_why(tmp_path, ray_cluster, capsys):
+    """From the CLI: a reward that never varies, under dynamic sampling with a budget of one prompt
+    batch, leaves no group to train on in any step; `tandem train` exits 1 naming why (not 0)."""
+    from tandem.cli import main
+
+    (tmp_path / "flat_reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 0.0\n")
+    config = job(tmp_path, f"reward.custom_function.path={tmp_path / 'flat_reward.py'}",
+                 "reward.custom_function.name=compute_score", "algorithm.filter_groups.enable=true",
+                 "algorithm.filter_groups.max_gen_batches=1", long_rows=0)
+    (tmp_path / "job.yaml").write_text(to_yaml(config))
+    with pytest.raises(SystemExit) as exit:
+        main(["train", str(tmp_path / "job.yaml")])
+    assert exit.value.code == 1
+    error = capsys.readouterr().err
+    assert "tandem train: error: NoStepTrained: no step trained: all 2 step(s)" in error, error
+    assert "algorithm.filter_groups" in error and not (tmp_path / "run" / "checkpoints").exists()

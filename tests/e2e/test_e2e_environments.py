@@ -1,6 +1,6 @@
 """`tandem train` on environments: a Gym-style environment made in the tests (its action is the
-calculator call tiny:calculator learned) and, where the `verifiers` package is installed, a
-verifiers environment made in the tests. Each trains 2 steps; the environment's rewards reach
+calculator call tiny:calculator learned) and, where the `openenv` and `verifiers` packages are
+installed (`make test-environments`), one on OpenEnv's classes and a verifiers environment. Each trains 2 steps; the environment's rewards reach
 metrics.jsonl."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tandem.cli import main
+from tandem.demo.tasks import SYSTEM_PROMPT
 from tandem.trainer.metrics import read_metrics
 
 pytestmark = pytest.mark.slow  # about 50 s each on 2 cores (make test-slow, make test-verifiers)
@@ -51,6 +52,21 @@ def test_a_gym_environment_trains_two_steps_and_its_rewards_reach_the_metrics(tm
         assert record["actor/grad_norm"] >= 0
     assert any(r["reward/tool_use"] > 0 for r in records)  # the model called the action
     assert any(r["reward/mean"] > 0 for r in records), records  # the environment's reward
+
+
+def test_an_openenv_environment_trains_two_steps_and_its_rewards_reach_the_metrics(tmp_path,
+                                                                                   ray_cluster):
+    pytest.importorskip("openenv.core.env_server.interfaces", reason="the openenv extra: make openenv")
+    # the question in the row (reset observes nothing), the numbers also given to reset()
+    rows = [{"prompt": [{"role": "system", "content": SYSTEM_PROMPT},
+                        {"role": "user", "content": f"Ann has {a} apples and gets {b} more. "
+                                                    "How many apples?"}],
+             "env_kwargs": {"a": a, "b": b}} for a, b in ((213, 345), (708, 151), (432, 404), (911, 123))]
+    records = train(tmp_path, {"kind": "gym", "id": f"{ENVS / 'openenv_guess.py'}:SumEnv"}, rows)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(0.0 <= r["reward/mean"] <= 2.0 for r in records)
+    assert any(r["reward/tool_use"] > 0 for r in records)  # the model's call became an Action
+    assert any(r["reward/mean"] > 0 for r in records), records  # the Observation's reward
 
 
 def test_a_verifiers_environment_trains_two_steps_token_exact(tmp_path, ray_cluster, monkeypatch):

@@ -1,6 +1,8 @@
 """`tandem serve` end to end, as a user reaches it: the CLI over a config, the official `openai`
 client against it (chat, tool schemas, streaming, logprobs, the API key), and Ctrl-C."""
 
+import json
+import random
 import re
 import signal
 import subprocess
@@ -9,19 +11,21 @@ import sys
 import pytest
 
 from tandem.config.load import load_config, to_yaml
-from tandem.demo.tasks import make_datasets
+from tandem.demo.tasks import SYSTEM_PROMPT, make_datasets, make_problem
+from tandem.tools.calculator import evaluate_expression, format_number
 from tandem.tools.registry import build_tool_registry
 
 pytestmark = pytest.mark.slow
-QUESTION = [{"role": "system", "content": "Use the calculator tool, then give the final number."},
-            {"role": "user", "content": "Sam buys 12 apples and then 7 more. How many apples?"}]
+# a word problem as tiny:calculator was warmed up on: greedy, it answers with a calculator call
+QUESTION = [{"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": make_problem(random.Random(0))["question"]}]
 
 
 def serve(tmp_path):
     train, _ = make_datasets(tmp_path / "data", 4, 2, seed=0)
     config = load_config(overrides=[
         "model.path=tiny:calculator", f"data.train_files=[{train}]", "data.train_batch_size=2",
-        "rollout.response_length=24", "rollout.kv_cache_memory_bytes=16777216",
+        "rollout.response_length=48", "rollout.kv_cache_memory_bytes=16777216",
         "actor.ppo_mini_batch_size=1", "rollout.openai_agent.served_model_name=tiny",
         "rollout.openai_agent.api_key=secret", f"trainer.output_dir={tmp_path / 'run'}"])
     (tmp_path / "serve.yaml").write_text(to_yaml(config))
@@ -58,10 +62,18 @@ def test_tandem_serve_answers_the_openai_client_and_stops_on_ctrl_c(tmp_path):
 
         tools = build_tool_registry(["calculator"]).schemas()
         with_tools = client.chat.completions.create(model="tiny", messages=QUESTION, tools=tools,
-                                                    temperature=0, max_tokens=24)
-        assert with_tools.choices[0].finish_reason in ("stop", "length", "tool_calls")
-        for call in with_tools.choices[0].message.tool_calls or []:
-            assert call.function.name == "calculator"
+                                                    temperature=0, max_tokens=48)
+        assert with_tools.choices[0].finish_reason == "tool_calls", with_tools
+        (call,) = with_tools.choices[0].message.tool_calls
+        assert call.function.name == "calculator" and call.id
+        expression = json.loads(call.function.arguments)["expression"]
+        # the tool's result goes back as the client sends it: the next turn answers in text
+        result = format_number(evaluate_expression(expression))
+        follow = client.chat.completions.create(
+            model="tiny", tools=tools, temperature=0, max_tokens=24,
+            messages=[*QUESTION, with_tools.choices[0].message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": result}])
+        assert follow.choices[0].finish_reason == "stop" and follow.choices[0].message.content
 
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=match[1], api_key="wrong", max_retries=0).chat.completions.create(

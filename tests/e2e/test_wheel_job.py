@@ -1,19 +1,19 @@
-"""The acceptance run of a new user: build the wheel, install it with only its declared
-dependencies into a fresh venv (no checkout on sys.path), then run examples/byoj twice: the
-Python script (its own verl-style reward, Tool class and JSONL data through tandem.Trainer) and
-`tandem train job.yaml` naming the same reward and tool only in YAML."""
+"""The acceptance run of a new user: in a copy of the checkout, the README's install block run
+as written (a venv, the CPU torch wheel from PyTorch's index, `pip install '.[plots]'`, which builds
+the wheel and installs it with its declared dependencies, no checkout on sys.path), then
+examples/byoj twice: the Python script (its own verl-style reward, Tool class and JSONL data
+through tandem.Trainer) and `tandem train job.yaml` naming the same reward and tool only in YAML."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).parents[2]
-TORCH = "torch==2.13.0"  # the Makefile's pin: the local CPU wheel (a bare range pulls CUDA builds)
 
 
 def run(args, cwd, timeout=1200, env=None):
@@ -23,25 +23,47 @@ def run(args, cwd, timeout=1200, env=None):
     return result
 
 
+def readme_install_block() -> str:
+    """The README's first bash block under "Install from a checkout", exactly as a user copies it."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("Install from a checkout"):]
+    return re.search(r"```bash\n(.*?)```", section, re.S)[1]
+
+
+def checkout_copy(target: Path) -> Path:
+    """The files a fresh clone of this tree has (tracked and not ignored), nothing built."""
+    listed = run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], ROOT).stdout
+    for name in filter(None, listed.split("\0")):
+        if (ROOT / name).is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, target / name)
+    return target
+
+
+def test_the_readme_install_block_is_the_one_this_test_runs():
+    block = readme_install_block()
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in block
+    assert "pip install '.[plots]'" in block and "python3 -m venv .venv" in block
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_a_fresh_venv_with_the_wheel_runs_the_users_job(tmp_path):
-    wheels = tmp_path / "wheels"
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", wheels, ROOT], ROOT)
-    (wheel,) = wheels.glob("tandem_rl-*.whl")
-    venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", venv], tmp_path)
+def test_a_fresh_venv_from_the_readme_install_runs_the_users_job(tmp_path):
+    checkout = checkout_copy(tmp_path / "checkout")
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("PYTHONPATH", "RAY_ADDRESS", "VIRTUAL_ENV")}
+    run(["bash", "-euc", readme_install_block()], checkout, timeout=2400, env=env)
+    venv = checkout / ".venv"
     python = venv / "bin" / "python"
-    run([python, "-m", "pip", "install", "-q", TORCH], tmp_path)
-    run([python, "-m", "pip", "install", "-q", wheel], tmp_path)
+    assert "+cpu" in run([python, "-c", "import torch; print(torch.__version__)"], tmp_path).stdout
 
     job = tmp_path / "job"
     shutil.copytree(ROOT / "examples" / "byoj", job)
     # as a new user: no checkout on the path, Ray started by tandem (a cluster of its own)
-    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "RAY_ADDRESS")}
     where = run([python, "-c", "import tandem, sys; print(tandem.__file__); print(sys.path)"], job,
                 env=env).stdout
-    assert str(venv) in where.splitlines()[0] and str(ROOT / "src") not in where
+    assert str(venv) in where.splitlines()[0]
+    assert str(ROOT / "src") not in where and str(checkout / "src") not in where
 
     script = run([python, "train.py"], job, env=env).stdout
     calls = next(line for line in script.splitlines() if line.startswith("tool calls"))

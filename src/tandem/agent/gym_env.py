@@ -75,13 +75,14 @@ def action_schema(environment: Any) -> dict[str, Any]:
 
 def observation_text(observation: Any) -> str:
     """An observation as the text the model reads: a string as is, an OpenEnv Observation or
-    another pydantic model as JSON of its fields (done/reward/metadata left out), else JSON."""
+    another pydantic model as JSON of its set fields (None and done/reward/metadata left out;
+    none left: nothing observed, ""), else JSON."""
     if isinstance(observation, str):
         return observation
     if hasattr(observation, "model_dump"):
         fields = {key: value for key, value in observation.model_dump(mode="json").items()
-                  if key not in OPENENV_FIELDS}
-        return json.dumps(fields, ensure_ascii=False)
+                  if key not in OPENENV_FIELDS and value is not None}
+        return json.dumps(fields, ensure_ascii=False) if fields else ""
     try:
         return json.dumps(observation, ensure_ascii=False)
     except TypeError:
