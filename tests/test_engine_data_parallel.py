@@ -108,6 +108,31 @@ async def test_abort_reaches_every_group(model_path):
         await dp.shutdown()
 
 
+async def test_a_group_that_stops_mid_generation_hands_its_requests_to_the_other(model_path):
+    """An engine group shut down under 4 running requests: they run again on the other group,
+    each output a plain engine's (none aborted); the replica fails once no group is left."""
+    dp = DataParallelRollout.create(model_path, DP2)
+    plain = NativeRollout.create(model_path, PLAIN)
+    try:
+        long = {**GREEDY, "max_tokens": 40}
+        requests = [GenerateRequest(f"k{i}", [5, 6, 9 + i], long) for i in range(4)]
+        running = [asyncio.ensure_future(dp.generate(r)) for r in requests]
+        while sum(engine.counters["generated_tokens"] for engine in dp.engines) < 8:
+            await asyncio.sleep(0.001)
+        victim = next(engine for engine in dp.engines if engine.requests)
+        await victim.shutdown()
+        outputs = await asyncio.gather(*running)
+        assert [o.token_ids for o in outputs] == [(await plain.generate(r)).token_ids for r in requests]
+        assert all(o.stop_reason == "length" for o in outputs)
+        assert list(dp.lost) == [dp.engines.index(victim)] and dp.requests_moved >= 1
+        await dp.engines[1 - dp.engines.index(victim)].shutdown()
+        with pytest.raises(ReplicaFailedError, match="every engine stopped"):
+            await dp.generate(requests[0])
+    finally:
+        await dp.shutdown()
+        await plain.shutdown()
+
+
 async def test_two_groups_of_two_tensor_parallel_ranks_serve_like_one_engine(model_path):
     batch = prompts(8, 700, seed=3)
     plain = NativeRollout.create(model_path, PLAIN)

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from float_bounds import assert_within, token_logprob_bounds
 from test_engine_tensor_parallel import perturbed_model
 from tandem.config.schema import DisaggregationConfig, RolloutConfig
+from tandem.rollout.base import ReplicaFailedError
 from tandem.models import build_tiny_model
 from tandem.rollout.disaggregated import DisaggregatedRollout
 from tandem.rollout.engine.kv_transfer import InProcessTransfer, MooncakeTransfer, block_runs
@@ -177,6 +178,81 @@ async def test_an_abort_mid_decode_and_a_failed_transfer_lose_nothing(model_path
         assert output.token_ids == (await plain.generate(request)).token_ids
         assert sum(e.counters["handoffs_recomputed"] for e in pd.decode_engines) == 1
         assert_nothing_held(pd)
+    finally:
+        await pd.shutdown()
+        await plain.shutdown()
+
+
+async def until_decoding(engine, count: int) -> None:
+    """Wait until `engine` decodes `count` requests that each have some tokens beyond the first."""
+    while sum(len(seq.token_ids) > seq.num_prompt_tokens + 2
+              for seq in engine.requests.values()) < count:
+        await asyncio.sleep(0.001)
+
+
+async def test_a_decode_engine_killed_mid_transfer_or_mid_decode_loses_no_request(model_path,
+                                                                                  tmp_path):
+    """Killed mid-transfer (the copy fails as the engine stops), the request is decoded on the
+    other decode engine; killed while decoding 4 requests, each is decoded again there from its
+    prefill. Every output equals a plain engine's, none aborted or cut; the lost engine gets no
+    more requests or weights; the replica fails only when no decode engine is left."""
+    pd = DisaggregatedRollout.create(model_path, dataclasses.replace(PD, disaggregation=(
+        DisaggregationConfig(enabled=True, decode_replicas=3))))
+    plain = NativeRollout.create(model_path, PLAIN)
+    first, second, third = pd.decode_engines
+    try:
+        class KillsItsTarget(InProcessTransfer):
+            def copy(self, source, source_blocks, target, target_blocks):
+                engine = next(e for e in pd.decode_engines if e.runner is target)
+                asyncio.get_running_loop().create_task(engine.shutdown())
+                super().copy(source, source_blocks[:1], target, target_blocks[:1])
+                raise ConnectionError("the decode engine went away mid-transfer")
+
+        pd.transfer = KillsItsTarget()
+        request = GenerateRequest("mid-transfer", list(range(30, 50)), GREEDY)
+        output = await pd.generate(request)
+        assert output.token_ids == (await plain.generate(request)).token_ids
+        assert output.log_probs == pytest.approx((await plain.generate(request)).log_probs, abs=1e-5)
+        assert pd.lost == {1: "shut down"} and pd.requests_moved == 1  # engine 0 is the prefill
+        pd.transfer = InProcessTransfer()
+
+        long = {**GREEDY, "max_tokens": 60}
+        requests = [GenerateRequest(f"r{i}", [11 + i, 40, 7 + 3 * i, 99], long) for i in range(8)]
+        running = [asyncio.ensure_future(pd.generate(r)) for r in requests]
+        await until_decoding(second, 2)
+        await until_decoding(third, 2)
+        await second.shutdown()  # killed with its requests part-decoded
+        outputs = await asyncio.gather(*running)
+        expected = [await plain.generate(r) for r in requests]
+        assert [o.token_ids for o in outputs] == [e.token_ids for e in expected]
+        assert all(o.stop_reason == "length" and len(o.token_ids) == 60 for o in outputs)
+        assert pd.lost.keys() == {1, 2} and pd.requests_moved >= 1 + 2
+        stats = pd.stats()
+        assert stats["replica_engines_lost"] == 2 and stats["replica_requests_moved"] == pd.requests_moved
+
+        # a sync after the losses reaches the prefill and the one decode engine left
+        await pd.update_weights(perturbed_model(model_path, tmp_path).items(), version=3)
+        assert [e.weight_version for e in pd.engines] == [3, 0, 0, 3]
+        assert pd.weight_version == 3
+
+        await third.shutdown()
+        with pytest.raises(ReplicaFailedError, match="every decode engine stopped.*engine 3: shut down"):
+            await pd.generate(GenerateRequest("none left", [5, 6, 7], GREEDY))
+    finally:
+        await pd.shutdown()
+        await plain.shutdown()
+
+
+async def test_with_its_prefill_engine_stopped_the_decode_engines_serve_whole_requests(model_path):
+    pd = DisaggregatedRollout.create(model_path, PD)
+    plain = NativeRollout.create(model_path, PLAIN)
+    try:
+        request = GenerateRequest("p", list(range(20, 33)), GREEDY)
+        before = await pd.generate(request)
+        await pd.prefill_engine.shutdown()
+        after = await pd.generate(request)
+        assert before.token_ids == after.token_ids == (await plain.generate(request)).token_ids
+        assert pd.lost == {0: "shut down"} and pd.weight_version == 0
     finally:
         await pd.shutdown()
         await plain.shutdown()

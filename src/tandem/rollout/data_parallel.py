@@ -43,4 +43,5 @@ class DataParallelRollout(EngineGroup):
     async def generate(self, request: GenerateRequest) -> TokenOutput:
         """Run the request on its session's engine, or the least loaded one."""
         self.raise_if_failed()
-        return await self.route(request.request_id, self.engines).generate(request)
+        return await self.serve(request.request_id, self.engines,
+                                lambda engine: engine.generate(request))

@@ -7,6 +7,11 @@ session's next turn computes only its new tokens), then handed to a decode engin
 last one (sticky by request_id, so its prefix cache holds the earlier turns and only new blocks
 move), else the one with the fewest requests in flight. The blocks move through a KV transfer
 (engine/kv_transfer.py).
+
+A decode engine that stops is left out (engine_group.py): the requests it was decoding are
+decoded again on another from their prefill (the same first token and seed state, the blocks
+moved again or recomputed there). With the prefill engine stopped, the decode engines serve
+whole requests (their own prefill); with no decode engine left, the replica fails.
 """
 
 from __future__ import annotations
@@ -53,17 +58,34 @@ class DisaggregatedRollout(EngineGroup):
         return cls(engines[0], engines[1:], transfer)
 
     async def generate(self, request: GenerateRequest) -> TokenOutput:
-        """Prefill, then decode on the session's decode engine (or the least loaded one)."""
+        """Prefill, then decode on the session's decode engine (or the least loaded one); the
+        decode engines alone when the prefill engine stopped."""
         self.raise_if_failed()
-        prefilled = await self.prefill_engine.prefill(request)
-        if prefilled.finished:
-            return prefilled.output
-        decode = self.route(request.request_id, self.decode_engines)
-        try:
-            return await decode.generate_prefilled(request, prefilled, self.prefill_engine,
-                                                   self.transfer)
-        finally:  # the handoff released it already, unless it failed before
-            self.prefill_engine.release_prefilled(request.request_id)
+        prefill = self.prefill_engine
+        if self.live([prefill]):
+            try:
+                prefilled = await prefill.prefill(request)
+            except Exception:
+                if self.closing or self.live([prefill]):
+                    raise
+            else:
+                if prefilled.finished and (self.closing or self.live([prefill])
+                                           or prefilled.output.stop_reason != "aborted"):
+                    return prefilled.output
+                if not prefilled.finished:
+                    try:
+                        return await self.serve(request.request_id, self.decode_engines,
+                                                lambda decode: decode.generate_prefilled(
+                                                    request, prefilled, prefill, self.transfer))
+                    finally:  # the handoff released it already, unless it failed before
+                        prefill.release_prefilled(request.request_id)
+            self.requests_moved += 1  # the prefill engine stopped under it: decode it whole
+        return await self.serve(request.request_id, self.decode_engines,
+                                lambda decode: decode.generate(request))
+
+    def serving_problem(self) -> str | None:
+        """None while a decode engine is left (the prefill engine may be gone)."""
+        return None if self.live(self.decode_engines) else "every decode engine stopped"
 
     def stats(self) -> dict[str, Any]:
         """Every engine's counters summed, plus the handoffs' blocks and bytes."""

@@ -5,7 +5,8 @@ prefix cache lacks copied into its cache by a KV transfer (`generate_prefilled`)
 exactly as a plain engine does after the prompt. The KV is used only where both engines hold the
 same weight version (invariant 3: no KV computed with old weights is decoded with new ones);
 otherwise, and when the decode engine has no room or the prefill side no longer holds the blocks,
-the decode engine recomputes the prompt itself (the sequence waits like a preempted one).
+the decode engine recomputes the prompt itself (the sequence waits like a preempted one); so
+it does when the prefill engine stopped meanwhile (its KV is not to be read any more).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class KVHandoff:
         rest of the prompt's KV from the source's held blocks and run seq from here; returns
         the blocks copied, or None (nothing changed) when the KV cannot be used."""
         tokens = prefilled.num_tokens
-        source_blocks = source.held_blocks(seq.request_id, tokens)
+        source_blocks = None if source.closed else source.held_blocks(seq.request_id, tokens)
         if source_blocks is None or prefilled.version != self.version or self.kv_released:
             return None
         first = self.scheduler.reserve_computed(seq, tokens)
