@@ -193,7 +193,7 @@ def test_property_filtering_producer_loses_and_duplicates_nothing_within_the_bou
         runner = ScriptedRunner(trainer, buffer, rng)
         trainer.runner = runner
         trainer.seeds = lambda index, count, validate: list(range(count))
-        producer = RolloutProducer(trainer, buffer, start_batch=0)
+        producer = RolloutProducer(trainer, buffer)
         producer.start()
         trained, failed, metrics = [], [], []
         try:
@@ -246,7 +246,7 @@ async def test_the_producer_stops_the_run_when_the_budget_goes_on_solved_groups(
     trainer.runner = Runner()
     trainer.seeds = lambda index, count, validate: list(range(count))
     buffer = make_buffer(trainer.config.trainer.async_rollout, 2, version=0)
-    producer = RolloutProducer(trainer, buffer, start_batch=0)
+    producer = RolloutProducer(trainer, buffer)
     producer.start()
     try:
         with pytest.raises(NoGroupKept, match="dropped 4 groups in a row"):

@@ -265,7 +265,11 @@ async def test_the_producer_starts_no_group_beyond_the_bound():
 
     class Trainer:
         def __init__(self, config) -> None:
-            self.config, self.step, self.runner = config, 0, Runner()
+            self.config, self.step, self.runner, self.prompt_batch = config, 0, Runner(), 0
+
+        def next_prompt_batch(self):
+            self.prompt_batch += 1
+            return self.prompt_batch - 1
 
         def train_rows(self, step):
             return [DatasetRow([{"role": "user", "content": "?"}], uid=f"{step}-{i}")
@@ -280,7 +284,7 @@ async def test_the_producer_starts_no_group_beyond_the_bound():
                                     "trainer.async_rollout.buffer_groups=4"])
     trainer = Trainer(config)
     buffer = make_buffer(config.trainer.async_rollout, 2, version=0)
-    producer = RolloutProducer(trainer, buffer, start_batch=0)
+    producer = RolloutProducer(trainer, buffer)
     producer.start()
     for _ in range(200):
         await asyncio.sleep(0)

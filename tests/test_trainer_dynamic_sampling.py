@@ -97,3 +97,39 @@ def test_separate_async_trains_full_batches_of_groups_with_signal(tmp_path, ray_
     assert all(r["filter/groups_kept"] == 2 for r in steps)
     assert sum(r["filter/groups_dropped"] for r in steps) >= 2
     assert all(r["staleness/lag_max"] <= 1 for r in steps)
+
+
+def test_a_resumed_separate_async_run_draws_on_from_the_checkpointed_cursor(tmp_path, ray_cluster):
+    """The producer draws prompt batches through the trainer's cursor, which the checkpoint
+    keeps: resumed, it starts at the first batch the first run had not drawn when it saved
+    (under filtering that is past the step count), never at a batch already drawn."""
+    from tandem.training import checkpoint
+
+    drawn: list[list[int]] = []
+
+    def run(*extra):
+        config = half_solved_config(tmp_path, "trainer.trainer_mode=separate_async",
+                                    "trainer.async_rollout.max_staleness=1", *extra)
+        indices: list[int] = []
+        drawn.append(indices)
+
+        async def main():
+            trainer = RLTrainer(config)
+            await trainer.start()
+            rows = trainer.train_rows
+            trainer.train_rows = lambda index: indices.append(index) or rows(index)
+            try:
+                await fit_separate_async(trainer)
+            finally:
+                await trainer.stop()
+
+        asyncio.run(main())
+
+    run("trainer.save_freq=2")
+    saved = checkpoint.load_trainer_state(tmp_path / "run" / "checkpoints" / "step_2")
+    assert saved["step"] == 2 and saved["prompt_batch"] > 2  # filtering drew extra batches
+    assert set(range(saved["prompt_batch"])) <= set(drawn[0])
+    run("trainer.total_steps=3", "trainer.resume=true", "trainer.save_freq=0")
+    assert drawn[1] and min(drawn[1]) == drawn[1][0] == saved["prompt_batch"]
+    steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "filter/gen_batches" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]

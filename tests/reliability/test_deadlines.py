@@ -117,7 +117,11 @@ class FakeTrainer:
         self.config = config
         self.step = 0
         self.runner = GatedRunner()
-        self.rows_drawn = 0
+        self.rows_drawn = self.prompt_batch = 0
+
+    def next_prompt_batch(self):
+        self.prompt_batch += 1
+        return self.prompt_batch - 1
 
     def train_rows(self, step):
         self.rows_drawn += 1
@@ -133,7 +137,7 @@ async def test_a_huge_buffer_neither_spins_nor_piles_up_tasks():
                                     "data.train_batch_size=2", "actor.ppo_mini_batch_size=1"])
     trainer = FakeTrainer(config)
     buffer = RolloutBuffer(10**9, on_stale="drop")  # capacity alone, no admission bound
-    producer = RolloutProducer(trainer, buffer, start_batch=0)
+    producer = RolloutProducer(trainer, buffer)
     producer.start()
     for _ in range(2000):  # a spinning producer would submit thousands of groups meanwhile
         await asyncio.sleep(0)

@@ -31,7 +31,7 @@ async def fit_colocate_async(trainer: RLTrainer,
     validation = await trainer.validate_first(on_validation)
     batch_size = trainer.config.data.train_batch_size
     buffer = make_buffer(policy, batch_size, trainer.step)
-    producer = RolloutProducer(trainer, buffer, start_batch=trainer.step)
+    producer = RolloutProducer(trainer, buffer)
     producer.start()
     bar = progress_bar(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
                        initial=trainer.step, total=config.total_steps, disable=not config.progress)

@@ -27,12 +27,14 @@ logger = logging.getLogger(__name__)
 
 
 class RolloutProducer:
-    """Feeds `buffer` from trainer.train_rows(k), k = start_batch, start_batch + 1, ..."""
+    """Feeds `buffer` from trainer.train_rows(k), k = trainer.next_prompt_batch(), ...: the
+    prompt-batch cursor is the trainer's, checkpointed with each step, so a resumed run draws on
+    after the last batch drawn (groups generating or buffered at the checkpoint are not redone,
+    as a dataloader's prefetched rows are not)."""
 
-    def __init__(self, trainer: "RLTrainer", buffer: RolloutBuffer, start_batch: int) -> None:
+    def __init__(self, trainer: "RLTrainer", buffer: RolloutBuffer) -> None:
         self.trainer = trainer
         self.buffer = buffer
-        self.next_batch = start_batch
         self._regenerate: deque[tuple[DatasetRow, int]] = deque()
         self._regenerations = 0
         self._loop_task: asyncio.Task | None = None
@@ -46,14 +48,14 @@ class RolloutProducer:
         # zero-variance groups in a row past which no step could fill within max_gen_batches
         self.max_filtered_in_a_row = groups.max_gen_batches * trainer.config.data.train_batch_size
         self._filtered_in_a_row = 0
-        self._reported = (0, start_batch)  # (filtered, next_batch) at the last filter_metrics
+        self._reported = (0, trainer.prompt_batch)  # (filtered, drawn) at the last filter_metrics
 
     def filter_metrics(self, groups_kept: int) -> dict[str, float]:
         """filter/* for the step that trained `groups_kept` groups: groups dropped and prompt
         batches drawn since the last call; {} without algorithm.filter_groups."""
         if self.group_filter is None:
             return {}
-        filtered, drawn = self.buffer.counts["filtered"], self.next_batch
+        filtered, drawn = self.buffer.counts["filtered"], self.trainer.prompt_batch
         metrics = filter_metrics(groups_kept, filtered - self._reported[0], drawn - self._reported[1])
         self._reported = (filtered, drawn)
         return metrics
@@ -79,10 +81,9 @@ class RolloutProducer:
         pending: deque[tuple[DatasetRow, int]] = deque()
         while True:
             if not pending:
-                rows = self.trainer.train_rows(self.next_batch)
-                seeds = self.trainer.seeds(self.next_batch, len(rows), validate=False)
-                pending.extend(zip(rows, seeds))
-                self.next_batch += 1
+                index = self.trainer.next_prompt_batch()
+                rows = self.trainer.train_rows(index)
+                pending.extend(zip(rows, self.trainer.seeds(index, len(rows), validate=False)))
             await self._generating.acquire()
             try:
                 head = await self.buffer.reserve()  # waits for room and for the staleness bound

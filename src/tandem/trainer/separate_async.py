@@ -42,7 +42,7 @@ async def fit_separate_async(trainer: RLTrainer,
         spill = Spillover(fleet, config.separate_async.spill_below_groups or mini_batch)
         await spill.start()
     buffer = make_buffer(policy, trainer.config.data.train_batch_size, trainer.step)
-    producer = RolloutProducer(trainer, buffer, start_batch=trainer.step)
+    producer = RolloutProducer(trainer, buffer)
     idle = RolloutIdleClock(buffer)
     last: dict[str, float] | None = None  # the previous step's metrics (its idle fractions)
     bar = progress_bar(range(trainer.step, config.total_steps), desc=f"{trainer.algorithm_name} steps",
