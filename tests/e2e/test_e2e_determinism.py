@@ -52,3 +52,24 @@ def test_another_seed_changes_the_samples(tiny_runs):
     reseeded = tiny_runs("reseeded", *DETERMINISTIC, "trainer.seed=1")
     assert records(first) != records(reseeded)
     assert weight_digests(first) != weight_digests(reseeded)
+
+
+def test_the_demo_job_twice_with_the_switch_gives_identical_records_and_weights(tmp_path,
+                                                                                ray_cluster):
+    """Issue 39's acceptance on the demo itself (tiny:demo, its config: 8 prompts x 8 samples at
+    temperature 1 through the calculator loop), shortened to 2 steps and run twice."""
+    from types import SimpleNamespace
+
+    from tandem.cli import main
+
+    runs = []
+    for name in ("first", "second"):
+        output = tmp_path / name
+        main(["demo", "--val-size", "4", "trainer.deterministic=true", "trainer.total_steps=2",
+              "trainer.test_freq=2", "trainer.save_freq=2", "trainer.progress=false",
+              f"trainer.output_dir={output}"])
+        runs.append(SimpleNamespace(output_dir=output))
+    first, second = runs
+    assert [r["step"] for r in records(first) if "actor/grad_norm" in r] == [1, 2]
+    assert records(first) == records(second)
+    assert weight_digests(first) == weight_digests(second)
