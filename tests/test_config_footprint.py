@@ -32,8 +32,9 @@ def test_replica_count_divides_devices_by_footprint() -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["rollout.name=vllm", "rollout.disaggregation.enabled=true"],
-     r"rollout.disaggregation.enabled: prefill/decode disaggregation runs on the native engine"),
+    (["rollout.name=sglang", "rollout.disaggregation.enabled=true"],
+     r"rollout.disaggregation.enabled: prefill/decode disaggregation runs on the native engine "
+     r"and \(on CUDA\) on vLLM; SGLang's .* is not wired"),
     (["rollout.name=vllm", "rollout.data_parallel_size=2"],
      r"rollout.data_parallel_size: is 2, but data-parallel engine groups inside a replica run "
      r"on the native engine; the vllm backend's own .* Set it to 1"),

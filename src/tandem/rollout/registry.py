@@ -41,6 +41,10 @@ def rollout_class(config: Any) -> type:
     """The class a replica of rollout `config` runs: its backend's, or for native engines a
     prefill/decode replica (rollout.disaggregation.enabled) or a data-parallel one
     (rollout.data_parallel_size > 1)."""
+    if config.disaggregation.enabled and config.name == "vllm":
+        from tandem.rollout.vllm_disaggregated import VLLMDisaggregatedRollout
+
+        return VLLMDisaggregatedRollout
     if config.disaggregation.enabled:
         from tandem.rollout.disaggregated import DisaggregatedRollout
 

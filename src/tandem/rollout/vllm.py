@@ -98,6 +98,15 @@ def cpu_binding_for_start(tensor_parallel: int):
 
 
 # ---- the weight segment: a /dev/shm file vLLM's workers load views of --------------------
+def _kv_transfer_config(fields: dict[str, Any] | None) -> Any:
+    """vLLM's KVTransferConfig of `fields`, or None."""
+    if not fields:
+        return None
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(**fields)
+
+
 def segment_views(buffer: torch.Tensor, layout: Iterable[Sequence]
                   ) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) views of a flat uint8 `buffer` laid out by weight_layout.flat_layout (the
@@ -248,7 +257,11 @@ class VLLMRollout(BaseRollout):
 
     @classmethod
     def create(cls, model_path: str | Path, config: RolloutConfig | None = None,
-               dtype: str = "float32", device: str = "cpu") -> "VLLMRollout":
+               dtype: str = "float32", device: str = "cpu",
+               kv_transfer_config: dict[str, Any] | None = None) -> "VLLMRollout":
+        """One AsyncLLM engine of `config`; `kv_transfer_config` (vLLM's KVTransferConfig fields)
+        starts it with a KV connector, as a prefill/decode replica's engines are
+        (rollout/vllm_disaggregated.py)."""
         from transformers import AutoConfig
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -285,6 +298,7 @@ class VLLMRollout(BaseRollout):
             kv_cache_memory_bytes=None if on_gpu else config.kv_cache_memory_bytes,
             enforce_eager=not on_gpu,
             enable_chunked_prefill=cpu_batch.get("enable_chunked_prefill"),
+            kv_transfer_config=_kv_transfer_config(kv_transfer_config),
             **({"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_max_lora_rank(config.lora_rank)}
                if config.lora_rank else {}))
         if on_gpu:
@@ -298,7 +312,10 @@ class VLLMRollout(BaseRollout):
                    bucket_bytes, str(path), config.lora_rank)
 
     # ---- requests -------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> TokenOutput:
+    async def generate(self, request: GenerateRequest,
+                       kv_transfer_params: dict[str, Any] | None = None) -> TokenOutput:
+        """Generate `request`; `kv_transfer_params` go to vLLM's KV connector (a prefill/decode
+        handoff) and the ones the engine returns come back in extra_fields."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -309,8 +326,11 @@ class VLLMRollout(BaseRollout):
             raise ValueError(f"request_id {request_id!r} is already running; ids must be unique")
         vllm_params = VLLMSamplingParams(**vllm_sampling_kwargs(params, len(prompt),
                                                                 self.max_model_len),
-                                         output_kind=RequestOutputKind.DELTA)
+                                         output_kind=RequestOutputKind.DELTA,
+                                         extra_args=({"kv_transfer_params": kv_transfer_params}
+                                                     if kv_transfer_params is not None else None))
         tokens: list[int] = []
+        returned_params = None
         logprobs: list[float] = []
         finish, cached = None, 0
         self.running[request_id] = done = asyncio.Event()
@@ -327,6 +347,7 @@ class VLLMRollout(BaseRollout):
                                                             if new else []))
                 self.counters["generated_tokens"] += len(new)
                 cached = output.num_cached_tokens or cached
+                returned_params = getattr(output, "kv_transfer_params", None) or returned_params
                 if output.finished:
                     finish = completion.finish_reason
         finally:
@@ -338,8 +359,11 @@ class VLLMRollout(BaseRollout):
             await self._measure()
         if finish is None:  # the stream ended without a final output: vLLM dropped the request
             finish = "abort"
+        extra = {"global_steps": self.version}  # every token: TokenOutput.version_runs
+        if returned_params is not None:
+            extra["kv_transfer_params"] = returned_params
         return TokenOutput(tokens, logprobs if params.logprobs else None, stop_reason("vLLM", finish),
-                           {"global_steps": self.version})  # every token: TokenOutput.version_runs
+                           extra)
 
     async def abort(self, request_id: str) -> None:
         done = self.running.get(request_id)
