@@ -92,7 +92,7 @@ verifiers: $(VERIFIERS_STAMP)
 OPENENV_DIR := .openenv
 OPENENV_STAMP := $(OPENENV_DIR)/.installed-$(shell grep '^openenv==' constraints.txt | sha1sum | cut -c1-12)
 $(OPENENV_STAMP): $(STAMP)
-	mkdir -p $(OPENENV_DIR)
+	rm -rf $(OPENENV_DIR) && mkdir -p $(OPENENV_DIR)
 	$(PY) -m pip install -q --target $(OPENENV_DIR) --no-deps "$$(grep '^openenv==' constraints.txt)"
 	$(PY) -m pip install -q --upgrade --target $(OPENENV_DIR) -c constraints.txt "fastmcp>=3,<4" \
 	  "cachetools<8" "importlib-metadata<10"
@@ -103,10 +103,10 @@ openenv: $(OPENENV_STAMP)
 # the tests that need verifiers or openenv, the slow e2e ones included (they skip elsewhere,
 # where the package is not importable); each package on the path of its own run only
 test-environments: $(VERIFIERS_STAMP) $(OPENENV_STAMP)
-	PYTHONPATH=$(VERIFIERS_DIR) $(PY) -m pytest -q -m "slow or not slow" \
+	PYTHONPATH=$(VERIFIERS_DIR) $(PY) -m pytest -q -rs -m "slow or not slow" \
 	  tests/test_environment_verifiers.py tests/e2e/test_e2e_environments.py -k verifiers
-	PYTHONPATH=$(OPENENV_DIR) $(PY) -m pytest -q -m "slow or not slow" \
-	  tests/test_environment_gym.py tests/e2e/test_e2e_environments.py -k "openenv or OpenEnv"
+	PYTHONPATH=$(OPENENV_DIR) $(PY) -m pytest -q -rs -m "slow or not slow" \
+	  tests/test_environment_gym.py tests/e2e/test_e2e_environments.py -k openenv
 
 test-verifiers: test-environments
 

