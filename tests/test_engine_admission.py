@@ -104,3 +104,22 @@ def test_admission_other_than_auto_is_refused_for_engines_with_their_own_schedul
     with pytest.raises(ConfigError, match="rollout.admission"):
         load_config(overrides=["rollout.admission=greedy"])
     assert load_config(overrides=["rollout.admission=fixed"]).rollout.admission == "fixed"
+
+
+def test_a_handed_over_sequence_is_admitted_by_its_worst_case_too():
+    """A prefill/decode handoff (reserve_computed) passes the same check as a waiting sequence:
+    with the running sequences' worst cases filling the cache it is held back (the decode side
+    then recomputes it in line), and with room it is placed."""
+    manager = BlockManager(8, BLOCK, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=16, max_num_batched_tokens=4096, follow_kv=True)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)  # 8 + 40 tokens: 3 blocks each
+    for index in range(2):
+        scheduler.add(Sequence(f"r{index}", [1 + index] * 8, params, frozenset(), 4096))
+    scheduler.schedule()
+    assert len(scheduler.running) == 2 and manager.num_free_blocks == 6
+    handed = Sequence("h", [9] * 8, params, frozenset(), 4096)
+    assert scheduler.reserve_computed(handed, 8) is None  # 3 x 3 blocks > 8
+    assert scheduler.num_held_back == 1 and manager.num_free_blocks == 6
+    roomy = Sequence("small", [9] * 8, SamplingParams(max_tokens=8, ignore_eos=True),
+                     frozenset(), 4096)
+    assert scheduler.reserve_computed(roomy, 8) == 0  # 3 + 3 + 1 blocks fit

@@ -149,12 +149,16 @@ class Scheduler:
         """Blocks for a sequence whose first `tokens` tokens have KV computed elsewhere (a
         prefill/decode handoff): its cached prefix shared, the rest allocated to be filled;
         returns how many leading blocks came from the prefix cache, None (nothing changed)
-        when it does not fit now. run_computed admits it once the blocks are filled."""
+        when it does not fit now, its blocks or (admission by free KV) its worst case beside
+        the running sequences'. run_computed admits it once the blocks are filled."""
         blocks = self.block_manager
         if len(self.running) >= self.max_num_seqs:
             return None
         prefix = blocks.find_prefix(seq)
         if not blocks.can_admit(seq, prefix, tokens):
+            return None
+        if self.admission is not None and self.running and not self._fits(seq):
+            self.num_held_back += 1  # its worst case would not fit beside the running ones
             return None
         blocks.share_prefix(seq, prefix)
         blocks.allocate(seq, tokens)
