@@ -11,8 +11,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # pinned here but installed beside .venv, not into it: verifiers needs openai<3, .venv pins 3
-# (`make verifiers` installs it into .verifiers with the other pins)
-BESIDE = {"verifiers"}
+# (`make verifiers` installs it into .verifiers with the other pins); openenv: its gradio wants
+# older pillow and huggingface-hub (`make openenv` puts its classes into .openenv)
+BESIDE = {"verifiers", "openenv"}
 
 
 def normalized(name: str) -> str:
