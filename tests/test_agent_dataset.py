@@ -80,6 +80,11 @@ def test_from_config_reads_the_split(tmp_path):
     ({"prompt": [{"role": "user", "content": "x"}], "rollout_n": 0}, "rollout_n must be"),
     ({"prompt": [{"role": "user", "content": "x"}], "do_sample": "no"}, "do_sample must be"),
     ({"prompt": [{"role": "user", "content": "x"}], "extra_info": [1]}, "'extra_info' must be"),
+    # verl's vision rows: refused until images reach a policy, never trained on their text alone
+    ({"prompt": [{"role": "user", "content": "<image>What shape?"}], "images": ["a.png"]},
+     "column 'images' holds images, but images and video cannot reach a policy yet"),
+    ({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]},
+     "has a 'image' part; images, video and audio cannot reach a policy yet"),
 ])
 def test_bad_rows_name_file_row_and_field(tmp_path, row, words):
     path = write_jsonl(tmp_path / "bad.jsonl", [row])

@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator, Sequence
 from tandem.config.schema import DataConfig
 from tandem.extras import install_command
 
+MEDIA_COLUMNS = ("images", "videos")  # verl's row shape for vision-language data
+
 
 @dataclass
 class DatasetRow:
@@ -142,9 +144,22 @@ def _messages(value: Any, prompt_key: str, where: str, may_be_empty: bool = Fals
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"{where}: every message in {prompt_key!r} needs a string 'role'; "
                              f"got {message!r}")
+        content = message.get("content")
+        if isinstance(content, list) and any(
+                isinstance(part, dict) and part.get("type") not in (None, "text")
+                for part in content):
+            raise ValueError(f"{where}: a message in {prompt_key!r} has a "
+                             f"{_non_text(content)!r} part; images, video and audio cannot reach a "
+                             "policy yet (multimodal prompts are not built), so the row would "
+                             "train on its text alone; keep text parts only")
     # parquet structs carry every key of the column's schema; drop the ones this row left empty
     return [{key: val for key, val in message.items() if val is not None or key == "content"}
             for message in value]
+
+
+def _non_text(content: list) -> str:
+    return next(part.get("type") for part in content
+                if isinstance(part, dict) and part.get("type") not in (None, "text"))
 
 
 def row_from_record(record: dict[str, Any], index: int, prompt_key: str = "prompt",
@@ -165,6 +180,11 @@ def row_from_record(record: dict[str, Any], index: int, prompt_key: str = "promp
                     or _dict_column(extra_info, "tools_kwargs", where))
     interaction_kwargs = (_dict_column(record, "interaction_kwargs", where)
                           or _dict_column(extra_info, "interaction_kwargs", where))
+    for column in MEDIA_COLUMNS:  # verl's multimodal columns: refused, never silently dropped
+        if record.get(column) not in (None, [], ""):
+            raise ValueError(f"{where}: column {column!r} holds {column}, but images and video "
+                             "cannot reach a policy yet (multimodal prompts are not built), so "
+                             "the row would train on its text alone; drop the column or the row")
     rollout_n = record.get("rollout_n")
     if rollout_n is not None and (isinstance(rollout_n, bool) or not isinstance(rollout_n, int)
                                   or rollout_n < 1):
