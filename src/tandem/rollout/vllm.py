@@ -98,15 +98,6 @@ def cpu_binding_for_start(tensor_parallel: int):
 
 
 # ---- the weight segment: a /dev/shm file vLLM's workers load views of --------------------
-def _kv_transfer_config(fields: dict[str, Any] | None) -> Any:
-    """vLLM's KVTransferConfig of `fields`, or None."""
-    if not fields:
-        return None
-    from vllm.config import KVTransferConfig
-
-    return KVTransferConfig(**fields)
-
-
 def segment_views(buffer: torch.Tensor, layout: Iterable[Sequence]
                   ) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) views of a flat uint8 `buffer` laid out by weight_layout.flat_layout (the
@@ -264,6 +255,7 @@ class VLLMRollout(BaseRollout):
         (rollout/vllm_disaggregated.py)."""
         from transformers import AutoConfig
         from vllm import AsyncEngineArgs
+        from vllm.config import KVTransferConfig
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from tandem.models import resolve_model_path
@@ -298,7 +290,8 @@ class VLLMRollout(BaseRollout):
             kv_cache_memory_bytes=None if on_gpu else config.kv_cache_memory_bytes,
             enforce_eager=not on_gpu,
             enable_chunked_prefill=cpu_batch.get("enable_chunked_prefill"),
-            kv_transfer_config=_kv_transfer_config(kv_transfer_config),
+            kv_transfer_config=(KVTransferConfig(**kv_transfer_config)
+                                if kv_transfer_config else None),
             **({"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_max_lora_rank(config.lora_rank)}
                if config.lora_rank else {}))
         if on_gpu:
