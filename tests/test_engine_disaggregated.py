@@ -180,7 +180,7 @@ async def test_an_abort_mid_decode_and_a_failed_transfer_lose_nothing(model_path
         class Broken:
             blocks_moved = bytes_moved = 0
 
-            def copy(self, *args):
+            def move(self, *args):
                 raise OSError("link down")
 
         pd.transfer = Broken()  # the request's transfer fails: the decode side recomputes

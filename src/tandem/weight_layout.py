@@ -136,8 +136,9 @@ def _mem_available() -> int | None:
 
 
 # tandem's shared-memory files are named tandem-<kind>-<pid of their creator>-...: the shm
-# transport's ring (sync), an engine's weight slots (slot), the vLLM adapter's segment (vllm)
-SHM_FILE_KINDS = ("sync", "slot", "vllm")
+# transport's ring (sync), an engine's weight slots (slot), the vLLM adapter's segment (vllm), a
+# PD replica's KV caches (kv)
+SHM_FILE_KINDS = ("sync", "slot", "vllm", "kv")
 
 
 def remove_orphans(directory: str) -> list[str]:

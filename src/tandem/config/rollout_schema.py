@@ -23,15 +23,15 @@ class ValKwargs:
 @dataclass
 class DisaggregationConfig:
     """Prefill/decode disaggregation: one prefill and decode_replicas decode engines per replica
-    (the native engine, each of TP 1, on one node; rollout/disaggregated.py)."""
+    (the native engine, each of its side's TP size, on one node; rollout/disaggregated.py)."""
 
     enabled: bool = False
     prefill_tensor_parallel_size: int = 1
     prefill_replicas: int = 1
     decode_tensor_parallel_size: int = 1
     decode_replicas: int = 1
-    # in_process | mooncake (Mooncake's transfer engine, the pd extra); with rollout.name=vllm
-    # (CUDA): nixl, vLLM's NixlConnector
+    # in_process (TP 1) | shm (CPU, any TP sizes: every rank's KV in /dev/shm) | mooncake
+    # (Mooncake's transfer engine, the pd extra; TP 1); with rollout.name=vllm (CUDA): nixl
     kv_transfer: str = "in_process"
 
 

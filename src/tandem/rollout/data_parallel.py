@@ -33,7 +33,7 @@ class DataParallelRollout(EngineGroup):
         width = config.tensor_model_parallel_size
         engines: list[NativeRollout] = []
         try:
-            for engine_device in engine_devices(device, config.data_parallel_size, width):
+            for engine_device in engine_devices(device, [width] * config.data_parallel_size):
                 engines.append(NativeRollout.create(model_path, member, dtype, engine_device))
         except BaseException:
             stop_started(engines)

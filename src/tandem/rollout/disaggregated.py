@@ -22,13 +22,15 @@ from typing import Any
 
 from tandem.config.schema import DisaggregationConfig, RolloutConfig
 from tandem.rollout.engine.kv_transfer import InProcessTransfer, make_transfer
+from tandem.rollout.engine.shared_kv import SHM_DIR
 from tandem.rollout.engine_group import EngineGroup, engine_devices, stop_started
 from tandem.rollout.native import NativeRollout
 from tandem.types import GenerateRequest, TokenOutput
 
 
 class DisaggregatedRollout(EngineGroup):
-    """One prefill engine and N decode engines (native, TP 1) serving as one replica."""
+    """One prefill engine and N decode engines (native, each of its side's TP size) serving as
+    one replica."""
 
     kind = "prefill/decode"
 
@@ -43,15 +45,26 @@ class DisaggregatedRollout(EngineGroup):
     @classmethod
     def create(cls, model_path: str | Path, config: RolloutConfig, dtype: str = "float32",
                device: str = "cpu", rendezvous: Any = None) -> "DisaggregatedRollout":
-        """The engines of `config.disaggregation` (each a plain native engine of `config`)."""
+        """The engines of `config.disaggregation`: plain native engines of `config`, the
+        prefill one of prefill_tensor_parallel_size ranks, each decode one of
+        decode_tensor_parallel_size (with kv_transfer=shm every rank's KV cache in /dev/shm)."""
         if rendezvous is not None:
             raise ValueError("a prefill/decode replica fits one node; it takes no rendezvous")
-        plain = dataclasses.replace(config, disaggregation=DisaggregationConfig())
+        pd = config.disaggregation
+        widths = [pd.prefill_tensor_parallel_size] + [pd.decode_tensor_parallel_size] * \
+            pd.decode_replicas
+        if max(widths) > 1 and pd.kv_transfer != "shm":
+            raise ValueError(f"rollout.disaggregation.kv_transfer={pd.kv_transfer!r} moves KV "
+                             "between engines of TP 1; tensor-parallel engines need shm")
+        shm_dir = SHM_DIR if pd.kv_transfer == "shm" else None
         engines: list[NativeRollout] = []
         try:
-            for engine_device in engine_devices(device, 1 + config.disaggregation.decode_replicas):
-                engines.append(NativeRollout.create(model_path, plain, dtype, engine_device))
-            transfer = make_transfer(config.disaggregation.kv_transfer)
+            for width, engine_device in zip(widths, engine_devices(device, widths)):
+                plain = dataclasses.replace(config, disaggregation=DisaggregationConfig(),
+                                            tensor_model_parallel_size=width)
+                engines.append(NativeRollout.create(model_path, plain, dtype, engine_device,
+                                                    kv_shm_dir=shm_dir))
+            transfer = make_transfer(pd.kv_transfer)
         except BaseException:
             stop_started(engines)
             raise

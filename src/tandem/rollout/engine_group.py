@@ -34,16 +34,17 @@ logger = logging.getLogger(__name__)
 MAX_STICKY = 100_000  # request ids remembered for routing (LRU)
 
 
-def engine_devices(device: str, count: int, width: int = 1) -> list[str]:
-    """The first device of each of `count` engines of `width` devices: consecutive CUDA devices
+def engine_devices(device: str, widths: list[int]) -> list[str]:
+    """The first device of each engine, of `widths[i]` devices each: consecutive CUDA devices
     from `device`'s when enough are visible, else all on `device` (CPU, or a test layout on one
     GPU)."""
     if not device.startswith("cuda") or not torch.cuda.is_available():
-        return [device] * count
+        return [device] * len(widths)
     first = torch.device(device).index or 0
-    if first + count * width > torch.cuda.device_count():
-        return [device] * count
-    return [f"cuda:{first + index * width}" for index in range(count)]
+    if first + sum(widths) > torch.cuda.device_count():
+        return [device] * len(widths)
+    starts = [first + sum(widths[:index]) for index in range(len(widths))]
+    return [f"cuda:{start}" for start in starts]
 
 
 def stop_started(engines: list[NativeRollout]) -> None:

@@ -19,9 +19,11 @@ class NativeRollout(AsyncEngine):
     @classmethod
     def create(cls, model_path: str | Path, config: RolloutConfig | None = None,
                dtype: str = "float32", device: str = "cpu",
-               rendezvous: Rendezvous | None = None) -> "NativeRollout":
-        """The engine; `rendezvous`: rank 0 of a tensor-parallel replica spread over nodes."""
+               rendezvous: Rendezvous | None = None, kv_shm_dir: str | None = None
+               ) -> "NativeRollout":
+        """The engine; `rendezvous`: rank 0 of a tensor-parallel replica spread over nodes;
+        `kv_shm_dir`: every rank's KV cache in a file there (a PD replica's shm transfer)."""
         from tandem.models import resolve_model_path
 
         return cls(resolve_model_path(str(model_path)), config or RolloutConfig(), dtype, device,
-                   rendezvous)
+                   rendezvous, kv_shm_dir)

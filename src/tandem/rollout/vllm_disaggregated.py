@@ -111,7 +111,7 @@ class VLLMDisaggregatedRollout(BaseRollout):
         count = 1 + config.disaggregation.decode_replicas
         engines: list[Any] = []
         try:
-            for index, engine_device in enumerate(engine_devices(device, count)):
+            for index, engine_device in enumerate(engine_devices(device, [1] * count)):
                 with engine_environment(engine_device, index):
                     engines.append(VLLMRollout.create(model_path, plain, dtype, "cuda",
                                                       decode_config if index else prefill_config))

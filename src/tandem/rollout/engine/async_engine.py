@@ -49,7 +49,8 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, KVHandoff, BaseRoll
     """The native engine; `rollout/native.py`'s NativeRollout adds create() and capabilities."""
 
     def __init__(self, model_path: str | Path, config: RolloutConfig, dtype: str = "float32",
-                 device: str = "cpu", rendezvous: Rendezvous | None = None) -> None:
+                 device: str = "cpu", rendezvous: Rendezvous | None = None,
+                 kv_shm_dir: str | None = None) -> None:
         _check_config(config)
         self.config = config
         self.device = torch.device(device)
@@ -62,10 +63,12 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, KVHandoff, BaseRoll
             self.runner = ModelRunner(model_path, torch_dtype(dtype), self.device, tensor_parallel)
             self.block_size = config.block_size
             self.num_blocks = plan_num_blocks(config, self.runner, self.device)
+            self.runner.kv_shm_dir = kv_shm_dir  # set: every rank's KV cache in shared memory
             self.runner.allocate_kv_cache(self.num_blocks, self.block_size)
             if self.ranks is not None:
                 self.ranks.wait_ready()
-                self.ranks.allocate_kv(self.num_blocks, self.block_size)  # rank 0's count
+                self.ranks.allocate_kv(self.num_blocks, self.block_size, kv_shm_dir)
+            self.publish_kv()
         except BaseException:
             if self.ranks is not None:
                 self.ranks.stop(gracefully=False)
@@ -399,6 +402,8 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, KVHandoff, BaseRoll
                 await asyncio.gather(task, return_exceptions=True)
         if self.ranks is not None:
             self.ranks.stop()
+        if self.runner.shared_cache is not None:  # its file goes (mappings live with their views)
+            self.runner.shared_cache.close()
 
 
 def _check_config(config: RolloutConfig) -> None:

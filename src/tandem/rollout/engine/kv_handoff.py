@@ -65,6 +65,13 @@ class KVHandoff:
                          seq.version_runs[-1][0], seq.num_computed_tokens,
                          seq.generator.get_state() if seq.generator is not None else None)
 
+    def publish_kv(self) -> None:
+        """After each KV allocation: where every rank's cache lies when it is in shared memory
+        (`kv_shares`, rank order; a shm transfer reads it, never the ranks), else None."""
+        cache = self.runner.shared_cache
+        self.kv_shares = None if cache is None else [
+            cache.share, *(self.ranks.kv_shares() if self.ranks is not None else [])]
+
     def held_blocks(self, request_id: str, num_tokens: int) -> list[int] | None:
         """The held blocks of a prefilled prompt of `num_tokens` tokens, None if not held."""
         seq = self.held.get(request_id)
@@ -119,8 +126,7 @@ class KVHandoff:
         if first is None:
             return None
         try:
-            transfer.copy(source.runner, source_blocks[first:], self.runner,
-                          seq.block_table[first:])
+            transfer.move(source, source_blocks[first:], self, seq.block_table[first:])
         except Exception:  # this request's transfer fails, never the engine: recompute it
             logger.exception("KV transfer of request %r failed; it is recomputed on the decode "
                              "side", seq.request_id)

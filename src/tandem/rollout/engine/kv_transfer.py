@@ -2,16 +2,21 @@
 cache into blocks of another's, every layer's keys and values, block table to block table
 (each block copied once, straight into its place; consecutive blocks in one piece).
 
-`InProcessTransfer` serves engines in one process (the disaggregated replica of
+`InProcessTransfer` serves engines of TP 1 in one process (the disaggregated replica of
 rollout/disaggregated.py), on one device or across devices. `MooncakeTransfer` writes the same
 runs through Mooncake's transfer engine (rollout.disaggregation.kv_transfer=mooncake: TCP here,
 RDMA on clusters; the `pd` extra), the path KV takes between processes and hosts: each side's
-cache is registered once and every run is one write into the target's memory.
+cache is registered once and every run is one write into the target's memory. `ShmTransfer`
+(kv_transfer=shm, CPU) serves engines of any TP size on one host: every rank's cache is a file in
+/dev/shm and each decode rank copies its KV heads from the prefill ranks' files
+(shared_kv.py), process to process.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from tandem.rollout.engine.shared_kv import KVMaps, copy_heads, head_plan
 
 MOONCAKE_INSTALL = ("pip install 'mooncake-transfer-engine-non-cuda>=0.3.13' (the pd extra; "
                     "mooncake-transfer-engine on CUDA) and the RDMA verbs library it links "
@@ -39,6 +44,15 @@ class KVTransfer:
     def __init__(self) -> None:
         self.blocks_moved = 0
         self.bytes_moved = 0
+
+    def move(self, source: Any, source_blocks: list[int], target: Any,
+             target_blocks: list[int]) -> int:
+        """Copy a handoff's blocks from the prefill engine `source` into the decode engine
+        `target` (AsyncEngines, under the target's step lock); returns the bytes moved."""
+        if source.ranks is not None or target.ranks is not None:
+            raise ValueError(f"KV transfer {self.name}: moves KV between engines of TP 1 (one "
+                             "process each); tensor-parallel engines need kv_transfer=shm")
+        return self.copy(source.runner, source_blocks, target.runner, target_blocks)
 
     def copy(self, source: Any, source_blocks: list[int], target: Any,
              target_blocks: list[int]) -> int:
@@ -135,10 +149,47 @@ class MooncakeTransfer(KVTransfer):
         return moved
 
 
-def make_transfer(name: str) -> InProcessTransfer | MooncakeTransfer:
+class ShmTransfer(KVTransfer):
+    """Each rank of the decode engine copies its KV heads from the prefill ranks' shared-memory
+    caches (rank 0 here, the others in their processes); the two TP sizes may differ."""
+
+    name = "shm"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maps = KVMaps()  # the prefill ranks' files, as rank 0 of a decode engine maps them
+
+    def move(self, source: Any, source_blocks: list[int], target: Any,
+             target_blocks: list[int]) -> int:
+        """Rank 0's heads here, then every worker rank's (one command); the bytes moved."""
+        if len(source_blocks) != len(target_blocks):
+            raise ValueError(f"KV transfer: {len(source_blocks)} source blocks for "
+                             f"{len(target_blocks)} target blocks")
+        shares, targets = source.kv_shares, target.kv_shares
+        if shares is None or targets is None:
+            raise ValueError("KV transfer shm: both engines' KV caches must be in shared memory "
+                             "(engines built with kv_shm_dir)")
+        if not source_blocks:
+            return 0
+        runs = block_runs(source_blocks, target_blocks)
+        heads = [share.heads for share in shares]
+        plans = [head_plan(heads, share.heads) for share in targets]
+        moved = copy_heads(self.maps.get(shares), plans[0], target.runner.key_caches,
+                           target.runner.value_caches, runs)
+        if target.ranks is not None:
+            moved += target.ranks.pull_kv(shares, plans[1:], runs)
+        self.blocks_moved += len(source_blocks)
+        self.bytes_moved += moved
+        return moved
+
+
+def make_transfer(name: str) -> KVTransfer:
     """The KV transfer rollout.disaggregation.kv_transfer names."""
     if name == "in_process":
         return InProcessTransfer()
     if name == "mooncake":
         return MooncakeTransfer()
-    raise ValueError(f"rollout.disaggregation.kv_transfer={name!r}: use in_process or mooncake")
+    if name == "shm":
+        return ShmTransfer()
+    raise ValueError(f"rollout.disaggregation.kv_transfer={name!r}: use in_process, shm or "
+                     "mooncake")

@@ -48,6 +48,7 @@ class MemoryControl:
             if "kv_cache" in tags and not self.kv_released:
                 self.scheduler.preempt_all()  # unfinished requests recompute after wake_up
                 self.runner.free_kv_cache()
+                self.kv_shares = None
                 self._reset_blocks(0)
                 self.kv_released = True
             if "weights" in tags and self.weights_state == "loaded":
@@ -69,6 +70,8 @@ class MemoryControl:
                 self.kv_released = False
             if self.ranks is not None:
                 self.ranks.wake_up(tags)
+            if "kv_cache" in tags:
+                self.publish_kv()
             self._work.set()
 
     async def clear_kv_cache(self) -> None:

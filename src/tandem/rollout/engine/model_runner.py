@@ -26,6 +26,7 @@ from tandem.rollout.engine.attention import (AttentionMetadata, build_cascade_gr
                                              build_decode_group, build_group, paged_attention,
                                              write_kv)
 from tandem.rollout.engine.scheduler import ScheduledSequence
+from tandem.rollout.engine.shared_kv import SharedCache
 from tandem.rollout.engine.tensor_parallel import TensorParallel
 
 # Decode attention splits shared prefixes off (cascade) when that avoids reading at least this
@@ -220,6 +221,9 @@ class ModelRunner:
         self.key_caches: list[torch.Tensor] = []
         self.value_caches: list[torch.Tensor] = []
         self.block_size = 0
+        # set: the KV cache lives in a file of this directory (shared_kv.py, a PD replica's shm)
+        self.kv_shm_dir: str | None = None
+        self.shared_cache: SharedCache | None = None
 
     # ---- KV cache -------------------------------------------------------------------------
     def block_bytes(self, block_size: int) -> int:
@@ -229,16 +233,27 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         shape = (self.num_kv_heads, num_blocks, block_size, self.head_dim)
+        self.block_size = block_size
+        if self.kv_shm_dir is not None:
+            heads = (self.tensor_parallel.layout.kv_heads() if self.tensor_parallel else
+                     tuple(range(self.num_kv_heads)))  # the model's KV heads, in cache order
+            self.shared_cache = SharedCache(len(self.layers), shape, self.dtype, heads,
+                                            self.kv_shm_dir)
+            self.key_caches = self.shared_cache.key_caches
+            self.value_caches = self.shared_cache.value_caches
+            return
         # zeros, not empty: masked-out slots are still multiplied by 0, and 0 * NaN is NaN
         self.key_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                            for _ in self.layers]
         self.value_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                              for _ in self.layers]
-        self.block_size = block_size
 
     def free_kv_cache(self) -> None:
         self.key_caches = []
         self.value_caches = []
+        if self.shared_cache is not None:
+            self.shared_cache.close()
+            self.shared_cache = None
 
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.key_caches + self.value_caches)

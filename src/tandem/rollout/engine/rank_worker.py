@@ -7,7 +7,8 @@ spawns the ranks of its node and each other node's server (serving/rank_host.py)
 Rank 0 sends every command to all workers over the replica's gloo group (`RankWorkers`, with
 rank_messages.py's broadcasts and replies, under
 the engine's step lock, so commands never interleave): a step's plan (they run the same forward,
-joining its all-reduces and the logits gather), sleep / wake, KV allocation, the two phases of
+joining its all-reduces and the logits gather), sleep / wake, KV allocation (in /dev/shm for a
+PD replica's shm transfer, whose handoffs each decode rank copies: shared_kv.py), the two phases of
 a weight update or an adapter (stage: each rank gets only its slices, point to point, and checks
 them, merging an adapter's into its own base slices; then commit or discard on all) or of a flip
 to the double-buffered weight slots (map them once; each rank checks and packs its part of the
@@ -43,6 +44,7 @@ from tandem.rollout.engine.memory import held_bytes, release_weights, restore_we
 from tandem.rollout.engine.model_runner import ModelRunner, StepPlan, torch_dtype
 from tandem.rollout.engine.rank_messages import (broadcast_command, receive_command,
                                                  receive_reply, send_reply, wait_for)
+from tandem.rollout.engine.shared_kv import KVMaps, SharedKV, copy_heads
 from tandem.rollout.engine.tensor_parallel import TensorParallel, make_groups, rank_devices
 from tandem.rollout.engine.slot_weights import flip, map_into, stage_from_slot
 from tandem.rollout.engine.weight_staging import (SlotStage, accepted_shapes, install_staged,
@@ -108,6 +110,7 @@ class RankWorker:
         self.lora = LoraState()  # as rank 0's, for this rank's slices
         self.slot_views: list[dict[str, torch.Tensor]] | None = None  # both weight slots' part
         self.slot_stage: SlotStage | None = None  # checked and packed, to flip to
+        self.kv_maps = KVMaps()  # the prefill ranks' KV files a PD decode rank copies from
 
     def serve(self) -> None:
         while True:
@@ -122,10 +125,27 @@ class RankWorker:
         for _ in self.runner.forward_layers(plan):
             pass
 
-    def allocate_kv(self, num_blocks: int, block_size: int) -> dict[str, int]:
+    def allocate_kv(self, num_blocks: int, block_size: int, shm_dir: str | None = None
+                    ) -> dict[str, int]:
+        self.runner.kv_shm_dir = shm_dir
         self.runner.allocate_kv_cache(num_blocks, block_size)
         self.kv_shape = (num_blocks, block_size)
         return self.memory_bytes()
+
+    def kv_share(self) -> SharedKV | None:
+        cache = self.runner.shared_cache
+        return cache.share if cache is not None else None
+
+    def pull_kv(self, shares: list[SharedKV], plans: list[list[tuple[int, int, int]]],
+                runs: list[tuple[int, int, int]]) -> int | str:
+        """Copy this rank's heads of a handoff's blocks from the prefill ranks' caches
+        (shared_kv.py); the bytes moved, or the error (it fails that transfer, not the rank)."""
+        try:
+            plan = plans[self.runner.tensor_parallel.rank - 1]
+            return copy_heads(self.kv_maps.get(shares), plan, self.runner.key_caches,
+                              self.runner.value_caches, runs)
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
 
     def sleep(self, tags: list[str]) -> dict[str, int]:
         if "kv_cache" in tags:
@@ -313,8 +333,21 @@ class RankWorkers:
     def step(self, plan: StepPlan) -> None:
         self._command("step", plan)
 
-    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
-        self._fan_out("allocate_kv", num_blocks, block_size)
+    def allocate_kv(self, num_blocks: int, block_size: int, shm_dir: str | None = None) -> None:
+        self._fan_out("allocate_kv", num_blocks, block_size, shm_dir)
+
+    def kv_shares(self) -> list[SharedKV | None]:
+        """Where each worker's KV cache lies (None: not in shared memory)."""
+        return self._fan_out("kv_share")
+
+    def pull_kv(self, shares: list[SharedKV], plans: list[list[tuple[int, int, int]]],
+                runs: list[tuple[int, int, int]]) -> int:
+        """Every worker copies its heads of a handoff (`plans[rank - 1]`); the bytes moved."""
+        replies = self._fan_out("pull_kv", shares, plans, runs)
+        failed = {rank: reply for rank, reply in enumerate(replies, 1) if isinstance(reply, str)}
+        if failed:
+            raise RuntimeError(f"KV transfer failed on decode rank(s) {failed}")
+        return sum(replies)
 
     def sleep(self, tags: list[str]) -> None:
         self._fan_out("sleep", tags)
@@ -404,7 +437,7 @@ class RankWorkers:
                  ) -> list[Any]:
         self._command(verb, *arguments, timeout=timeout)
         replies = [self._reply(rank, timeout) for rank in range(1, self.size)]
-        if verb not in ("weights", "values"):  # the others answer with their memory
+        if verb not in ("weights", "values", "kv_share", "pull_kv"):  # the rest: their memory
             self.memory = replies
         return replies
 

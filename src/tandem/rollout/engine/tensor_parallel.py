@@ -95,6 +95,11 @@ class ShardLayout:
         first = (self.rank // replicas) * self.local_kv_heads
         return slice(first * self.head_dim, (first + self.local_kv_heads) * self.head_dim)
 
+    def kv_heads(self) -> tuple[int, ...]:
+        """The model's KV heads this rank holds (kv_rows in heads)."""
+        rows = self.kv_rows()
+        return tuple(range(rows.start // self.head_dim, rows.stop // self.head_dim))
+
     def mlp_rows(self) -> slice:
         width = self.intermediate_size // self.size
         return slice(self.rank * width, (self.rank + 1) * width)
