@@ -49,7 +49,11 @@ class NoStepTrained(RuntimeError):
     """A run ended without one model update."""
 
 
-ADMISSION_COUNTERS = ("admitted", "preemptions", "admission_held_back")
+# the native engine's counters logged per step (rollout/<name>, the step's increase): admission,
+# and a prefill/decode replica's handoffs (blocks moved, handoffs recomputed, requests moved off
+# a lost engine)
+ENGINE_COUNTERS = ("admitted", "preemptions", "admission_held_back", "kv_transfer_blocks",
+                   "handoffs_recomputed", "replica_requests_moved")
 ADMISSION_STATS_TIMEOUT_S = 5.0  # each server's stats() for the step's admission metrics
 
 
@@ -394,19 +398,20 @@ class RLTrainer:
     async def log_step(self, record: dict[str, float]) -> None:
         """Write the step's record (with the start-up metrics in the run's first one)."""
         record.update(await self.startup_metrics())
-        record.update(await self.admission_metrics())
+        record.update(await self.engine_metrics())
         self.metrics.log(self.step, record)
 
-    async def admission_metrics(self) -> dict[str, float]:
+    async def engine_metrics(self) -> dict[str, float]:
         """Per step, summed over the engines that count them (the native engine): sessions
-        admitted (rollout/admitted), preemptions (rollout/preemptions) and steps whose
-        admission the KV reserve held back (rollout/admission_held_back)."""
+        admitted (rollout/admitted), preemptions (rollout/preemptions), steps whose admission
+        the KV reserve held back (rollout/admission_held_back), and a PD replica's KV blocks
+        moved, handoffs recomputed and requests moved off a lost engine."""
         # a stalled server must not hold the step's record: it is left out after a short wait
         answers = await self.fleet.rollout.control("stats", timeout_s=ADMISSION_STATS_TIMEOUT_S,
                                                    on_error="leave_out")
         totals: dict[str, float] = {}
         for server_id, (stats, *_) in answers.results.items():
-            counts = {key: stats["backend"][key] for key in ADMISSION_COUNTERS
+            counts = {key: stats["backend"][key] for key in ENGINE_COUNTERS
                       if key in stats["backend"]}
             before = self._engine_counts.get(server_id, {})
             self._engine_counts[server_id] = counts
