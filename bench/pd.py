@@ -2,8 +2,9 @@
 in one process, rollout/disaggregated.py) vs one plain engine, on a long-prompt multi-turn
 workload: 16 sessions of 3 turns, a 768-token first prompt and 128 tool tokens appended each
 turn, 32 answer tokens a turn (greedy, eos ignored), all sessions in flight at once, alternating
-rounds in one process. Then the KV transfers' GB/s (in process, and Mooncake's transfer engine
-over TCP on loopback when the pd extra is installed) against a plain memcpy of the same bytes.
+rounds in one process. Then the KV transfers' GB/s (in process; shm, process to process, into
+a TP 2 decode engine whose rank 1 is a worker process; and Mooncake's transfer engine over TCP
+on loopback when the pd extra is installed) against a plain memcpy of the same bytes.
 
     .venv/bin/python bench/pd.py            # ~2 min
     .venv/bin/python bench/pd.py --rounds 3
@@ -72,12 +73,12 @@ async def measure(engine, vocab: int) -> tuple[float, float]:
 def transfer_rate(pd: DisaggregatedRollout, transfer, blocks: int = 512, repeats: int = 5
                   ) -> tuple[float, float]:
     """(`transfer`'s GB/s, memcpy GB/s) moving `blocks` KV blocks between the two engines."""
-    source, target = pd.prefill_engine.runner, pd.decode_engines[0].runner
+    source, target = pd.prefill_engine, pd.decode_engines[0]
     ids = list(range(blocks))
-    transfer.copy(source, ids, target, ids)  # warm (Mooncake: registers the caches)
+    transfer.move(source, ids, target, ids)  # warm (Mooncake: registers; shm: maps the files)
     started = time.perf_counter()
     for _ in range(repeats):
-        moved = transfer.copy(source, ids, target, ids)
+        moved = transfer.move(source, ids, target, ids)
     rate = moved * repeats / (time.perf_counter() - started) / 1e9
     flat = torch.empty(moved // 4, dtype=torch.float32)
     into = torch.empty_like(flat)
@@ -114,6 +115,14 @@ async def main() -> None:
               f"({stats['kv_transfer_bytes'] / 1e6:.1f} MB), {stats['handoffs_recomputed']} "
               "handoffs recomputed", flush=True)
         transfer, memcpy = transfer_rate(pd, pd.transfer)
+        shm_pd = DisaggregatedRollout.create(path, dataclasses.replace(
+            CONFIG, disaggregation=DisaggregationConfig(
+                enabled=True, decode_tensor_parallel_size=2, kv_transfer="shm")))
+        try:
+            shm, shm_memcpy = transfer_rate(shm_pd, shm_pd.transfer)
+            shm_big, shm_big_memcpy = transfer_rate(shm_pd, shm_pd.transfer, blocks=2048)
+        finally:
+            await shm_pd.shutdown()
         try:
             mooncake = transfer_rate(pd, MooncakeTransfer())[0]
         except ImportError as error:
@@ -123,12 +132,14 @@ async def main() -> None:
         await plain.shutdown()
         await pd.shutdown()
     mean = {name: [sum(v) / len(v) for v in zip(*runs)] for name, runs in results.items()}
-    print(f"transfer in process {transfer:.2f} GB/s, Mooncake (TCP, loopback) {mooncake:.2f} "
-          f"GB/s, memcpy {memcpy:.2f} GB/s; load {os.getloadavg()[0]:.2f}")
+    print(f"transfer in process {transfer:.2f} GB/s, shm into TP 2 {shm:.2f} GB/s (memcpy "
+          f"{shm_memcpy:.2f} then; 2048 blocks: {shm_big:.2f} vs {shm_big_memcpy:.2f}), Mooncake (TCP, loopback) {mooncake:.2f} GB/s, memcpy "
+          f"{memcpy:.2f} GB/s; load {os.getloadavg()[0]:.2f}")
     print(f"RATIO {mean['pd'][1] / mean['plain'][1]:.2f} pd/plain tokens/s (ttft pd/plain "
           f"{mean['pd'][0] / mean['plain'][0]:.2f}, transfer/memcpy GB/s "
-          f"{transfer / memcpy:.2f}, mooncake/memcpy {mooncake / memcpy:.2f}) on "
-          f"{os.cpu_count()} cores")
+          f"{transfer / memcpy:.2f}, shm/memcpy {shm / shm_memcpy:.2f} (2048 blocks "
+          f"{shm_big / shm_big_memcpy:.2f}), mooncake/memcpy "
+          f"{mooncake / memcpy:.2f}) on {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

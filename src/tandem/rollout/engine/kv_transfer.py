@@ -161,7 +161,8 @@ class ShmTransfer(KVTransfer):
 
     def move(self, source: Any, source_blocks: list[int], target: Any,
              target_blocks: list[int]) -> int:
-        """Rank 0's heads here, then every worker rank's (one command); the bytes moved."""
+        """Rank 0's heads here while every worker rank copies its own (one command); the bytes
+        moved."""
         if len(source_blocks) != len(target_blocks):
             raise ValueError(f"KV transfer: {len(source_blocks)} source blocks for "
                              f"{len(target_blocks)} target blocks")
@@ -174,10 +175,12 @@ class ShmTransfer(KVTransfer):
         runs = block_runs(source_blocks, target_blocks)
         heads = [share.heads for share in shares]
         plans = [head_plan(heads, share.heads) for share in targets]
-        moved = copy_heads(self.maps.get(shares), plans[0], target.runner.key_caches,
-                           target.runner.value_caches, runs)
-        if target.ranks is not None:
-            moved += target.ranks.pull_kv(shares, plans[1:], runs)
+        def local() -> int:
+            return copy_heads(self.maps.get(shares), plans[0], target.runner.key_caches,
+                              target.runner.value_caches, runs)
+
+        moved = local() if target.ranks is None else target.ranks.pull_kv(shares, plans[1:],
+                                                                           runs, local)
         self.blocks_moved += len(source_blocks)
         self.bytes_moved += moved
         return moved

@@ -31,7 +31,7 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -341,13 +341,18 @@ class RankWorkers:
         return self._fan_out("kv_share")
 
     def pull_kv(self, shares: list[SharedKV], plans: list[list[tuple[int, int, int]]],
-                runs: list[tuple[int, int, int]]) -> int:
-        """Every worker copies its heads of a handoff (`plans[rank - 1]`); the bytes moved."""
-        replies = self._fan_out("pull_kv", shares, plans, runs)
+                runs: list[tuple[int, int, int]], local: Callable[[], int]) -> int:
+        """Every worker copies its heads of a handoff (`plans[rank - 1]`) while this rank runs
+        `local` (its own copy); the bytes moved by all."""
+        self._command("pull_kv", shares, plans, runs)
+        try:
+            moved = local()
+        finally:  # the workers' replies are read even when this rank's copy failed
+            replies = [self._reply(rank) for rank in range(1, self.size)]
         failed = {rank: reply for rank, reply in enumerate(replies, 1) if isinstance(reply, str)}
         if failed:
             raise RuntimeError(f"KV transfer failed on decode rank(s) {failed}")
-        return sum(replies)
+        return moved + sum(replies)
 
     def sleep(self, tags: list[str]) -> None:
         self._fan_out("sleep", tags)
