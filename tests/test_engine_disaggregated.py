@@ -316,3 +316,49 @@ def test_a_transfer_copies_each_block_into_its_place_in_runs(make):
             assert torch.equal(into[:, untouched], torch.zeros(3, len(untouched), 2, 4))
     with pytest.raises(ValueError, match="2 source blocks for 1 target blocks"):
         transfer.copy(source, [0, 1], target, [0])
+
+
+class PausingServer:
+    """What the resumable client talks to, over a PD replica: after the trainer's abort, a
+    re-ask waits until generation resumes (as the rollout server holds it during a sync)."""
+
+    def __init__(self, pd: DisaggregatedRollout) -> None:
+        self.pd, self.resumed = pd, asyncio.Event()
+        self.resumed.set()
+
+    async def generate(self, request):
+        await self.resumed.wait()
+        return await self.pd.generate(request)
+
+
+async def test_a_partial_rollout_resumes_across_a_sync_on_the_new_weights(model_path, tmp_path):
+    """A request aborted mid-decode by a sync is asked again by the resumable client with its
+    tokens appended: the first part is version 0, the rest version 1 and exactly what the new
+    weights continue from the same tokens (no KV of version 0 is decoded after the sync)."""
+    from tandem.serving.resumable_client import ResumableClient
+
+    state = perturbed_model(model_path, tmp_path, seed=2)  # saved in tmp_path
+    pd = DisaggregatedRollout.create(model_path, PD)
+    fresh = NativeRollout.create(tmp_path, PLAIN)
+    server = PausingServer(pd)
+    try:
+        request = GenerateRequest("partial", list(range(40, 58)),
+                                  {**GREEDY, "max_tokens": 60})
+        running = asyncio.ensure_future(ResumableClient(server).generate(request))
+        await until_decoding(pd.decode_engines[0], 1)
+        server.resumed.clear()
+        await pd.abort_all()  # the trainer's sync: abort, update, resume
+        await pd.update_weights(state.items(), version=1)
+        server.resumed.set()
+        output = await running
+        assert output.stop_reason == "length" and len(output.token_ids) == 60
+        [[v0, before], [v1, after]] = output.extra_fields["version_runs"]
+        assert (v0, v1) == (0, 1) and before >= 3 and before + after == 60
+        assert output.extra_fields["resumes"] == 1
+        tail = await fresh.generate(GenerateRequest(
+            "t", request.prompt_ids + output.token_ids[:before], {**GREEDY, "max_tokens": after}))
+        assert output.token_ids[before:] == tail.token_ids
+        assert_nothing_held(pd)
+    finally:
+        await pd.shutdown()
+        await fresh.shutdown()
