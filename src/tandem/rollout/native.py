@@ -13,8 +13,9 @@ from tandem.rollout.engine.rank_worker import Rendezvous
 class NativeRollout(AsyncEngine):
     """Continuous batching, paged KV cache, prefix cache, per-token logprobs; CPU or CUDA."""
 
-    capabilities = {**{name: "yes" for name in CAPABILITIES}, "multi_modal_inputs": "no",
-                    "adapters": "no"}
+    # multi_modal_inputs: for a vision-language model (Qwen2-VL family); a text model refuses
+    # a request's images naming it
+    capabilities = {**{name: "yes" for name in CAPABILITIES}, "adapters": "no"}
 
     @classmethod
     def create(cls, model_path: str | Path, config: RolloutConfig | None = None,

@@ -324,8 +324,15 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, KVHandoff, BaseRoll
             raise ValueError(f"request {request_id!r} needs up to {total} tokens of KV but the "
                              f"cache holds {self.num_blocks * self.block_size}; lower max_tokens "
                              "or raise rollout.kv_cache_memory_bytes")
+        images = None
+        if request.multi_modal_data:
+            if self.runner.vision is None:
+                raise ValueError(f"request {request_id!r}: multi_modal_data, but this model has "
+                                 "no vision tower; serve a vision-language model (Qwen2-VL "
+                                 "family) or send token ids only")
+            images = self.runner.vision.prepare(request_id, prompt, request.multi_modal_data)
         seq = Sequence(request_id, prompt, params, self.eos_token_ids, self.max_model_len,
-                       future=asyncio.get_running_loop().create_future())
+                       future=asyncio.get_running_loop().create_future(), images=images)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = seq

@@ -75,7 +75,7 @@ class BlockManager:
         parent = None
         size = self.block_size
         for index in range((seq.num_tokens - 1) // size):
-            tokens = tuple(seq.token_ids[index * size:(index + 1) * size])
+            tokens = seq.block_key(index, size)
             key = chain_hash(parent, tokens)
             block = self.hash_to_block.get(key)
             if block is None or self.block_tokens[block] != tokens:
@@ -109,7 +109,7 @@ class BlockManager:
             return
         size = self.block_size
         for index in range(seq.num_hashed_blocks, num_tokens // size):
-            tokens = tuple(seq.token_ids[index * size:(index + 1) * size])
+            tokens = seq.block_key(index, size)
             key = chain_hash(seq.last_block_hash, tokens)
             block = seq.block_table[index]
             if key not in self.hash_to_block:  # else an equal block is cached already: keep that

@@ -25,9 +25,13 @@ from tandem import cpu_kernels
 from tandem.rollout.engine.attention import (AttentionMetadata, build_cascade_group,
                                              build_decode_group, build_group, paged_attention,
                                              write_kv)
+from tandem.rollout.engine.hf_model import (PackedLinear, check_supported, decoder_of,
+                                            fused_kernels_supported, load_model, pack_linears,
+                                            text_config, uses_onednn)
 from tandem.rollout.engine.scheduler import ScheduledSequence
 from tandem.rollout.engine.shared_kv import SharedCache
 from tandem.rollout.engine.tensor_parallel import TensorParallel
+from tandem.rollout.engine.vision import VisionTower, step_vision
 
 # Decode attention splits shared prefixes off (cascade) when that avoids reading at least this
 # fraction of the decode group's K/V.
@@ -40,63 +44,6 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r}: use one of {list(DTYPES)}")
     return DTYPES[name]
-
-
-def uses_onednn(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the linear layers run through oneDNN: CPU fp32 only. There torch's `F.linear`
-    (MKL sgemm) reached ~105 GFLOP/s per core on an AMD Zen 5 and oneDNN ~250 (docs/engine.md);
-    bf16/fp16 and CUDA keep the HF modules."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-class PackedLinear(nn.Module):
-    """`x @ weight.T + bias` with the weight [out, in] held only in oneDNN's packed layout.
-
-    `bias` is the HF module's own parameter (so its HF name and in-place update are unchanged);
-    the weight has no dense copy: `load` packs a new one, `release` frees it."""
-
-    def __init__(self, weight: torch.Tensor, bias: nn.Parameter | None) -> None:
-        super().__init__()
-        self.weight_shape = weight.shape
-        self.bias = bias
-        self.packed: torch.Tensor | None = None
-        self.load(weight)
-
-    @staticmethod
-    def pack(weight: torch.Tensor) -> torch.Tensor:
-        """A copy of the dense weight [out, in] in oneDNN's packed layout."""
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-
-    def load(self, weight: torch.Tensor) -> None:
-        self.packed = self.pack(weight)
-
-    def release(self) -> None:
-        self.packed = None
-
-    def nbytes(self) -> int:
-        # the packed layout may pad rows to oneDNN's block size; numel is the unpadded size
-        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def pack_linears(model: nn.Module) -> dict[str, PackedLinear]:
-    """Replace every nn.Linear of `model` (except a tied lm_head) by a PackedLinear and drop its
-    dense weight; returns them by HF weight name (`model.layers.0.mlp.up_proj.weight`)."""
-    tied = model.lm_head.weight is model.get_input_embeddings().weight
-    packed = {}
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and not (tied and module is model.lm_head):
-            parent, _, child = name.rpartition(".")
-            linear = PackedLinear(module.weight, module.bias)
-            setattr(model.get_submodule(parent), child, linear)
-            packed[f"{name}.weight"] = linear
-    # the checkpoint file is memory-mapped as a whole, and the pages packing read stay resident
-    # while any tensor still maps it: the remaining dense weights get their own memory
-    for param in model.parameters():
-        param.data = param.data.clone()
-    return packed
 
 
 @dataclass
@@ -113,6 +60,10 @@ class StepPlan:
     slots: list[int]
     groups: list[tuple]
     sample_index: list[int]
+    # a vision-language model's step with images (one rank only): every token's (t, h, w)
+    # positions, and (flat index, rows) of the vision embeddings that replace image tokens'
+    mrope: list[list[int]] | None = None
+    vision_rows: list[tuple[int, torch.Tensor]] | None = None
 
 
 def attention_buckets(batch: list[ScheduledSequence]) -> list[list[ScheduledSequence]]:
@@ -131,41 +82,6 @@ def attention_buckets(batch: list[ScheduledSequence]) -> list[list[ScheduledSequ
     return buckets
 
 
-def _check_supported(model) -> None:
-    """Refuse what this runner would silently get wrong."""
-    config = model.config
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        raise NotImplementedError(f"{config.model_type}: sliding-window attention layers are not "
-                                  "supported by the native engine")
-    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
-    if rope_type in ("dynamic", "longrope"):
-        raise NotImplementedError(f"rope_type {rope_type!r} depends on the sequence length; the "
-                                  "native engine precomputes one rotary table")
-    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
-        if not hasattr(model.model, name):
-            raise NotImplementedError(f"{type(model).__name__} is not a Llama/Qwen2-style decoder "
-                                      f"(no model.{name})")
-
-
-def fused_kernels_supported(model) -> bool:
-    """Whether the fused CPU kernels compute exactly what this model's modules do: silu MLPs,
-    RMSNorms with `weight` and `variance_epsilon` (Qwen2/Llama style), full-width rotary, and
-    a head size and grouping the attention kernel is compiled for."""
-    config = model.config
-    attention = model.model.layers[0].self_attn
-    norms = [model.model.norm] + [module for layer in model.model.layers
-                                  for module in (layer.input_layernorm,
-                                                 layer.post_attention_layernorm)]
-    return (getattr(config, "hidden_act", None) == "silu"
-            and all(hasattr(layer.mlp, name) for layer in model.model.layers
-                    for name in ("gate_proj", "up_proj", "down_proj"))
-            and all(type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon")
-                    for norm in norms)
-            and getattr(config, "partial_rotary_factor", 1.0) == 1.0
-            and attention.head_dim in cpu_kernels.HEAD_DIMS
-            and config.num_attention_heads // config.num_key_value_heads <= cpu_kernels.MAX_GROUP)
-
-
 class ModelRunner:
     """Holds the HF model and the KV cache; `forward_layers` computes one step's logits. With
     `tensor_parallel` it holds that rank's slice of the model (tensor_parallel.py) and its
@@ -173,22 +89,26 @@ class ModelRunner:
 
     def __init__(self, model_path: str | Path, dtype: torch.dtype, device: torch.device,
                  tensor_parallel: TensorParallel | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.device = device
         self.dtype = dtype
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
+        model = load_model(model_path, dtype)
         self.model = model.to(device).eval().requires_grad_(False)
-        config = model.config
+        config = text_config(model)
         self.config = config
-        _check_supported(model)
+        check_supported(model)
+        decoder = decoder_of(model)
+        # a vision-language model's tower, image processor and 3-D positions (vision.py)
+        self.vision = VisionTower(model, model_path) if decoder is not model.model else None
+        if self.vision is not None and tensor_parallel is not None:
+            raise ValueError("rollout.tensor_model_parallel_size: a vision-language model runs "
+                             "on one rank in the native engine (its vision tower is not split "
+                             "over ranks); set it to 1")
         self.tensor_parallel = tensor_parallel
         # HF name -> full shape; with tensor parallelism the parameters hold this rank's slice
-        self.full_shapes = (tensor_parallel.shard(model, model.model.layers[0].self_attn.head_dim)
+        self.full_shapes = (tensor_parallel.shard(model, decoder.layers[0].self_attn.head_dim)
                             if tensor_parallel is not None else
                             {name: p.shape for name, p in model.named_parameters()})
         self.reduce = tensor_parallel.all_reduce if tensor_parallel is not None else _unchanged
-        decoder = model.model
         self.embed_tokens = decoder.embed_tokens
         self.layers = list(decoder.layers)
         self.norm = decoder.norm
@@ -213,7 +133,8 @@ class ModelRunner:
         self.eos_token_ids = _eos_token_ids(model)
         positions = torch.arange(self.max_model_len, device=device)[None]
         probe = torch.zeros(1, dtype=dtype, device=device)
-        cos, sin = decoder.rotary_emb(probe, positions)  # HF's rotary embedding, every position
+        self.rotary = decoder.rotary_emb
+        cos, sin = self.rotary(probe, positions)  # HF's rotary embedding, every position
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [max_len, head_dim]
         # the fused CPU kernels, or None: the HF modules and torch ops (CUDA, bf16, fallback)
         self.kernels = (cpu_kernels.load() if self.packed_linears and fused_kernels_supported(
@@ -296,7 +217,8 @@ class ModelRunner:
             last_index += item.num_new
             flat_end[id(item)] = last_index - 1
         sample_index = [flat_end[id(item)] for item in batch if item.samples]
-        return StepPlan(ids, positions, slots, groups, sample_index)
+        return StepPlan(ids, positions, slots, groups, sample_index,
+                        *step_vision(ordered, self.vision))
 
     def _tensors(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                 torch.Tensor]:
@@ -356,21 +278,29 @@ class ModelRunner:
             hidden = self.embed_tokens(input_ids)  # [T, hidden]
         else:
             hidden = tensor_parallel.embed(input_ids, self.embed_tokens.weight)
+        rope = (self.cos, self.sin, positions)
+        if plan.mrope is not None:  # each token's rows of the tables, from its (t, h, w)
+            cos, sin = self.rotary(hidden, torch.tensor(plan.mrope, device=self.device)[:, None])
+            rope = (cos[0].contiguous(), sin[0].contiguous(),
+                    torch.arange(len(plan.input_ids), device=self.device))
+            for flat, rows in plan.vision_rows:
+                hidden[flat:flat + len(rows)] = rows
         if self.kernels is not None:
-            hidden = yield from self._layers_fused(hidden, positions, meta, sample_index)
+            hidden = yield from self._layers_fused(hidden, rope, meta, sample_index)
         else:
-            hidden = yield from self._layers_torch(hidden, positions, meta, sample_index)
+            hidden = yield from self._layers_torch(hidden, rope, meta, sample_index)
         if self.tied_lm_head:
             self.refresh_tied_lm_head()
         logits = self.lm_head(hidden).float()
         return logits if tensor_parallel is None else tensor_parallel.gather_logits(logits)
 
-    def _layers_torch(self, hidden: torch.Tensor, positions: torch.Tensor,
-                      meta: AttentionMetadata, sample_index: torch.Tensor) -> Generator:
+    def _layers_torch(self, hidden: torch.Tensor, rope: tuple, meta: AttentionMetadata,
+                      sample_index: torch.Tensor) -> Generator:
         """The decoder layers with the HF modules and torch ops; returns the final-normed hidden
-        states of the sampling rows."""
-        cos = self.cos[positions][:, None, :]  # [T, 1, D]
-        sin = self.sin[positions][:, None, :]
+        states of the sampling rows. `rope`: the rotary tables and each token's row in them."""
+        cos_table, sin_table, positions = rope
+        cos = cos_table[positions][:, None, :]  # [T, 1, D]
+        sin = sin_table[positions][:, None, :]
         half = self.head_dim // 2
         for layer, key_cache, value_cache in zip(self.layers, self.key_caches, self.value_caches):
             attention = layer.self_attn
@@ -386,18 +316,19 @@ class ModelRunner:
             yield
         return self.norm(hidden.index_select(0, sample_index))
 
-    def _layers_fused(self, hidden: torch.Tensor, positions: torch.Tensor,
-                      meta: AttentionMetadata, sample_index: torch.Tensor) -> Generator:
+    def _layers_fused(self, hidden: torch.Tensor, rope: tuple, meta: AttentionMetadata,
+                      sample_index: torch.Tensor) -> Generator:
         """The same layers through the fused CPU kernels; `hidden` is the residual stream,
         updated in place, `normed` the input of the next block."""
         ops, layers = self.kernels, self.layers
+        cos_table, sin_table, positions = rope
         first = layers[0].input_layernorm
         normed = ops.rms_norm(hidden, first.weight, first.variance_epsilon)
         for index, (layer, key_cache, value_cache) in enumerate(
                 zip(layers, self.key_caches, self.value_caches)):
             attention = layer.self_attn
             q, k, v = self._project_qkv(attention, normed)
-            ops.rotary_write_kv(q, k, v, self.cos, self.sin, positions, meta.slots, key_cache,
+            ops.rotary_write_kv(q, k, v, cos_table, sin_table, positions, meta.slots, key_cache,
                                 value_cache)
             out = paged_attention(q, key_cache, value_cache, meta, self.scale)
             norm = layer.post_attention_layernorm

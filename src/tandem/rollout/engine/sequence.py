@@ -6,6 +6,7 @@ import asyncio
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -47,6 +48,7 @@ class Sequence:
     kept_mass_sum: float = 0.0
     generator: torch.Generator | None = None  # per-request seed
     prefill_only: bool = False  # stop after the first token, its blocks held (kv_handoff.py)
+    images: Any = None  # vision.SequenceImages of a prompt with images
     aborted: bool = False
     stop_reason: str | None = None
     error: BaseException | None = None
@@ -65,6 +67,13 @@ class Sequence:
     @property
     def generated_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def block_key(self, index: int, size: int) -> tuple:
+        """The prefix-cache key of block `index`: its tokens, an image token as its image's
+        content digest and place (vision.py)."""
+        tokens = self.token_ids[index * size:(index + 1) * size]
+        return tuple(tokens) if self.images is None else self.images.key_tokens(tokens,
+                                                                                index * size)
 
     def append(self, token_id: int, log_prob: float, version: int,
                kept_ids: torch.Tensor | None = None, log_mass: float | None = None) -> None:

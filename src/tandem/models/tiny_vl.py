@@ -1,0 +1,83 @@
+"""Tiny Qwen2-VL models: the tiny text model's tokenizer with Qwen2-VL's vision tokens, a
+depth-1 vision tower, 3-D rotary positions (mrope) and Qwen2-VL's image processor, randomly
+initialised and saved as a normal HF directory (`Qwen2VLForConditionalGeneration.from_pretrained`,
+`AutoTokenizer`, and the image processor's preprocessor_config.json). Built in seconds, cached
+like the tiny text models (models/cache.py).
+
+The chat template renders a message's content parts: an image part as
+`<|vision_start|><|image_pad|><|vision_end|>`, a text part as its text; tandem.multimodal expands
+each `<|image_pad|>` to the image's token count, as Qwen2-VL's processor does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from tandem.models.cache import build_once
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+IMAGE_PART = "<|vision_start|><|image_pad|><|vision_end|>"
+CONTENT = "{{ message.content }}"
+CONTENT_PARTS = ("{% if message.content is string %}{{ message.content }}{% else %}"
+                 "{% for part in message.content %}{% if part.type == 'image' %}"
+                 + IMAGE_PART + "{% else %}{{ part.text }}{% endif %}{% endfor %}{% endif %}")
+# the image processor of the tiny models: 14-pixel patches merged 2 x 2 into one token, images
+# scaled to between 1 token (28 x 28 pixels) and 16 (112 x 112)
+PATCH, MERGE, TEMPORAL = 14, 2, 2
+MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """Qwen2-VL's split of the rotary frequencies over (time, height, width): a quarter, three
+    eighths, three eighths of head_dim / 2 (its [16, 24, 24] at head_dim 128)."""
+    half = head_dim // 2
+    spatial = half * 3 // 8
+    return [half - 2 * spatial, spatial, spatial]
+
+
+def build_tiny_vl_model(spec, build_tokenizer: Callable, chat_template: str) -> Path:
+    """Build (once) and return the directory of a tiny Qwen2-VL of `spec` (a TinyModelSpec with
+    architecture="qwen2_vl": its sizes are the language model's), with the tiny text models'
+    tokenizer (`build_tokenizer`, models/tiny.py) and chat template."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+
+    def build(directory: Path) -> None:
+        tokenizer = build_tokenizer(spec.tokenizer_vocab_size, spec.seed)
+        tokenizer.add_tokens(VISION_TOKENS, special_tokens=True)
+        tokenizer.chat_template = chat_template.replace(CONTENT, CONTENT_PARTS)
+        ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
+        head_dim = spec.hidden_size // spec.num_attention_heads
+        text = dict(vocab_size=max(spec.vocab_size, len(tokenizer)), hidden_size=spec.hidden_size,
+                    intermediate_size=spec.intermediate_size,
+                    num_hidden_layers=spec.num_hidden_layers,
+                    num_attention_heads=spec.num_attention_heads,
+                    num_key_value_heads=spec.num_key_value_heads,
+                    max_position_embeddings=spec.max_position_embeddings,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                     "mrope_section": mrope_section(head_dim)},
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                    bos_token_id=None, tie_word_embeddings=spec.tie_word_embeddings)
+        vision = dict(depth=1, embed_dim=32, hidden_size=spec.hidden_size, num_heads=2,
+                      mlp_ratio=2, patch_size=PATCH, spatial_merge_size=MERGE,
+                      temporal_patch_size=TEMPORAL, in_channels=3)
+        config = Qwen2VLConfig(text_config=text, vision_config=vision,
+                               image_token_id=ids["<|image_pad|>"],
+                               video_token_id=ids["<|video_pad|>"],
+                               vision_start_token_id=ids["<|vision_start|>"],
+                               vision_end_token_id=ids["<|vision_end|>"],
+                               tie_word_embeddings=spec.tie_word_embeddings)
+        torch.manual_seed(spec.seed)
+        model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH,
+                                 merge_size=MERGE, temporal_patch_size=TEMPORAL
+                                 ).save_pretrained(directory)
+
+    return build_once(f"{spec.key()}-vl", build)

@@ -1,0 +1,111 @@
+"""Images for vision-language policies (the Qwen2-VL family), shared by the engine, the data
+path and the batches: reading an image, the model's image processor's pixel values and grids,
+each image's token count and content digest, and Qwen2-VL's `<|image_pad|>` expansion.
+
+A prompt carries each image as a run of `<|image_pad|>` tokens, one per merged patch
+(grid_t x grid_h x grid_w / merge_size^2), exactly as Qwen2-VL's processor expands it; a
+GenerateRequest's `multi_modal_data` is `{"image": [image, ...]}` in the order of those runs,
+each image a PIL image, encoded bytes (PNG, JPEG, ...), a file path, or an HF datasets Image
+dict ({"bytes": ..., "path": ...}).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+# Larger images are refused when read (a decompression bomb, or a row that would fill the
+# context): the processor scales every image down to max_pixels anyway.
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+
+
+def load_image(item: Any, where: str) -> Any:
+    """`item` as an RGB PIL image; a ValueError naming `where` (the request, or file and row)
+    when it is not an image, cannot be read, or is larger than MAX_IMAGE_PIXELS."""
+    from PIL import Image
+
+    if isinstance(item, dict):
+        item = item.get("bytes") or item.get("path")
+    try:
+        if isinstance(item, Image.Image):
+            image = item
+        elif isinstance(item, (bytes, bytearray)):
+            image = Image.open(io.BytesIO(item))
+        elif isinstance(item, (str, Path)):
+            image = Image.open(item)
+        else:
+            raise ValueError(f"{type(item).__name__} is not an image (give a PIL image, encoded "
+                             "bytes, a file path or a datasets Image dict)")
+        if image.width * image.height > MAX_IMAGE_PIXELS:
+            raise ValueError(f"{image.width} x {image.height} pixels is more than "
+                             f"{MAX_IMAGE_PIXELS} (MAX_IMAGE_PIXELS); scale it down")
+        return image.convert("RGB")
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    except (OSError, Image.DecompressionBombError) as error:
+        raise ValueError(f"{where}: not a readable image ({error})") from None
+
+
+@dataclass
+class ImageInputs:
+    """A prompt's images as the vision tower takes them: pixel values [patches, C*T*P*P] of all
+    images, each image's grid [n, 3] (t, h, w in patches), token count and content digest."""
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+    token_counts: list[int]
+    digests: list[bytes]
+
+
+def process_images(processor: Any, images: Sequence[Any], where: str) -> ImageInputs:
+    """Read `images` and run the model's image processor on them (one image processor call)."""
+    loaded = [load_image(image, f"{where}, image {index}") for index, image in enumerate(images)]
+    out = processor(images=loaded, return_tensors="pt")
+    pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
+    merge = processor.merge_size
+    counts = [int(t * h * w) // merge ** 2 for t, h, w in grid.tolist()]
+    digests, start = [], 0
+    for (t, h, w), count in zip(grid.tolist(), counts):
+        patches = pixel_values[start:start + t * h * w]
+        start += t * h * w
+        digest = hashlib.sha256(str((t, h, w)).encode())
+        digest.update(patches.contiguous().numpy().tobytes())
+        digests.append(digest.digest())
+    return ImageInputs(pixel_values, grid, counts, digests)
+
+
+def pad_runs(token_ids: Sequence[int], pad_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of `pad_id` in `token_ids`."""
+    runs: list[tuple[int, int]] = []
+    for index, token in enumerate(token_ids):
+        if token != pad_id:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((index, 1))
+    return runs
+
+
+def expand_image_pads(token_ids: Sequence[int], pad_id: int, counts: Sequence[int],
+                      where: str) -> list[int]:
+    """Each single `pad_id` of a rendered prompt repeated to its image's token count (what
+    Qwen2-VL's processor does to the chat template's one pad per image)."""
+    singles = [index for index, token in enumerate(token_ids) if token == pad_id]
+    if len(singles) != len(counts):
+        raise ValueError(f"{where}: {len(singles)} image placeholder(s) for {len(counts)} "
+                         "image(s); give one image per placeholder")
+    out: list[int] = []
+    image = 0
+    for token in token_ids:
+        if token == pad_id:
+            out.extend([pad_id] * counts[image])
+            image += 1
+        else:
+            out.append(token)
+    return out
