@@ -80,11 +80,11 @@ def test_from_config_reads_the_split(tmp_path):
     ({"prompt": [{"role": "user", "content": "x"}], "rollout_n": 0}, "rollout_n must be"),
     ({"prompt": [{"role": "user", "content": "x"}], "do_sample": "no"}, "do_sample must be"),
     ({"prompt": [{"role": "user", "content": "x"}], "extra_info": [1]}, "'extra_info' must be"),
-    # verl's vision rows: refused until images reach a policy, never trained on their text alone
-    ({"prompt": [{"role": "user", "content": "<image>What shape?"}], "images": ["a.png"]},
-     "column 'images' holds images, but images and video cannot reach a policy yet"),
-    ({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]},
-     "has a 'image' part; images, video and audio cannot reach a policy yet"),
+    # video rows: refused until video reaches a policy, never trained on their text alone
+    ({"prompt": [{"role": "user", "content": "<video>What moves?"}], "videos": ["a.mp4"]},
+     "column 'videos' holds videos, but video cannot reach a policy yet"),
+    ({"prompt": [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "?"}]}]},
+     "has a 'video' part; video and audio cannot reach a policy yet"),
 ])
 def test_bad_rows_name_file_row_and_field(tmp_path, row, words):
     path = write_jsonl(tmp_path / "bad.jsonl", [row])
@@ -158,3 +158,64 @@ def test_hf_datasets_data_files_with_a_configurable_prompt_key(tmp_path, monkeyp
         read_records("json:missing.json")
     with pytest.raises(ValueError, match="not a datasets.save_to_disk directory"):
         read_records(tmp_path)
+
+
+def png(path, size=(40, 30), colour=(200, 30, 30)):
+    from PIL import Image
+
+    Image.new("RGB", size, colour).save(path)
+    return path
+
+
+def test_vision_rows_carry_their_images_in_the_order_of_their_places(tmp_path):
+    """verl's rows: `<image>` in the text becomes an image part, the `images` column fills the
+    places in order (relative paths from the data file's folder, bytes, datasets Image dicts);
+    rows of image parts with their own images need no column."""
+    png(tmp_path / "red.png")
+    blue = png(tmp_path / "blue.png", colour=(0, 0, 255)).read_bytes()  # a datasets Image dict
+    rows = [{"prompt": [{"role": "user", "content": "<image>How many? <image>"}],
+             "images": ["red.png", "blue.png"]},
+            {"prompt": [{"role": "user", "content": [
+                {"type": "text", "text": "Which?"},
+                {"type": "image", "image": str(tmp_path / "red.png")}]}]},
+            {"prompt": [{"role": "user", "content": "no <image> column, so this is text"}]}]
+    dataset = PromptDataset([write_jsonl(tmp_path / "v.jsonl", rows)])
+    first, second, text = dataset.rows
+    assert first.messages == [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "How many? "}, {"type": "image"}]}]
+    assert first.images == [str(tmp_path / "red.png"), str(tmp_path / "blue.png")]
+    assert second.messages[0]["content"][1] == {"type": "image"}
+    assert second.images == [str(tmp_path / "red.png")]
+    assert text.images == [] and text.messages[0]["content"] == "no <image> column, so this is text"
+    assert dataset.skipped == []
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "<image>?"}],
+                                   "images": [{"bytes": blue, "path": None}]}])
+    pq.write_table(table, tmp_path / "v.parquet")
+    [row] = PromptDataset([tmp_path / "v.parquet"]).rows
+    assert row.images == [{"bytes": blue, "path": None}]
+
+
+def test_a_row_with_a_broken_image_is_left_out_naming_file_row_and_reason(tmp_path):
+    png(tmp_path / "ok.png")
+    (tmp_path / "text.png").write_text("not an image")
+    good = {"prompt": [{"role": "user", "content": "<image>?"}], "images": ["ok.png"]}
+    rows = [good,
+            {"prompt": [{"role": "user", "content": "<image>?"}], "images": ["gone.png"]},
+            {"prompt": [{"role": "user", "content": "<image>?"}], "images": ["text.png"]},
+            {"prompt": [{"role": "user", "content": "<image><image>?"}], "images": ["ok.png"]},
+            {"prompt": [{"role": "user", "content": [{"type": "image"}]}]},
+            good]
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    dataset = PromptDataset([path])
+    assert len(dataset) == 2 and len(dataset.skipped) == 4
+    assert f"{path}: row 1, image 0: not a readable image" in dataset.skipped[0]
+    assert f"{path}: row 2, image 0: not a readable image" in dataset.skipped[1]
+    assert (f"{path}: row 3: 2 image place(s) (<image> or image parts) for 1 image(s) in column "
+            "'images'") in dataset.skipped[2]
+    assert "row 4: 1 image place(s) (<image> or image parts) but no column 'images'" in \
+        dataset.skipped[3]
+    with pytest.raises(ValueError, match="hold no rows; left out for their images"):
+        PromptDataset([write_jsonl(tmp_path / "all_bad.jsonl", rows[1:3])])

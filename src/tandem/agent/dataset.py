@@ -8,16 +8,18 @@ file and the row (or line).
 from __future__ import annotations
 
 import json
+import logging
 import random
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from tandem.agent.dataset_images import ImageRowError, image_parts, row_images
 from tandem.config.schema import DataConfig
 from tandem.extras import install_command
 
-MEDIA_COLUMNS = ("images", "videos")  # verl's row shape for vision-language data
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +38,7 @@ class DatasetRow:
     rollout_n: int | None = None  # overrides rollout.n / rollout.val_kwargs.n
     do_sample: bool | None = None  # False: greedy sampling for this row in training
     raw: dict[str, Any] = field(default_factory=dict)
+    images: list[Any] = field(default_factory=list)  # one per image part, in order
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
@@ -122,6 +125,12 @@ def _utf8_text(path: Path) -> str:
                          "save the file as UTF-8") from None
 
 
+def _folder(path: str | Path) -> Path | None:
+    """The folder of a data file (relative image paths start there); None for a builder entry."""
+    path = Path(path)
+    return path.parent if path.is_file() else path if path.is_dir() else None
+
+
 def _dict_column(record: dict[str, Any], name: str, where: str) -> dict[str, Any]:
     value = record.get(name)
     if value is None:
@@ -146,12 +155,12 @@ def _messages(value: Any, prompt_key: str, where: str, may_be_empty: bool = Fals
                              f"got {message!r}")
         content = message.get("content")
         if isinstance(content, list) and any(
-                isinstance(part, dict) and part.get("type") not in (None, "text")
+                isinstance(part, dict) and part.get("type") not in (None, "text", "image")
                 for part in content):
             raise ValueError(f"{where}: a message in {prompt_key!r} has a "
-                             f"{_non_text(content)!r} part; images, video and audio cannot reach a "
-                             "policy yet (multimodal prompts are not built), so the row would "
-                             "train on its text alone; keep text parts only")
+                             f"{_non_text(content)!r} part; video and audio cannot reach a "
+                             "policy yet (images can), so the row would train without it; keep "
+                             "text and image parts only")
     # parquet structs carry every key of the column's schema; drop the ones this row left empty
     return [{key: val for key, val in message.items() if val is not None or key == "content"}
             for message in value]
@@ -159,13 +168,16 @@ def _messages(value: Any, prompt_key: str, where: str, may_be_empty: bool = Fals
 
 def _non_text(content: list) -> str:
     return next(part.get("type") for part in content
-                if isinstance(part, dict) and part.get("type") not in (None, "text"))
+                if isinstance(part, dict) and part.get("type") not in (None, "text", "image"))
 
 
 def row_from_record(record: dict[str, Any], index: int, prompt_key: str = "prompt",
-                    where: str = "row") -> DatasetRow:
-    """Validate one raw record and wrap it as a DatasetRow (uid left empty)."""
-    where = f"{where} {index}"
+                    where: str = "row", base: Path | None = None, number: int | None = None
+                    ) -> DatasetRow:
+    """Validate one raw record and wrap it as a DatasetRow (uid left empty); errors name
+    `where` and the row's `number` in its file (default: index); `base`: the data file's
+    folder, where relative image paths start (ImageRowError: the row's images)."""
+    where = f"{where} {index if number is None else number}"
     task = record.get("task") is not None  # a verifiers environment's task brings the prompt
     if prompt_key not in record and not task:
         raise ValueError(f"{where}: no column {prompt_key!r} (data.prompt_key); columns are "
@@ -180,11 +192,10 @@ def row_from_record(record: dict[str, Any], index: int, prompt_key: str = "promp
                     or _dict_column(extra_info, "tools_kwargs", where))
     interaction_kwargs = (_dict_column(record, "interaction_kwargs", where)
                           or _dict_column(extra_info, "interaction_kwargs", where))
-    for column in MEDIA_COLUMNS:  # verl's multimodal columns: refused, never silently dropped
-        if record.get(column) not in (None, [], ""):
-            raise ValueError(f"{where}: column {column!r} holds {column}, but images and video "
-                             "cannot reach a policy yet (multimodal prompts are not built), so "
-                             "the row would train on its text alone; drop the column or the row")
+    if record.get("videos") not in (None, [], ""):  # refused, never silently dropped
+        raise ValueError(f"{where}: column 'videos' holds videos, but video cannot reach a "
+                         "policy yet (images can), so the row would train without them; drop "
+                         "the column or the row")
     rollout_n = record.get("rollout_n")
     if rollout_n is not None and (isinstance(rollout_n, bool) or not isinstance(rollout_n, int)
                                   or rollout_n < 1):
@@ -192,7 +203,10 @@ def row_from_record(record: dict[str, Any], index: int, prompt_key: str = "promp
     do_sample = record.get("do_sample")
     if do_sample is not None and not isinstance(do_sample, bool):
         raise ValueError(f"{where}: do_sample must be true or false, got {do_sample!r}")
-    return DatasetRow(messages=_messages(record.get(prompt_key), prompt_key, where, task), index=index,
+    messages, images = _messages(record.get(prompt_key), prompt_key, where, task), []
+    if record.get("images") not in (None, [], "") or image_parts(messages):
+        messages, images = row_images(record, messages, where, base)
+    return DatasetRow(messages=messages, index=index, images=images,
                       data_source=str(record.get("data_source") or ""), ground_truth=ground_truth,
                       reward_model=reward_model, extra_info=extra_info, tools_kwargs=tools_kwargs,
                       interaction_kwargs=interaction_kwargs, rollout_n=rollout_n,
@@ -212,16 +226,25 @@ class PromptDataset:
                              "data.val_files)")
         self.rows: list[DatasetRow] = []
         self.origins: list[str] = []  # "file: row N" of each row, for messages
+        self.skipped: list[str] = []  # rows left out for their images, each with the reason
         for path in files:
             for number, record in enumerate(read_records(path)):
-                row = row_from_record(record, len(self.rows), prompt_key, where=f"{path}: row")
+                try:
+                    row = row_from_record(record, len(self.rows), prompt_key,
+                                          where=f"{path}: row", base=_folder(path), number=number)
+                except ImageRowError as error:  # that row's images: the others still load
+                    logger.warning("left out: %s", error)
+                    self.skipped.append(str(error))
+                    continue
                 problem = check_row(row) if check_row is not None else None
                 if problem:
                     raise ValueError(f"{path}: row {number}: {problem}")
                 self.rows.append(row)
                 self.origins.append(f"{path}: row {number}")
         if not self.rows:
-            raise ValueError(f"dataset files {list(map(str, files))} hold no rows")
+            raise ValueError(f"dataset files {list(map(str, files))} hold no rows"
+                             + (f"; left out for their images: {self.skipped}" if self.skipped
+                                else ""))
 
     @classmethod
     def from_config(cls, config: DataConfig, split: str = "train",
