@@ -41,7 +41,7 @@ class ScriptedFormat:
         self.tool_ids = list(tool_ids)
         self.tool_turns: list[list[dict]] = []
 
-    def prompt_ids(self, messages, tools=None):
+    def prompt_ids(self, messages, tools=None, images=()):
         return [11, 12, 13]
 
     def tool_turn_ids(self, tool_messages, after_stop_token):

@@ -40,7 +40,7 @@ class LoggingFormat:
     def __init__(self):
         self.deltas: list[list[int]] = []
 
-    def prompt_ids(self, messages, tools=None):
+    def prompt_ids(self, messages, tools=None, images=()):
         return list(PROMPT)
 
     def tool_turn_ids(self, tool_messages, after_stop_token):

@@ -16,7 +16,7 @@ class Format:
 
     stop_token_ids = frozenset([2])
 
-    def prompt_ids(self, messages, tools=None):
+    def prompt_ids(self, messages, tools=None, images=()):
         return [5, 6]
 
     def decode(self, ids):

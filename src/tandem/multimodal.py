@@ -19,6 +19,8 @@ from typing import Any, Sequence
 
 import torch
 
+IMAGE_PAD = "<|image_pad|>"  # Qwen2-VL's image token: one per merged patch of an image
+
 # Larger images are refused when read (a decompression bomb, or a row that would fill the
 # context): the processor scales every image down to max_pixels anyway.
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024

@@ -391,7 +391,7 @@ class Client:
 class Format:
     stop_token_ids = frozenset([EOS])
 
-    def prompt_ids(self, messages, tools=None):
+    def prompt_ids(self, messages, tools=None, images=()):
         return [5, 6]
 
     def tool_turn_ids(self, tool_messages, after_stop_token):

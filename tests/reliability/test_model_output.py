@@ -51,7 +51,7 @@ class TextFormat:
         self.client = client
         self.tool_turns: list[list[dict]] = []
 
-    def prompt_ids(self, messages, tools=None):
+    def prompt_ids(self, messages, tools=None, images=()):
         return [11, 12]
 
     def tool_turn_ids(self, tool_messages, after_stop_token):

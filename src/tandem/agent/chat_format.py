@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import Any, Iterable, Sequence
 
 from tandem.agent.special_tokens import PlainTextRenderer
+from tandem.multimodal import IMAGE_PAD, expand_image_pads, process_images
 
 # A fixed conversation the tool turn is rendered after; its content never reaches the stream.
 _DUMMY_HISTORY = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
@@ -35,7 +36,8 @@ _BYTE_OF_CHARACTER = _byte_level_alphabet()
 class ChatFormat:
     """Renders prompts and tool turns to token ids with one tokenizer's chat template."""
 
-    def __init__(self, tokenizer: Any, stop_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop_token_ids: Iterable[int] = (),
+                 image_processor: Any = None) -> None:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat_template; the agent loops render every "
                              "prompt with it. Use a chat model or set tokenizer.chat_template.")
@@ -44,6 +46,7 @@ class ChatFormat:
                              "where an assistant turn ends")
         self.tokenizer = tokenizer
         self.stop_token_ids = frozenset([tokenizer.eos_token_id, *stop_token_ids])
+        self.image_processor = image_processor  # a vision-language policy's (tandem.multimodal)
         self._plain = {prompt: PlainTextRenderer(tokenizer, self._text_renderer(prompt))
                        for prompt in (False, True)}
 
@@ -58,10 +61,21 @@ class ChatFormat:
                 add_generation_prompt: bool) -> list[int]:
         return self._plain[add_generation_prompt].render(list(messages), tools or None)
 
-    def prompt_ids(self, messages: Sequence[dict[str, Any]],
-                   tools: list[dict] | None = None) -> list[int]:
-        """The initial prompt with the tool schemas and the assistant generation prompt."""
-        return self._render(messages, tools, add_generation_prompt=True)
+    def prompt_ids(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None,
+                   images: Sequence[Any] = ()) -> list[int]:
+        """The initial prompt with the tool schemas and the assistant generation prompt; with
+        `images` (one per image part, in order) each image's `<|image_pad|>` repeated to its
+        token count, as the policy's processor does."""
+        ids = self._render(messages, tools, add_generation_prompt=True)
+        if not images:
+            return ids
+        if self.image_processor is None:
+            raise ValueError(f"a prompt with {len(images)} image(s), but the policy has no image "
+                             "processor: rows with images need a vision-language model (Qwen2-VL "
+                             "family) with its preprocessor_config.json")
+        counts = process_images(self.image_processor, images, "prompt").token_counts
+        pad = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        return expand_image_pads(ids, pad, counts, "prompt")
 
     @cached_property
     def _history(self) -> list[int]:

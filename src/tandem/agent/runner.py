@@ -104,10 +104,13 @@ class AgentLoopRunner:
     @classmethod
     def from_tokenizer(cls, client: TokenClient, tokenizer: Any, config: RolloutConfig,
                        tools: ToolRegistry | None = None, reward_fn: RewardFn | None = None,
-                       stop_token_ids: Sequence[int] = ()) -> "AgentLoopRunner":
+                       stop_token_ids: Sequence[int] = (), image_processor: Any = None
+                       ) -> "AgentLoopRunner":
         """A runner rendering with an HF tokenizer's chat template; stop_token_ids end a turn
-        besides tokenizer.eos_token_id (e.g. generation_config's extra eos ids)."""
-        return cls(client, ChatFormat(tokenizer, stop_token_ids), config, tools, reward_fn)
+        besides tokenizer.eos_token_id (e.g. generation_config's extra eos ids);
+        image_processor: a vision-language policy's, for rows with images."""
+        return cls(client, ChatFormat(tokenizer, stop_token_ids, image_processor), config, tools,
+                   reward_fn)
 
     def sessions_per_prompt(self, row: DatasetRow, validate: bool) -> int:
         """n for this row: its rollout_n, else val_kwargs.n (validation) or rollout.n."""

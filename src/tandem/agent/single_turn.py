@@ -22,14 +22,15 @@ class SingleTurnLoop:
     async def run(self, session: Session) -> Trajectory:
         """Generate one response for the session's row."""
         row = session.row
-        prompt = self.chat_format.prompt_ids(row.messages)
+        prompt = self.chat_format.prompt_ids(row.messages, images=row.images)
         check_prompt_length(len(prompt), self.config, row.uid)
         builder = ResponseBuilder(prompt, expect_log_probs=self.config.calculate_log_probs)
         budget = remaining_budget(self.config, len(prompt), 0)
         params = {**sampling_params(self.config, session.validate, row.do_sample, budget),
                   **session.sampling_seed(0)}
         output = await self.client.generate(
-            GenerateRequest(session.request_id, list(prompt), params))
+            GenerateRequest(session.request_id, list(prompt), params,
+                            multi_modal_data={"image": list(row.images)} if row.images else None))
         builder.add_model_output(output, budget)
         text = self.chat_format.strip_stop_text(self.chat_format.decode(output.token_ids))
         metadata = {"response_text": text, "extra_info": row.extra_info,

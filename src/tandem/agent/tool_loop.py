@@ -97,9 +97,11 @@ class ToolAgentLoop:
         messages and the loop's tools."""
         row, config, turns = session.row, self.config, self.config.multi_turn
         tools = self.tools if tools is None else tools
+        images = list(row.images) if messages is None else []  # an episode brings its own
         messages = [dict(message) for message in (row.messages if messages is None else messages)]
         first_reply = len(messages)
-        prompt = self.chat_format.prompt_ids(messages, tools.schemas())
+        prompt = self.chat_format.prompt_ids(messages, tools.schemas(), images=images)
+        media = {"image": images} if images else None
         check_prompt_length(len(prompt), config, row.uid)
         builder = ResponseBuilder(prompt, expect_log_probs=config.calculate_log_probs)
         assistant_turns = user_turns = tool_calls = tool_errors = 0
@@ -111,7 +113,8 @@ class ToolAgentLoop:
             params = {**sampling_params(config, session.validate, row.do_sample, budget),
                       **session.sampling_seed(assistant_turns)}
             output = await self.client.generate(
-                GenerateRequest(session.request_id, prompt + builder.token_ids, params))
+                GenerateRequest(session.request_id, prompt + builder.token_ids, params,
+                                multi_modal_data=media))
             builder.add_model_output(output, budget)
             assistant_turns += 1
             text = self.chat_format.strip_stop_text(self.chat_format.decode(output.token_ids))

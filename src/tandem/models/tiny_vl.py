@@ -26,6 +26,7 @@ CONTENT_PARTS = ("{% if message.content is string %}{{ message.content }}{% else
 # scaled to between 1 token (28 x 28 pixels) and 16 (112 x 112)
 PATCH, MERGE, TEMPORAL = 14, 2, 2
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
+VERSION = 2  # in the cache key: bump when the recipe (template, sizes, processor) changes
 
 
 def mrope_section(head_dim: int) -> list[int]:
@@ -80,4 +81,4 @@ def build_tiny_vl_model(spec, build_tokenizer: Callable, chat_template: str) -> 
                                  merge_size=MERGE, temporal_patch_size=TEMPORAL
                                  ).save_pretrained(directory)
 
-    return build_once(f"{spec.key()}-vl", build)
+    return build_once(f"{spec.key()}-vl{VERSION}", build)

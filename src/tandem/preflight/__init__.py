@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tandem.agent.dataset import PromptDataset
+from tandem.agent.dataset import DatasetRow, PromptDataset
 from tandem.agent.prompt_fit import describe, loop_tool_schemas, overlong_rows, tokenizer_chat_format
 from tandem.config.choices import ConfigError
 from tandem.config.schema import TandemConfig
@@ -46,8 +46,16 @@ def check_job(config: TandemConfig, command: str = "train", rewards: RewardScore
                           "sample would score nothing; raise it, give reward.custom_function / "
                           "reward.reward_funcs or Trainer(reward_fn=...), or enable "
                           "reward.model / reward.judge")
-    check_row = ((lambda row: reward_input_problem(row.data_source, row.ground_truth))
-                 if rewards.uses_registry else None)
+    def check_row(row: DatasetRow) -> str | None:
+        if row.images:  # refused until the batches and the actor take images
+            return (f"has {len(row.images)} image(s), which the native engine serves "
+                    "(docs/engine.md, \"Images\") but training cannot use yet: the batches' "
+                    "vision inputs and the actor's vision-language forward are not built (issue "
+                    "40); drop the images column for now")
+        if rewards.uses_registry:
+            return reward_input_problem(row.data_source, row.ground_truth)
+        return None
+
     splits = ["train"] + (["val"] if config.data.val_files else [])
     for split in splits:
         try:
