@@ -62,7 +62,9 @@ def log_softmax_bound(logits: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprob_bounds(model: torch.nn.Module, prompt: list[int], response: list[int],
-                         temperature: float = 1.0, top_k: int = 0, unit: float = U
+                         temperature: float = 1.0, top_k: int = 0, unit: float = U,
+                         image_rows: torch.Tensor | None = None,
+                         position_ids: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact (float64) log-probabilities of `response` after `prompt` under an HF causal LM
     (of logits / temperature restricted to the top_k, if given), and for each a first-order
@@ -87,6 +89,11 @@ def token_logprob_bounds(model: torch.nn.Module, prompt: list[int], response: li
     relative error times the first-order ones: ~1e-6 in float32, covered by a factor 1.01; in
     bfloat16 up to ~0.3 (a few 2**-8 roundings per layer through 24 layers), covered by 2.
     A float32 implementation's error is within the bound whatever its summation order.
+
+    A vision-language model (Qwen2-VL): `image_rows` are the vision tower's float32 embeddings
+    of the image tokens, in order, taken as exact inputs (both sides compute them with the same
+    call, bit for bit), and `position_ids` the sequence's [3, L] rotary positions; the bound is
+    the language model's.
     """
     exact = copy.deepcopy(model).double().eval()
     device = next(exact.parameters()).device
@@ -107,9 +114,15 @@ def token_logprob_bounds(model: torch.nn.Module, prompt: list[int], response: li
             handles.append(module.register_forward_hook(keep("norm")))
     embeddings = exact.get_input_embeddings()
     ids = torch.tensor([prompt + response], device=device)
-    inputs = embeddings(ids).detach().requires_grad_(True)
+    inputs = embeddings(ids).detach()
+    extra = {}
+    if image_rows is not None:
+        image = (ids == model.config.image_token_id)[..., None]
+        inputs = inputs.masked_scatter(image, image_rows.double().to(device))
+        extra["position_ids"] = position_ids[:, None].to(device)
+    inputs = inputs.requires_grad_(True)
     try:
-        logits = exact(inputs_embeds=inputs).logits[0, len(prompt) - 1:-1] / temperature
+        logits = exact(inputs_embeds=inputs, **extra).logits[0, len(prompt) - 1:-1] / temperature
     finally:
         for handle in handles:
             handle.remove()
@@ -153,7 +166,8 @@ def _local_error_bounds(model, records, unit: float = U) -> list[tuple[torch.Ten
     two (score and scale) in the attention's score bound, and the attention core two of
     max |v| (the probabilities cast to bf16 before P V, the output cast)."""
     store, split = _storage_terms(unit)
-    config = model.config
+    config = model.config.get_text_config()
+    decoder = getattr(model.model, "language_model", model.model)  # a VLM's language model
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     outputs = {id(module): y for kind, module, x, y in records}
@@ -167,7 +181,7 @@ def _local_error_bounds(model, records, unit: float = U) -> list[tuple[torch.Ten
         bias = module.bias.abs() if module.bias is not None else 0.0
         local.append((y, (gamma(module.in_features + 1) + store + split)
                       * (x.detach().abs() @ module.weight.abs().T + bias)))
-    for layer in model.model.layers:
+    for layer in decoder.layers:
         attention, mlp = layer.self_attn, layer.mlp
         down_input = next(x for kind, module, x, y in records if module is mlp.down_proj)
         local.append((down_input, (EXP_RELATIVE + 5 * U + 2 * store) * down_input.detach().abs()))

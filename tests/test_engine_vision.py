@@ -28,10 +28,13 @@ QUESTIONS = ["What is here?", "Count the shapes.", "Which colour?", "Describe it
 
 @pytest.fixture(scope="module")
 def vl_path(tmp_path_factory):
+    return noisy_vl_model(tmp_path_factory.mktemp("vl"))
+
+
+def noisy_vl_model(directory):
     """The tiny Qwen2-VL with every matrix moved by N(0, 0.15) noise (seeded), saved with its
-    tokenizer and image processor."""
+    tokenizer and image processor in `directory`."""
     built = build_tiny_model(TinyModelSpec(architecture="qwen2_vl"))
-    directory = tmp_path_factory.mktemp("vl")
     model = Qwen2VLForConditionalGeneration.from_pretrained(built, dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -13,7 +13,7 @@ from functools import cached_property
 from typing import Any, Iterable, Sequence
 
 from tandem.agent.special_tokens import PlainTextRenderer
-from tandem.multimodal import IMAGE_PAD, expand_image_pads, process_images
+from tandem.multimodal import IMAGE_PAD, ImageInputs, expand_image_pads, process_images
 
 # A fixed conversation the tool turn is rendered after; its content never reaches the stream.
 _DUMMY_HISTORY = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
@@ -62,20 +62,27 @@ class ChatFormat:
         return self._plain[add_generation_prompt].render(list(messages), tools or None)
 
     def prompt_ids(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None,
-                   images: Sequence[Any] = ()) -> list[int]:
+                   images: Sequence[Any] | ImageInputs = ()) -> list[int]:
         """The initial prompt with the tool schemas and the assistant generation prompt; with
-        `images` (one per image part, in order) each image's `<|image_pad|>` repeated to its
-        token count, as the policy's processor does."""
+        `images` (one per image part, in order, or their `process`ed inputs) each image's
+        `<|image_pad|>` repeated to its token count, as the policy's processor does."""
         ids = self._render(messages, tools, add_generation_prompt=True)
-        if not images:
+        if isinstance(images, ImageInputs):
+            counts = images.token_counts
+        elif not images:
             return ids
+        else:
+            counts = self.process(images).token_counts
+        pad = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        return expand_image_pads(ids, pad, counts, "prompt")
+
+    def process(self, images: Sequence[Any]) -> ImageInputs:
+        """The policy's image processor's inputs of `images` (pixel values, grids, counts)."""
         if self.image_processor is None:
             raise ValueError(f"a prompt with {len(images)} image(s), but the policy has no image "
                              "processor: rows with images need a vision-language model (Qwen2-VL "
                              "family) with its preprocessor_config.json")
-        counts = process_images(self.image_processor, images, "prompt").token_counts
-        pad = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-        return expand_image_pads(ids, pad, counts, "prompt")
+        return process_images(self.image_processor, images, "prompt")
 
     @cached_property
     def _history(self) -> list[int]:

@@ -73,7 +73,8 @@ class ResponseBuilder:
 
     def to_trajectory(self, uid: str, session_id: int, num_turns: int, stop_reason: str,
                       data_source: str = "", ground_truth: Any = None,
-                      metadata: dict[str, Any] | None = None) -> Trajectory:
+                      metadata: dict[str, Any] | None = None, images: Any = None
+                      ) -> Trajectory:
         """The finished session as unpadded tensors (ids/mask/versions int64, logprobs float32)."""
         if self.min_version is None or self.max_version is None:
             raise ValueError("a trajectory needs at least one generate call to know its weight "
@@ -88,4 +89,5 @@ class ResponseBuilder:
             session_id=session_id, num_turns=num_turns, stop_reason=stop_reason,
             data_source=data_source, ground_truth=ground_truth,
             metadata={**(metadata or {}), **self.kept_mass},
-            kept_sets=KeptSets.join(self.kept_sets) if self.has_kept_sets else None)
+            kept_sets=KeptSets.join(self.kept_sets) if self.has_kept_sets else None,
+            images=images)

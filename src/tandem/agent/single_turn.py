@@ -22,7 +22,8 @@ class SingleTurnLoop:
     async def run(self, session: Session) -> Trajectory:
         """Generate one response for the session's row."""
         row = session.row
-        prompt = self.chat_format.prompt_ids(row.messages, images=row.images)
+        images = self.chat_format.process(row.images) if row.images else None
+        prompt = self.chat_format.prompt_ids(row.messages, images=images or ())
         check_prompt_length(len(prompt), self.config, row.uid)
         builder = ResponseBuilder(prompt, expect_log_probs=self.config.calculate_log_probs)
         budget = remaining_budget(self.config, len(prompt), 0)
@@ -39,4 +40,5 @@ class SingleTurnLoop:
                     "validate": session.validate}
         return builder.to_trajectory(row.uid, session.session_id, num_turns=2,
                                      stop_reason=output.stop_reason, data_source=row.data_source,
-                                     ground_truth=row.ground_truth, metadata=metadata)
+                                     ground_truth=row.ground_truth, metadata=metadata,
+                                     images=images)

@@ -98,9 +98,10 @@ class ToolAgentLoop:
         row, config, turns = session.row, self.config, self.config.multi_turn
         tools = self.tools if tools is None else tools
         images = list(row.images) if messages is None else []  # an episode brings its own
+        inputs = self.chat_format.process(images) if images else None
         messages = [dict(message) for message in (row.messages if messages is None else messages)]
         first_reply = len(messages)
-        prompt = self.chat_format.prompt_ids(messages, tools.schemas(), images=images)
+        prompt = self.chat_format.prompt_ids(messages, tools.schemas(), images=inputs or ())
         media = {"image": images} if images else None
         check_prompt_length(len(prompt), config, row.uid)
         builder = ResponseBuilder(prompt, expect_log_probs=config.calculate_log_probs)
@@ -161,4 +162,5 @@ class ToolAgentLoop:
         return builder.to_trajectory(row.uid, session.session_id,
                                      num_turns=1 + assistant_turns + user_turns,
                                      stop_reason=stop_reason, data_source=row.data_source,
-                                     ground_truth=row.ground_truth, metadata=metadata)
+                                     ground_truth=row.ground_truth, metadata=metadata,
+                                     images=inputs)

@@ -14,6 +14,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from tandem.batch.trajectory import Trajectory
+from tandem.multimodal import ImageInputs
 from tandem.types import KeptSets
 
 TOKEN_FIELDS = ("prompts", "responses", "input_ids", "position_ids", "response_mask", "loss_mask",
@@ -22,6 +23,9 @@ NON_TENSOR_FIELDS = ("uid", "data_source", "stop_reason", "ground_truth", "rewar
 # sampling-mask replay: kept_counts [B, R_i] int32 (response-aligned) and kept_token_ids [B, K_i]
 # int32 (K_i = sum of the sample's kept_counts), present when some trajectory has kept_sets
 KEPT_SET_FIELDS = ("kept_counts", "kept_token_ids")
+# a vision-language batch: pixel_values [B, patches_i, D] float32 and image_grid_thw
+# [B, images_i, 3] int64 (0 rows: a sample without images), present when some trajectory has them
+IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
 
 
 def make_field(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -106,6 +110,9 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory]) -> TensorDict:
         fields["kept_counts"] = _stack_or_nest([k.counts.int() for k in kept])
         fields["kept_token_ids"] = _stack_or_nest([k.ids.int() for k in kept])
 
+    if any(t.images is not None for t in trajectories):  # a vision-language batch
+        fields.update(image_fields([t.images for t in trajectories]))
+
     rewards = [t.reward for t in trajectories]
     if any(r is not None for r in rewards):
         missing = [i for i, r in enumerate(rewards) if r is None]
@@ -125,6 +132,17 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory]) -> TensorDict:
     return batch
 
 
+def image_fields(images: Sequence[ImageInputs | None]) -> dict[str, torch.Tensor]:
+    """Each sample's pixel values [patches_i, D] and image grids [images_i, 3] as jagged fields
+    (none for a sample without images)."""
+    width = next(inputs.pixel_values.shape[1] for inputs in images if inputs is not None)
+    pixels = [inputs.pixel_values.float() if inputs is not None else torch.zeros(0, width)
+              for inputs in images]
+    grids = [inputs.grid_thw.long() if inputs is not None else torch.zeros(0, 3, dtype=torch.long)
+             for inputs in images]
+    return {"pixel_values": _stack_or_nest(pixels), "image_grid_thw": _stack_or_nest(grids)}
+
+
 def batch_to_trajectories(batch: TensorDict) -> list[Trajectory]:
     """The inverse of `trajectories_to_batch` (for tests, debugging and re-batching)."""
     per_sample = {name: batch[name].unbind(0) for name in ("prompts", "responses", "response_mask",
@@ -133,6 +151,10 @@ def batch_to_trajectories(batch: TensorDict) -> list[Trajectory]:
     if "kept_counts" in batch.keys():
         extras["kept_sets"] = [KeptSets(counts, ids) for counts, ids in zip(
             batch["kept_counts"].unbind(0), batch["kept_token_ids"].unbind(0))]
+    if "pixel_values" in batch.keys():
+        extras["images"] = [None if not len(grid) else ImageInputs(pixels, grid, [], [])
+                            for pixels, grid in zip(batch["pixel_values"].unbind(0),
+                                                    batch["image_grid_thw"].unbind(0))]
     out = []
     for i in range(batch.batch_size[0]):
         out.append(Trajectory(

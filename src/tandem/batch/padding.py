@@ -12,7 +12,7 @@ import math
 import torch
 from tensordict import TensorDict
 
-from tandem.batch.jagged import (NON_TENSOR_FIELDS, concat_batches, field_lengths, make_field,
+from tandem.batch.jagged import (IMAGE_FIELDS, NON_TENSOR_FIELDS, concat_batches, field_lengths, make_field,
                                  select_samples, trajectories_to_batch)
 from tandem.batch.trajectory import Trajectory
 
@@ -54,8 +54,8 @@ def pad_to_multiple(batch: TensorDict, multiple: int, eos_token_id: int) -> Tens
             padding[key] = torch.zeros(missing, dtype=field.dtype)
             continue
         lengths = field_lengths(field)
-        if key == "kept_token_ids":
-            width = 0  # a padding sample's tokens have no kept set (its kept_counts are 0)
+        if key in ("kept_token_ids", *IMAGE_FIELDS):
+            width = 0  # a padding sample has no kept set (kept_counts 0) and no image
         elif torch.equal(lengths, response_lengths):
             width = 1
         elif torch.equal(lengths, sequence_lengths):

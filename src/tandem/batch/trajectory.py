@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from tandem.multimodal import ImageInputs
 from tandem.types import KeptSets
 
 CONTEXT_VERSION = -1  # response_versions of tokens the policy did not sample (response_mask 0)
@@ -46,6 +47,9 @@ class Trajectory:
     # tool-call counts); see docs/agent_loops.md. Not batched as tensors.
     metadata: dict[str, Any] = field(default_factory=dict)
     kept_sets: KeptSets | None = None
+    # a vision-language prompt's images as the model takes them (pixel values, grids): the
+    # training forward runs the vision tower on them (training/vision_inputs.py)
+    images: ImageInputs | None = None
 
     def __post_init__(self) -> None:
         length = self.responses.shape[0]

@@ -26,6 +26,7 @@ from tandem.batch.jagged import field_lengths, field_values, make_field, padded_
 from tandem.batch.layouts import attention_rows, to_dense, to_packed, to_shared_prompts
 from tandem.training.lm_head import DEFAULT_CHUNK_BYTES, chunk_tokens, chunked_log_probs, plain_linear_head
 from tandem.training.packed_attention import uses_packed_sdpa
+from tandem.training.vision_inputs import is_vision_batch, vision_inputs
 
 
 @dataclass
@@ -66,6 +67,11 @@ def response_head_outputs(model: torch.nn.Module, batch: TensorDict, use_remove_
     def run(positions: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
         return getattr(model(**inputs, use_cache=False, logits_to_keep=positions), output_key)
 
+    if is_vision_batch(batch):
+        raise NotImplementedError("a batch with images runs through the decoder's hidden states "
+                                  "and a plain linear LM head only (actor_forward with "
+                                  "logits_chunk_bytes set); critics and other heads do not take "
+                                  "images yet")
     return _at_response_positions(run, batch, use_remove_padding, _model_device(model), _rows_mode(model, share_prompts))
 
 
@@ -74,11 +80,16 @@ def response_hidden_states(model: torch.nn.Module, batch: TensorDict, use_remove
     """The decoder's last hidden states at the positions predicting response tokens: [sum R_i, H]
     (what the LM head turns into those tokens' logits)."""
     decoder = model.get_decoder()
+    vision = is_vision_batch(batch)
 
     def run(positions: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        if vision:  # the image tokens' embeddings and the 3-D positions (vision_inputs.py)
+            inputs.update(vision_inputs(model, batch, inputs.pop("input_ids"),
+                                        inputs["position_ids"], inputs["attention_mask"]))
         return decoder(**inputs, use_cache=False).last_hidden_state[:, positions]
 
-    return _at_response_positions(run, batch, use_remove_padding, _model_device(model), _rows_mode(model, share_prompts))
+    rows = _rows_mode(model, share_prompts and not vision)  # a shared prompt: one image copy
+    return _at_response_positions(run, batch, use_remove_padding, _model_device(model), rows)
 
 
 def _rows_mode(model: torch.nn.Module, share_prompts: bool) -> str | None:

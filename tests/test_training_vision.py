@@ -1,0 +1,114 @@
+"""The training forward of a vision-language model (training/vision_inputs.py) on trajectories
+the native engine sampled with images (a tiny Qwen2-VL through the single-turn agent loop): the
+batch carries each sample's pixel values and grids; each sample's [3, L] rotary positions are
+the engine's; the actor's log-probs, packed and padded, and the engine's are both within the
+float32 bound of the exact (float64) ones."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+
+from float_bounds import assert_within, token_logprob_bounds
+from test_engine_vision import noise_image, noisy_vl_model
+from tandem.agent import AgentLoopRunner, DatasetRow
+from tandem.batch.jagged import batch_to_trajectories, field_lengths, trajectories_to_batch
+from tandem.batch.padding import pad_to_multiple
+from tandem.config.schema import RolloutConfig
+from tandem.rollout.engine.vision import VisionTower
+from tandem.rollout.native import NativeRollout
+from tandem.training.forward import actor_forward
+from tandem.training.vision_inputs import sample_positions
+
+QUESTIONS = ["What is here?", "Count them.", "Which colour?"]
+
+
+@pytest.fixture(scope="module")
+def vl_path(tmp_path_factory):
+    return noisy_vl_model(tmp_path_factory.mktemp("vl-train"))
+
+
+@pytest.fixture(scope="module")
+def sampled(vl_path):
+    return asyncio.run(sample(vl_path))
+
+
+async def sample(vl_path):
+    """5 trajectories sampled at temperature 1: 4 rows with 1-3 images and one without."""
+    tokenizer = AutoTokenizer.from_pretrained(vl_path)
+    config = RolloutConfig(prompt_length=256, response_length=10, n=1, temperature=1.0,
+                           kv_cache_memory_bytes=16 << 20, seed=3)
+    rng = random.Random(2)
+    rows = []
+    for index in range(5):
+        images = [noise_image(50 + 10 * index + k) for k in range(rng.randint(1, 3))] \
+            if index < 4 else []
+        content = [{"type": "image"} for _ in images] + [
+            {"type": "text", "text": QUESTIONS[index % 3]}]
+        rows.append(DatasetRow(messages=[{"role": "user", "content": content}], uid=f"r{index}",
+                               images=images))
+    engine = NativeRollout.create(vl_path, config)
+    try:
+        runner = AgentLoopRunner.from_tokenizer(
+            engine, tokenizer, config, image_processor=AutoImageProcessor.from_pretrained(vl_path))
+        return await runner.run(rows), rows
+    finally:
+        await engine.shutdown()
+
+
+def test_the_batch_carries_each_samples_images_and_survives_padding(sampled):
+    trajectories, rows = sampled
+    batch = trajectories_to_batch(trajectories)
+    assert field_lengths(batch["image_grid_thw"]).tolist() == [len(row.images) for row in rows]
+    for trajectory, again in zip(trajectories, batch_to_trajectories(batch)):
+        if trajectory.images is None:
+            assert again.images is None
+        else:
+            assert torch.equal(again.images.pixel_values, trajectory.images.pixel_values)
+            assert torch.equal(again.images.grid_thw, trajectory.images.grid_thw)
+    padded = pad_to_multiple(batch, 4, eos_token_id=0)
+    assert field_lengths(padded["image_grid_thw"]).tolist()[5:] == [0, 0, 0]
+
+
+def test_each_samples_rotary_positions_are_the_engines(vl_path, sampled):
+    trajectories, _ = sampled
+    model = Qwen2VLForConditionalGeneration.from_pretrained(vl_path, dtype=torch.float32)
+    tower = VisionTower(model, vl_path)
+    for trajectory, row in zip(trajectories, sampled[1]):
+        ids = trajectory.input_ids
+        positions = sample_positions(model, ids, trajectory.images.grid_thw
+                                     if trajectory.images is not None else torch.zeros(0, 3))
+        assert positions.shape == (3, len(ids))
+        if row.images:
+            engine = tower.prepare("r", trajectory.prompts.tolist(), {"image": row.images})
+            assert positions.tolist() == engine.positions_of(0, len(ids))
+        else:
+            assert positions.tolist() == [list(range(len(ids)))] * 3
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_actors_log_probs_and_the_engines_are_within_the_float32_bound(vl_path, sampled,
+                                                                           packed):
+    trajectories, _ = sampled
+    model = Qwen2VLForConditionalGeneration.from_pretrained(vl_path, dtype=torch.float32).eval()
+    batch = trajectories_to_batch(trajectories)
+    with torch.no_grad():
+        output = actor_forward(model, batch, use_remove_padding=packed)
+    actor = output.log_probs.split(field_lengths(batch["responses"]).tolist())
+    for trajectory, trained in zip(trajectories, actor):
+        prompt, response = trajectory.prompts.tolist(), trajectory.responses.tolist()
+        rows = positions = None
+        if trajectory.images is not None:
+            with torch.no_grad():
+                features = model.model.get_image_features(trajectory.images.pixel_values,
+                                                          trajectory.images.grid_thw)
+            rows = torch.cat(list(features.pooler_output))
+            positions = sample_positions(model, trajectory.input_ids, trajectory.images.grid_thw)
+        exact, bound = token_logprob_bounds(model, prompt, response, image_rows=rows,
+                                            position_ids=positions)
+        assert_within(trained, exact, bound, f"actor ({'packed' if packed else 'padded'})")
+        assert_within(trajectory.rollout_log_probs, exact, bound, "engine")
