@@ -75,7 +75,9 @@ def test_a_prompt_with_images_needs_the_policys_image_processor(vl_path):
         chat.prompt_ids(messages, images=[picture((1, 2, 3), (30, 30))])
 
 
-def test_a_training_run_refuses_rows_with_images_saying_why(tmp_path):
+def test_a_run_with_images_needs_a_vision_language_policy_and_what_it_runs_with(tmp_path):
+    """Rows with images and a text model: refused naming the row; with tiny:qwen2_vl the job
+    checks pass; what a vision-language run cannot do yet is refused naming the field."""
     import json
 
     from tandem.config import ConfigError, load_config
@@ -86,9 +88,16 @@ def test_a_training_run_refuses_rows_with_images_saying_why(tmp_path):
     data.write_text(json.dumps({"prompt": [{"role": "user", "content": "<image>?"}],
                                 "images": ["a.png"], "reward_model": {"ground_truth": "1"},
                                 "data_source": "gsm8k"}) + "\n")
-    config = load_config(overrides=[f"data.train_files=[{data}]", "data.val_files=[]",
-                                    "data.train_batch_size=1", "actor.ppo_mini_batch_size=1",
-                                    f"trainer.output_dir={tmp_path / 'run'}"])
-    with pytest.raises(ConfigError, match="row 0: has 1 image\\(s\\), which the native engine "
-                                          "serves .* but training cannot use yet"):
-        check_job(config)
+    common = [f"data.train_files=[{data}]", "data.val_files=[]", "data.train_batch_size=1",
+              "actor.ppo_mini_batch_size=1", f"trainer.output_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match="row 0: has 1 image\\(s\\), but model.path=tiny:qwen2 is "
+                                          "a text model"):
+        check_job(load_config(overrides=[*common, "model.path=tiny:qwen2"]))
+    check_job(load_config(overrides=[*common, "model.path=tiny:qwen2_vl"]))
+    for override, words in (("algorithm.adv_estimator=gae critic.enable=true", "the critic's forward does not take "
+                                                            "images yet"),
+                            ("actor.lora.rank=4", "LoRA on its language model is not built"),
+                            ("rollout.name=vllm", "images reach the native engine only")):
+        with pytest.raises(ConfigError, match=words):
+            check_job(load_config(overrides=[*common, "model.path=tiny:qwen2_vl",
+                                             *override.split()]))

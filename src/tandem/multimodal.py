@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,6 +25,22 @@ IMAGE_PAD = "<|image_pad|>"  # Qwen2-VL's image token: one per merged patch of a
 # Larger images are refused when read (a decompression bomb, or a row that would fill the
 # context): the processor scales every image down to max_pixels anyway.
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+
+
+def is_vision_model(model_path: str | Path) -> bool:
+    """Whether the HF model directory holds a vision-language model (its config.json has a
+    vision_config); reads the JSON only."""
+    config = Path(model_path) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
+
+
+def image_processor_of(model_path: str | Path) -> Any:
+    """A vision-language model's image processor (AutoImageProcessor), None for a text model."""
+    if not is_vision_model(model_path):
+        return None
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(str(model_path))
 
 
 def load_image(item: Any, where: str) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from tandem.agent.chat_format import ChatFormat
 from tandem.agent.dataset import PromptDataset
 from tandem.config.schema import RolloutConfig
+from tandem.multimodal import image_processor_of
 from tandem.tools.registry import ToolRegistry, tool_class, tool_schema
 
 
@@ -27,7 +28,7 @@ def overlong_rows(dataset: PromptDataset, chat_format: ChatFormat, schemas: list
     """(position, rendered length) of every row whose prompt exceeds `limit` tokens."""
     found = []
     for position, row in enumerate(dataset.rows):
-        length = len(chat_format.prompt_ids(row.messages, schemas or None))
+        length = len(chat_format.prompt_ids(row.messages, schemas or None, images=row.images))
         if length > limit:
             found.append((position, length))
     return found
@@ -45,7 +46,8 @@ def tokenizer_chat_format(model_path: str) -> ChatFormat:
     """The chat format of a model's tokenizer (imports transformers)."""
     from transformers import AutoTokenizer
 
-    return ChatFormat(AutoTokenizer.from_pretrained(model_path))
+    return ChatFormat(AutoTokenizer.from_pretrained(model_path),
+                      image_processor=image_processor_of(model_path))
 
 
 def drop_overlong(dataset: PromptDataset, chat_format: ChatFormat, schemas: list[dict] | None,

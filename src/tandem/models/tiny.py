@@ -191,7 +191,8 @@ def shipped_model_path(name: str = "tiny:demo") -> Path:
 
 
 def resolve_model_path(path: str) -> Path:
-    """Turn a `model.path` value into a directory: "tiny:qwen2", "tiny:llama", "tiny:reward" (a tiny
+    """Turn a `model.path` value into a directory: "tiny:qwen2", "tiny:llama", "tiny:qwen2_vl" (a
+    tiny vision-language model), "tiny:reward" (a tiny
     reward model), "tiny:demo" and "tiny:calculator" (shipped), "smollm2", a local HF directory or a
     hub id (tandem.models.hub: transformers' cache, offline honoured)."""
     if path in SHIPPED_MODELS:

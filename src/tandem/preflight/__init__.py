@@ -13,6 +13,7 @@ from tandem.agent.prompt_fit import describe, loop_tool_schemas, overlong_rows, 
 from tandem.config.choices import ConfigError
 from tandem.config.schema import TandemConfig
 from tandem.models.tiny import resolve_model_path
+from tandem.multimodal import is_vision_model
 from tandem.preflight.model_files import (check_model, checkpoint_model_problem, hf_config,
                                           latest_checkpoint)
 from tandem.preflight.model_fit import check_model_fit
@@ -46,12 +47,16 @@ def check_job(config: TandemConfig, command: str = "train", rewards: RewardScore
                           "sample would score nothing; raise it, give reward.custom_function / "
                           "reward.reward_funcs or Trainer(reward_fn=...), or enable "
                           "reward.model / reward.judge")
+    vision = is_vision_model(resolve_model_path(config.model.path))
+    problem = vision_problem(config) if vision else None
+    if problem:
+        raise ConfigError(problem)
+
     def check_row(row: DatasetRow) -> str | None:
-        if row.images:  # refused until the batches and the actor take images
-            return (f"has {len(row.images)} image(s), which the native engine serves "
-                    "(docs/engine.md, \"Images\") but training cannot use yet: the batches' "
-                    "vision inputs and the actor's vision-language forward are not built (issue "
-                    "40); drop the images column for now")
+        if row.images and not vision:
+            return (f"has {len(row.images)} image(s), but model.path={config.model.path} is a "
+                    "text model: rows with images need a vision-language policy (Qwen2-VL "
+                    "family, docs/engine.md \"Images\"); drop the images or change the model")
         if rewards.uses_registry:
             return reward_input_problem(row.data_source, row.ground_truth)
         return None
@@ -68,6 +73,27 @@ def check_job(config: TandemConfig, command: str = "train", rewards: RewardScore
                               "rows")
     _check_tools(config, tools)
     _check_resume(config, command)
+
+
+def vision_problem(config: TandemConfig) -> str | None:
+    """What a vision-language policy's run asks for that is not built yet, with the fix."""
+    rollout = config.rollout
+    where = f"model.path={config.model.path} is a vision-language model, and"
+    if rollout.name != "native":
+        return (f"rollout.name: is {rollout.name!r}; {where} images reach the native engine "
+                "only so far (vLLM's and SGLang's multimodal inputs are not wired); set "
+                "rollout.name=native")
+    if rollout.tensor_model_parallel_size != 1 or rollout.disaggregation.enabled:
+        return (f"rollout.tensor_model_parallel_size / rollout.disaggregation: {where} its vision "
+                "tower runs on one rank of a plain native engine; set the size to 1 and "
+                "disaggregation off")
+    if config.algorithm.adv_estimator == "gae":
+        return (f"algorithm.adv_estimator: is 'gae'; {where} the critic's forward does not take "
+                "images yet; use grpo")
+    if config.actor.lora.rank:
+        return (f"actor.lora.rank: is {config.actor.lora.rank}; {where} LoRA on its language "
+                "model is not built yet; set it to 0")
+    return None
 
 
 def check_prompts(config: TandemConfig, tools: ToolRegistry | None = None,

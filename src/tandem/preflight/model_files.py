@@ -38,9 +38,9 @@ def check_model(path: str) -> Path | None:
         from tandem.models.tiny import TinyModelSpec
 
         architecture = path.split(":", 1)[1]
-        if architecture not in ("qwen2", "llama"):
+        if architecture not in ("qwen2", "llama", "qwen2_vl"):
             raise ConfigError(f"model.path={path!r}: tiny models are 'tiny:qwen2', 'tiny:llama', "
-                              "'tiny:demo' or 'tiny:calculator'")
+                              "'tiny:qwen2_vl', 'tiny:demo' or 'tiny:calculator'")
         TinyModelSpec(architecture=architecture)
         return None
     if path == "smollm2":  # converted on first use

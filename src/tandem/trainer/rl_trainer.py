@@ -25,6 +25,7 @@ from tandem.batch.trajectory import Trajectory, continued_later, share_split_rew
 from tandem.config.load import to_yaml
 from tandem.config.schema import TandemConfig
 from tandem.models.tiny import resolve_model_path
+from tandem.multimodal import image_processor_of
 from tandem.progress import progress_bar
 from tandem.rewards.scorer import RewardScorer
 from tandem.rewards.worker import RewardWorker
@@ -75,6 +76,7 @@ class RLTrainer:
             seed_everything(config.trainer.seed)
         self.model_path = resolve_model_path(config.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.image_processor = image_processor_of(self.model_path)  # a vision-language policy's
         self.rewards = rewards or RewardScorer.from_config(
             config.reward, prompt_key=config.data.prompt_key, environment=config.rollout.environment)
         if self.rewards.decode is None:  # verl's solution_str: the whole decoded response
@@ -126,7 +128,8 @@ class RLTrainer:
                 self.reward_worker = RewardWorker(self.rewards)
                 reward_fn = self.reward_worker.score_one
         self.runner = AgentLoopRunner.from_tokenizer(self.client(), self.tokenizer, config.rollout,
-                                                     tools=self.tools, reward_fn=reward_fn)
+                                                     tools=self.tools, reward_fn=reward_fn,
+                                                     image_processor=self.image_processor)
 
     @property
     def workers(self) -> list[Any]:
@@ -170,7 +173,7 @@ class RLTrainer:
         """data.filter_overlong_prompts: rows the loop would render longer than
         rollout.prompt_length leave both datasets (the preflight logged them)."""
         schemas = loop_tool_schemas(self.config.rollout, self.tools)
-        chat_format = ChatFormat(self.tokenizer)
+        chat_format = ChatFormat(self.tokenizer, image_processor=self.image_processor)
         for dataset in (self.train_data, self.val_data):
             if dataset is not None:
                 drop_overlong(dataset, chat_format, schemas, self.config.rollout.prompt_length)

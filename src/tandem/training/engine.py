@@ -80,9 +80,10 @@ class TrainingEngine:
                     attn_implementation: str | None = None) -> "TrainingEngine":
         """Load model.path as the actor, the reference (frozen copy) or the critic (value head).
         The attention defaults to `packed_sdpa` (per-sequence attention in packed forwards)."""
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         from tandem.models.tiny import resolve_model_path
+        from tandem.multimodal import is_vision_model
         from tandem.training import packed_attention
         from tandem.training.critic import ValueModel
 
@@ -98,12 +99,13 @@ class TrainingEngine:
             model = ValueModel.from_pretrained(path, dtype, attn_implementation, seed=config.trainer.seed)
             optim = config.critic.optim
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                         attn_implementation=attn_implementation)
+            kind = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
+            model = kind.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
             optim = config.actor.optim if role == "actor" else None
         # an FSDP-sharded or non-linear head takes the full logits path (forward.actor_forward)
         full_logits = role != "critic" and (world_size > 1 or plain_linear_head(model) is None)
-        max_token_len = micro_batch_token_budget(config, model.config.to_dict(), full_logits)
+        max_token_len = micro_batch_token_budget(config, model.config.get_text_config().to_dict(),
+                                                 full_logits)
         if role == "actor" and config.actor.micro_batch_memory_gb and dp_rank_and_size()[0] == 0:
             logger.info("actor micro-batches: at most %d tokens (actor.micro_batch_memory_gb=%g, "
                         "actor.ppo_max_token_len_per_micro_batch=%d)", max_token_len,

@@ -21,7 +21,7 @@ import torch
 
 from tandem.rollout.base import all_finite
 from tandem.rollout.engine.tensor_parallel import ZEROS
-from tandem.rollout.engine.weight_staging import SlotStage, weight_key
+from tandem.rollout.engine.weight_staging import SlotStage, embed_name, weight_key
 from tandem.weight_layout import Chunk
 
 RANK_SEPARATOR = "@"  # a worker rank's slot entries: "<HF name>@<rank>"
@@ -103,7 +103,7 @@ def slot_specs(runner: Any, shapes: Mapping[str, torch.Size]
     specs = [(name, tuple(shape), runner.dtype) for name, shape in shapes.items()]
     aliases = {}
     if "lm_head.weight" not in shapes and getattr(runner.config, "tie_word_embeddings", False):
-        aliases["lm_head.weight"] = "model.embed_tokens.weight"
+        aliases["lm_head.weight"] = embed_name(shapes)
     return specs, aliases
 
 
@@ -172,8 +172,9 @@ def stage_from_slot(runner: Any, shapes: Mapping[str, torch.Size],
             if key in runner.packed_linears:
                 stage.packed[key] = runner.stage_form(key, slot_view)
             stage.names.add(key)
-        if runner.tied_lm_head and "model.embed_tokens.weight" in stage.names:
-            stage.lm_head = type(runner.lm_head).pack(views["model.embed_tokens.weight"])
+        embedding = embed_name(views)
+        if runner.tied_lm_head and embedding in stage.names:
+            stage.lm_head = type(runner.lm_head).pack(views[embedding])
     return stage
 
 

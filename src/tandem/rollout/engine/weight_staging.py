@@ -67,10 +67,19 @@ def accepted_shapes(runner: Any) -> dict[str, torch.Size]:
     return shapes
 
 
+# the input embedding's HF name: a decoder-only LM's, a vision-language model's language model's
+EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+
+
+def embed_name(shapes: Mapping[str, Any]) -> str:
+    """The HF name of the input embedding among `shapes`' names."""
+    return next((name for name in EMBED_NAMES if name in shapes), EMBED_NAMES[0])
+
+
 def weight_key(name: str, shapes: Mapping[str, torch.Size], model_config: Any) -> str:
     """The engine's name for HF weight `name`: a tied lm_head is served by the embedding."""
     if name not in shapes and name == "lm_head.weight" and getattr(model_config, "tie_word_embeddings", False):
-        return "model.embed_tokens.weight"
+        return embed_name(shapes)
     return name
 
 
