@@ -96,7 +96,6 @@ def test_a_run_with_images_needs_a_vision_language_policy_and_what_it_runs_with(
     check_job(load_config(overrides=[*common, "model.path=tiny:qwen2_vl"]))
     for override, words in (("algorithm.adv_estimator=gae critic.enable=true", "the critic's forward does not take "
                                                             "images yet"),
-                            ("actor.lora.rank=4", "LoRA on its language model is not built"),
                             ("rollout.name=vllm", "images reach the native engine only")):
         with pytest.raises(ConfigError, match=words):
             check_job(load_config(overrides=[*common, "model.path=tiny:qwen2_vl",

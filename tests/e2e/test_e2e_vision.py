@@ -31,11 +31,15 @@ def image_rows(directory):
     return path
 
 
-@pytest.mark.parametrize("mode", ["sync", "separate_async"])
+@pytest.mark.parametrize("mode", ["sync", "separate_async", "sync-lora"])
 def test_a_vision_language_policy_trains_on_rows_with_images(tiny_runs, tmp_path_factory, mode):
+    """sync-lora: LoRA on the language model (its q/k/v/o and MLP projections; the vision
+    tower's modules have other names and stay as they are), merged into the engine's weights."""
     data = image_rows(tmp_path_factory.mktemp("vision-data"))
-    extra = ("trainer.async_rollout.max_staleness=0", "rollout.nnodes=1",
-             "rollout.n_gpus_per_node=1") if mode == "separate_async" else ()
+    extra = {"separate_async": ("trainer.async_rollout.max_staleness=0", "rollout.nnodes=1",
+                                "rollout.n_gpus_per_node=1"),
+             "sync-lora": ("actor.lora.rank=4",)}.get(mode, ())
+    mode = mode.removesuffix("-lora")
     run = tiny_runs(f"vision-{mode}", "model.path=tiny:qwen2_vl", f"data.train_files=[{data}]",
                     "data.val_files=[]", "rollout.multi_turn.enable=false",
                     "rollout.multi_turn.tools=[]", f"trainer.trainer_mode={mode}", *extra)

@@ -90,9 +90,6 @@ def vision_problem(config: TandemConfig) -> str | None:
     if config.algorithm.adv_estimator == "gae":
         return (f"algorithm.adv_estimator: is 'gae'; {where} the critic's forward does not take "
                 "images yet; use grpo")
-    if config.actor.lora.rank:
-        return (f"actor.lora.rank: is {config.actor.lora.rank}; {where} LoRA on its language "
-                "model is not built yet; set it to 0")
     return None
 
 

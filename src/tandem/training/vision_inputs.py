@@ -32,12 +32,18 @@ def _samples(batch: TensorDict) -> list[tuple[torch.Tensor, torch.Tensor, torch.
     return list(zip(ids, pixels, grids))
 
 
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model for conditional generation (under a peft wrapper when training LoRA)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def sample_positions(model: torch.nn.Module, ids: torch.Tensor, grid: torch.Tensor
                      ) -> torch.Tensor:
     """[3, L] rotary positions of one sequence: the model's get_rope_index with its images,
     t = h = w = the index without."""
     if not len(grid):
         return torch.arange(len(ids), device=ids.device).expand(3, -1)
+    model = _base(model)
     pad = model.config.image_token_id
     positions, _ = model.model.get_rope_index(ids[None], (ids == pad).int()[None],
                                               image_grid_thw=grid)
@@ -51,6 +57,7 @@ def vision_inputs(model: torch.nn.Module, batch: TensorDict, input_ids: torch.Te
     or padded [B, W] with `attention_mask`), in place of input_ids and the 1-D positions."""
     device = input_ids.device
     samples = _samples(batch)
+    model = _base(model)
     embeds = model.get_input_embeddings()(input_ids)
     features = [model.model.get_image_features(pixels.to(device), grid.to(device)).pooler_output
                 for _, pixels, grid in samples if len(grid)]
