@@ -116,9 +116,10 @@ def token_logprob_bounds(model: torch.nn.Module, prompt: list[int], response: li
     ids = torch.tensor([prompt + response], device=device)
     inputs = embeddings(ids).detach()
     extra = {}
-    if image_rows is not None:
-        image = (ids == model.config.image_token_id)[..., None]
-        inputs = inputs.masked_scatter(image, image_rows.double().to(device))
+    if image_rows is not None:  # the first image tokens (a sampled one later is plain text)
+        image = torch.zeros_like(ids, dtype=torch.bool)
+        image[0, (ids[0] == model.config.image_token_id).nonzero()[:len(image_rows), 0]] = True
+        inputs = inputs.masked_scatter(image[..., None], image_rows.double().to(device))
         extra["position_ids"] = position_ids[:, None].to(device)
     inputs = inputs.requires_grad_(True)
     try:

@@ -151,7 +151,6 @@ async def test_bad_image_input_fails_its_request_naming_it(vl_path, parts):
         cases = [
             ({"image": [image, image]}, prompt, "the prompt has 1 run(s) of image tokens "
                                                 "(<|image_pad|>) for 2 image(s)"),
-            ({"image": [image]}, prompt[:-3] + [pad] + prompt[-3:], "2 run(s) of image tokens"),
             ({"image": [b"not a png"]}, prompt, "image 0: not a readable image"),
             ({"video": [image]}, prompt, "multi_modal_data takes {'image': [images]}"),
             ({"image": [noise_image(11)]}, prompt, "expand each <|image_pad|> to its image's count"),
@@ -163,6 +162,17 @@ async def test_bad_image_input_fails_its_request_naming_it(vl_path, parts):
         ok = await engine.generate(GenerateRequest("ok", prompt, GREEDY,
                                                    multi_modal_data={"image": [image]}))
         assert len(ok.token_ids) == GREEDY["max_tokens"]  # the bad ones left nothing behind
+        # an image token after the images (one the policy sampled, in a resumed prompt) is a
+        # plain token: served, at a text position
+        resumed = prompt + [pad, 30]
+        more = await engine.generate(GenerateRequest("resumed", resumed, GREEDY,
+                                                     multi_modal_data={"image": [image]}))
+        assert len(more.token_ids) == GREEDY["max_tokens"]
+        images = engine.runner.vision.prepare("r", resumed, {"image": [image]})
+        assert len(images.spans) == 1
+        end = len(prompt)
+        assert [axis[end] for axis in images.positions.tolist()] == \
+            [images.positions[0, end - 1].item() + 1] * 3
     finally:
         await engine.shutdown()
 

@@ -112,3 +112,24 @@ def test_the_actors_log_probs_and_the_engines_are_within_the_float32_bound(vl_pa
                                             position_ids=positions)
         assert_within(trained, exact, bound, f"actor ({'packed' if packed else 'padded'})")
         assert_within(trajectory.rollout_log_probs, exact, bound, "engine")
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_an_image_token_the_policy_sampled_is_a_plain_token(vl_path, sampled, packed):
+    """A response holding <|image_pad|> (the policy may sample it): the images are the prompt's
+    runs only, the sampled one is looked up as a token, as the engine does; within the bound."""
+    import dataclasses
+
+    trajectory = sampled[0][0]
+    model = Qwen2VLForConditionalGeneration.from_pretrained(vl_path, dtype=torch.float32).eval()
+    responses = trajectory.responses.clone()
+    responses[1] = model.config.image_token_id
+    changed = dataclasses.replace(trajectory, responses=responses)
+    with torch.no_grad():
+        output = actor_forward(model, trajectories_to_batch([changed]), use_remove_padding=packed)
+        rows = torch.cat(list(model.model.get_image_features(
+            changed.images.pixel_values, changed.images.grid_thw).pooler_output))
+    positions = sample_positions(model, changed.input_ids, changed.images.grid_thw)
+    exact, bound = token_logprob_bounds(model, changed.prompts.tolist(), responses.tolist(),
+                                        image_rows=rows, position_ids=positions)
+    assert_within(output.log_probs, exact, bound, "actor with a sampled image token")

@@ -111,14 +111,16 @@ def _parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=text, parents=[debug])
         command.add_argument("config", help="YAML config file")
         command.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
-    data = commands.add_parser("make-data", help="write the arithmetic train/val JSONL files",
-                               parents=[debug])
+    data = commands.add_parser("make-data", help="write the arithmetic (or colour pictures') "
+                               "train/val JSONL files", parents=[debug])
     data.add_argument("directory")
     data.add_argument("--train-size", type=int, default=512)
     data.add_argument("--val-size", type=int, default=64)
     data.add_argument("--seed", type=int, default=0)
-    data.add_argument("--kind", choices=["tool", "easy"], default="tool",
-                      help="tool: word problems needing the calculator; easy: small sums (no tool)")
+    data.add_argument("--kind", choices=["tool", "easy", "colours"], default="tool",
+                      help="tool: word problems needing the calculator; easy: small sums (no "
+                           "tool); colours: pictures to name the colour of (examples/colours.yaml; "
+                           "sizes default to 96 and 24 there)")
     demo = commands.add_parser("demo", help="the CPU demo: GRPO teaches a tiny model a calculator tool",
                                parents=[debug])
     demo.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the demo config")
@@ -137,6 +139,13 @@ def _run(args: argparse.Namespace) -> None:
         _eval(args.config, args.overrides)
     elif args.command == "serve":
         _serve(args.config, args.overrides)
+    elif args.command == "make-data" and args.kind == "colours":
+        from tandem.demo.colours import make_colour_datasets
+
+        sizes = (96, 24) if (args.train_size, args.val_size) == (512, 64) else (
+            args.train_size, args.val_size)
+        for path in make_colour_datasets(Path(args.directory), *sizes, seed=args.seed):
+            print(path)
     elif args.command == "make-data":
         from tandem.demo.tasks import make_datasets
 

@@ -111,6 +111,26 @@ def pad_runs(token_ids: Sequence[int], pad_id: int) -> list[tuple[int, int]]:
     return runs
 
 
+def image_runs(token_ids: Sequence[int], pad_id: int, images: int, where: str
+               ) -> list[tuple[int, int]]:
+    """(start, length) of the runs of `pad_id` that hold the `images` images: the first ones.
+    A later `pad_id` is a plain token (the policy sampled it: a resumed or multi-turn prompt
+    carries the model's own tokens after the images); fewer runs than images is an error."""
+    runs = pad_runs(token_ids, pad_id)
+    if len(runs) < images:
+        raise ValueError(f"{where}: the prompt has {len(runs)} run(s) of image tokens "
+                         f"({IMAGE_PAD}) for {images} image(s)")
+    return runs[:images]
+
+
+def image_types(length: int, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """[length] int: 1 on the image runs' tokens, 0 elsewhere (HF's mm_token_type_ids)."""
+    types = torch.zeros(length, dtype=torch.int)
+    for start, count in runs:
+        types[start:start + count] = 1
+    return types
+
+
 def expand_image_pads(token_ids: Sequence[int], pad_id: int, counts: Sequence[int],
                       where: str) -> list[int]:
     """Each single `pad_id` of a rendered prompt repeated to its image's token count (what

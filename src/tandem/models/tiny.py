@@ -192,13 +192,18 @@ def shipped_model_path(name: str = "tiny:demo") -> Path:
 
 def resolve_model_path(path: str) -> Path:
     """Turn a `model.path` value into a directory: "tiny:qwen2", "tiny:llama", "tiny:qwen2_vl" (a
-    tiny vision-language model), "tiny:reward" (a tiny
+    tiny vision-language model), "tiny:colours" (the vision example's, warmed up), "tiny:reward"
+    (a tiny
     reward model), "tiny:demo" and "tiny:calculator" (shipped), "smollm2", a local HF directory or a
     hub id (tandem.models.hub: transformers' cache, offline honoured)."""
     if path in SHIPPED_MODELS:
         return shipped_model_path(path)
     if path == "tiny:reward":
         return build_tiny_reward_model()
+    if path == "tiny:colours":  # the vision example's warmed-up tiny Qwen2-VL
+        from tandem.models.tiny_vl import build_colour_model
+
+        return build_colour_model(build_tiny_model(TinyModelSpec(architecture="qwen2_vl")))
     if path.startswith("tiny:"):
         return build_tiny_model(TinyModelSpec(architecture=path.split(":", 1)[1]))
     if path == "smollm2":

@@ -12,7 +12,7 @@ each `<|image_pad|>` to the image's token count, as Qwen2-VL's processor does.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from tandem.models.cache import build_once
 
@@ -82,3 +82,69 @@ def build_tiny_vl_model(spec, build_tokenizer: Callable, chat_template: str) -> 
                                  ).save_pretrained(directory)
 
     return build_once(f"{spec.key()}-vl{VERSION}", build)
+
+
+# ---- the vision example's policy (tiny:colours) ------------------------------------------
+# Pictures of one colour with pixel noise; the warm-up teaches the answer's format only (its
+# labels are drawn at random, so the policy names a colour but not the picture's): GRPO then
+# has to learn to look (examples/colours.yaml).
+COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 60, 220)}
+QUESTION = "What colour is it? Answer with one word."
+WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR = 200, 8, 3e-3
+
+
+def colour_picture(name: str, rng: Any) -> Any:
+    """A 28-70 pixel picture of colour `name` with noise of +-40 per channel (`rng`: random.Random)."""
+    from PIL import Image
+
+    base = COLOURS[name]
+    width, height = rng.randint(28, 70), rng.randint(28, 70)
+    pixels = bytes(max(0, min(255, channel + rng.randint(-40, 40)))
+                   for _ in range(width * height) for channel in base)
+    return Image.frombytes("RGB", (width, height), pixels)
+
+
+def build_colour_model(base: Path) -> Path:
+    """Build (once) the tiny Qwen2-VL of `base` after a supervised warm-up on the colour question
+    answered with a random colour name (WARMUP_STEPS steps of WARMUP_BATCH, AdamW)."""
+    import random
+    import shutil
+
+    import torch
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    from tandem.multimodal import IMAGE_PAD, expand_image_pads, process_images
+
+    def build(directory: Path) -> None:
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        processor = AutoImageProcessor.from_pretrained(base)
+        torch.manual_seed(0)
+        model = Qwen2VLForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR)
+        pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        messages = [{"role": "user", "content": [{"type": "image"},
+                                                 {"type": "text", "text": QUESTION}]}]
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        rng = random.Random(0)
+        for _ in range(WARMUP_STEPS):
+            optimizer.zero_grad()
+            for _ in range(WARMUP_BATCH):
+                inputs = process_images(processor, [colour_picture(rng.choice(list(COLOURS)),
+                                                                   rng)], "warm-up")
+                prompt = expand_image_pads(rendered, pad, inputs.token_counts, "warm-up")
+                answer = tokenizer.encode(rng.choice(list(COLOURS)), add_special_tokens=False)
+                ids = torch.tensor([prompt + answer + [tokenizer.eos_token_id]])
+                labels = ids.clone()
+                labels[0, :len(prompt)] = -100
+                loss = model(input_ids=ids, pixel_values=inputs.pixel_values,
+                             image_grid_thw=inputs.grid_thw, labels=labels,
+                             mm_token_type_ids=(ids == pad).int()).loss
+                (loss / WARMUP_BATCH).backward()
+            optimizer.step()
+        model.save_pretrained(directory)
+        for path in base.iterdir():  # the tokenizer, its template, the image processor
+            if not (directory / path.name).exists():
+                shutil.copy(path, directory / path.name)
+
+    return build_once(f"{base.name}-colours{VERSION}", build)

@@ -35,13 +35,10 @@ def check_model(path: str) -> Path | None:
         except FileNotFoundError as error:
             raise ConfigError(f"model.path={path}: {error}") from None
     if path.startswith("tiny:"):
-        from tandem.models.tiny import TinyModelSpec
-
         architecture = path.split(":", 1)[1]
-        if architecture not in ("qwen2", "llama", "qwen2_vl"):
+        if architecture not in ("qwen2", "llama", "qwen2_vl", "colours"):
             raise ConfigError(f"model.path={path!r}: tiny models are 'tiny:qwen2', 'tiny:llama', "
-                              "'tiny:qwen2_vl', 'tiny:demo' or 'tiny:calculator'")
-        TinyModelSpec(architecture=architecture)
+                              "'tiny:qwen2_vl', 'tiny:colours', 'tiny:demo' or 'tiny:calculator'")
         return None
     if path == "smollm2":  # converted on first use
         from tandem.models.smollm2 import smollm2_available
@@ -128,7 +125,8 @@ def hf_config(path: str) -> dict[str, Any] | None:
     if path.startswith("tiny:"):
         from tandem.models.tiny import TinyModelSpec
 
-        spec = TinyModelSpec(architecture=path.split(":", 1)[1])
+        architecture = path.split(":", 1)[1]
+        spec = TinyModelSpec(architecture="qwen2_vl" if architecture == "colours" else architecture)
         return {"num_hidden_layers": spec.num_hidden_layers, "num_attention_heads": spec.num_attention_heads,
                 "num_key_value_heads": spec.num_key_value_heads, "hidden_size": spec.hidden_size,
                 "intermediate_size": spec.intermediate_size,

@@ -27,7 +27,7 @@ GroundTruthCheck = Callable[[Any], str | None]
 _REWARDS: dict[str, RewardFn] = {}
 _CHECKS: dict[str, GroundTruthCheck] = {}
 _USER_SOURCES: set[str] = set()  # data sources whose reward the user registered
-_BUILTIN_MODULES = ("tandem.rewards.arithmetic", "tandem.rewards.math")
+_BUILTIN_MODULES = ("tandem.rewards.arithmetic", "tandem.rewards.math", "tandem.rewards.colour")
 _BUILTIN_PREFIX = "tandem.rewards."
 
 

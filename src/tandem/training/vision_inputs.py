@@ -15,6 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from tandem.batch.jagged import field_lengths, field_values
+from tandem.multimodal import image_runs, image_types
 
 
 def is_vision_batch(batch: TensorDict) -> bool:
@@ -44,10 +45,31 @@ def sample_positions(model: torch.nn.Module, ids: torch.Tensor, grid: torch.Tens
     if not len(grid):
         return torch.arange(len(ids), device=ids.device).expand(3, -1)
     model = _base(model)
-    pad = model.config.image_token_id
-    positions, _ = model.model.get_rope_index(ids[None], (ids == pad).int()[None],
-                                              image_grid_thw=grid)
+    types = image_types(len(ids), _runs(model, ids, grid)).to(ids.device)
+    positions, _ = model.model.get_rope_index(ids[None], types[None], image_grid_thw=grid)
     return positions[:, 0]
+
+
+def _runs(model: torch.nn.Module, ids: torch.Tensor, grid: torch.Tensor
+          ) -> list[tuple[int, int]]:
+    """The image runs of one sample: its first len(grid) runs of image tokens (a sampled image
+    token after them is a plain token, as in the engine)."""
+    return image_runs(ids.tolist(), model.config.image_token_id, len(grid), "vision batch")
+
+
+def _image_mask(model: torch.nn.Module, samples: list, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Where the images' tokens are in the layout of `input_ids` (packed [1, T], or padded
+    [B, W] whose valid tokens `attention_mask` marks)."""
+    per_sample = [image_types(len(ids), _runs(model, ids, grid)).bool() if len(grid) else
+                  torch.zeros(len(ids), dtype=torch.bool) for ids, _, grid in samples]
+    if attention_mask is None:
+        return torch.cat(per_sample)[None].to(input_ids.device)
+    mask = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    valid = attention_mask.bool()
+    for row, part in enumerate(per_sample):
+        mask[row, valid[row]] = part.to(input_ids.device)
+    return mask
 
 
 def vision_inputs(model: torch.nn.Module, batch: TensorDict, input_ids: torch.Tensor,
@@ -63,7 +85,7 @@ def vision_inputs(model: torch.nn.Module, batch: TensorDict, input_ids: torch.Te
                 for _, pixels, grid in samples if len(grid)]
     if features:
         rows = torch.cat([part for parts in features for part in parts]).to(embeds.dtype)
-        image = (input_ids == model.config.image_token_id)[..., None]
+        image = _image_mask(model, samples, input_ids, attention_mask)[..., None]
         if int(image.sum()) != rows.shape[0]:
             raise ValueError(f"vision batch: {int(image.sum())} image tokens for {rows.shape[0]} "
                              "image embeddings; the samples' prompts and images disagree")

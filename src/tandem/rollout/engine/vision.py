@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tandem.multimodal import ImageInputs, pad_runs, process_images
+from tandem.multimodal import ImageInputs, image_runs, image_types, process_images
 
 
 @dataclass
@@ -92,10 +92,7 @@ class VisionTower:
         images = data.get("image") or []
         if not isinstance(images, (list, tuple)):
             images = [images]
-        runs = pad_runs(prompt, self.pad_id)
-        if len(runs) != len(images):
-            raise ValueError(f"{where}: the prompt has {len(runs)} run(s) of image tokens "
-                             f"(<|image_pad|>) for {len(images)} image(s)")
+        runs = image_runs(prompt, self.pad_id, len(images), where)
         inputs = process_images(self.processor, images, where)
         for index, ((_, length), count) in enumerate(zip(runs, inputs.token_counts)):
             if length != count:
@@ -103,8 +100,8 @@ class VisionTower:
                                  f"prompt has {length}; expand each <|image_pad|> to its image's "
                                  "count (tandem.multimodal.expand_image_pads)")
         ids = torch.tensor([prompt])
-        types = (ids == self.pad_id).int()
-        positions, delta = self.model.get_rope_index(ids, types, image_grid_thw=inputs.grid_thw)
+        positions, delta = self.model.get_rope_index(ids, image_types(len(prompt), runs)[None],
+                                                     image_grid_thw=inputs.grid_thw)
         return SequenceImages(inputs, runs, positions[:, 0], int(delta.reshape(-1)[0]))
 
     @torch.inference_mode()
