@@ -1,4 +1,4 @@
-"""The native engine serving a tiny Qwen2-VL (models/tiny_vl.py, its weights moved by seeded noise
+"""The native engine serving a tiny Qwen2-VL and Qwen2.5-VL (models/tiny_vl.py, weights moved by seeded noise
 so that what it writes depends on the image): greedy tokens equal HF `generate` on 16 prompts
 with 1-3 images each, one at a time and in one batch; the prefix cache reuses the blocks of the
 same image and never those of a different image with the same tokens; bad image input fails its
@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from tandem.config.schema import RolloutConfig
 from tandem.models import TinyModelSpec, build_tiny_model
@@ -26,16 +26,19 @@ GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True, "logprobs": Tru
 QUESTIONS = ["What is here?", "Count the shapes.", "Which colour?", "Describe it."]
 
 
-@pytest.fixture(scope="module")
-def vl_path(tmp_path_factory):
-    return noisy_vl_model(tmp_path_factory.mktemp("vl"))
+FAMILIES = ["qwen2_vl", "qwen2_5_vl"]  # Qwen2.5-VL: window attention in its vision tower
 
 
-def noisy_vl_model(directory):
-    """The tiny Qwen2-VL with every matrix moved by N(0, 0.15) noise (seeded), saved with its
-    tokenizer and image processor in `directory`."""
-    built = build_tiny_model(TinyModelSpec(architecture="qwen2_vl"))
-    model = Qwen2VLForConditionalGeneration.from_pretrained(built, dtype=torch.float32)
+@pytest.fixture(scope="module", params=FAMILIES)
+def vl_path(tmp_path_factory, request):
+    return noisy_vl_model(tmp_path_factory.mktemp("vl"), request.param)
+
+
+def noisy_vl_model(directory, architecture: str = "qwen2_vl"):
+    """The tiny Qwen2-VL (or Qwen2.5-VL) with every matrix moved by N(0, 0.15) noise (seeded),
+    saved with its tokenizer and image processor in `directory`."""
+    built = build_tiny_model(TinyModelSpec(architecture=architecture))
+    model = AutoModelForImageTextToText.from_pretrained(built, dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in model.parameters():
@@ -50,7 +53,7 @@ def noisy_vl_model(directory):
 
 @pytest.fixture(scope="module")
 def parts(vl_path):
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(vl_path, dtype=torch.float32).eval()
+    hf = AutoModelForImageTextToText.from_pretrained(vl_path, dtype=torch.float32).eval()
     return hf, AutoTokenizer.from_pretrained(vl_path), AutoImageProcessor.from_pretrained(vl_path)
 
 

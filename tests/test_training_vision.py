@@ -1,5 +1,6 @@
 """The training forward of a vision-language model (training/vision_inputs.py) on trajectories
-the native engine sampled with images (a tiny Qwen2-VL through the single-turn agent loop): the
+the native engine sampled with images (a tiny Qwen2-VL and Qwen2.5-VL through the single-turn
+agent loop): the
 batch carries each sample's pixel values and grids; each sample's [3, L] rotary positions are
 the engine's; the actor's log-probs, packed and padded, and the engine's are both within the
 float32 bound of the exact (float64) ones."""
@@ -11,10 +12,10 @@ import random
 
 import pytest
 import torch
-from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from float_bounds import assert_within, token_logprob_bounds
-from test_engine_vision import noise_image, noisy_vl_model
+from test_engine_vision import FAMILIES, noise_image, noisy_vl_model
 from tandem.agent import AgentLoopRunner, DatasetRow
 from tandem.batch.jagged import batch_to_trajectories, field_lengths, trajectories_to_batch
 from tandem.batch.padding import pad_to_multiple
@@ -27,9 +28,9 @@ from tandem.training.vision_inputs import sample_positions
 QUESTIONS = ["What is here?", "Count them.", "Which colour?"]
 
 
-@pytest.fixture(scope="module")
-def vl_path(tmp_path_factory):
-    return noisy_vl_model(tmp_path_factory.mktemp("vl-train"))
+@pytest.fixture(scope="module", params=FAMILIES)
+def vl_path(tmp_path_factory, request):
+    return noisy_vl_model(tmp_path_factory.mktemp("vl-train"), request.param)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def test_the_batch_carries_each_samples_images_and_survives_padding(sampled):
 
 def test_each_samples_rotary_positions_are_the_engines(vl_path, sampled):
     trajectories, _ = sampled
-    model = Qwen2VLForConditionalGeneration.from_pretrained(vl_path, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(vl_path, dtype=torch.float32)
     tower = VisionTower(model, vl_path)
     for trajectory, row in zip(trajectories, sampled[1]):
         ids = trajectory.input_ids
@@ -94,7 +95,7 @@ def test_each_samples_rotary_positions_are_the_engines(vl_path, sampled):
 def test_the_actors_log_probs_and_the_engines_are_within_the_float32_bound(vl_path, sampled,
                                                                            packed):
     trajectories, _ = sampled
-    model = Qwen2VLForConditionalGeneration.from_pretrained(vl_path, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(vl_path, dtype=torch.float32).eval()
     batch = trajectories_to_batch(trajectories)
     with torch.no_grad():
         output = actor_forward(model, batch, use_remove_padding=packed)
@@ -120,8 +121,8 @@ def test_an_image_token_the_policy_sampled_is_a_plain_token(vl_path, sampled, pa
     runs only, the sampled one is looked up as a token, as the engine does; within the bound."""
     import dataclasses
 
-    trajectory = sampled[0][0]
-    model = Qwen2VLForConditionalGeneration.from_pretrained(vl_path, dtype=torch.float32).eval()
+    trajectory = next(t for t in sampled[0] if t.images is not None and len(t.responses) >= 2)
+    model = AutoModelForImageTextToText.from_pretrained(vl_path, dtype=torch.float32).eval()
     responses = trajectory.responses.clone()
     responses[1] = model.config.image_token_id
     changed = dataclasses.replace(trajectory, responses=responses)

@@ -29,7 +29,7 @@ _TOKENIZER_VERSION = 3  # bump when the corpus or the tokenizer recipe changes
 class TinyModelSpec:
     """Shape of a tiny model. vocab_size 0 means "the tokenizer's vocabulary size"."""
 
-    architecture: str = "qwen2"  # qwen2 | llama | qwen2_vl (models/tiny_vl.py)
+    architecture: str = "qwen2"  # qwen2 | llama | qwen2_vl | qwen2_5_vl (models/tiny_vl.py)
     hidden_size: int = 64
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
@@ -130,13 +130,13 @@ def build_tiny_model(spec: TinyModelSpec | None = None, **overrides) -> Path:
     from transformers import AutoModelForCausalLM
 
     spec = spec or TinyModelSpec(**overrides)
-    if spec.architecture == "qwen2_vl":
+    if spec.architecture in ("qwen2_vl", "qwen2_5_vl"):
         from tandem.models.tiny_vl import build_tiny_vl_model
 
         return build_tiny_vl_model(spec, build_tokenizer, CHAT_TEMPLATE)
     if spec.architecture not in ("qwen2", "llama"):
-        raise ValueError(f"TinyModelSpec.architecture={spec.architecture!r}: use 'qwen2', 'llama' "
-                         "or 'qwen2_vl'")
+        raise ValueError(f"TinyModelSpec.architecture={spec.architecture!r}: use 'qwen2', 'llama', "
+                         "'qwen2_vl' or 'qwen2_5_vl'")
 
     def build(directory: Path) -> None:
         tokenizer = build_tokenizer(spec.tokenizer_vocab_size, spec.seed)

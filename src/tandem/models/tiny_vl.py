@@ -1,5 +1,6 @@
-"""Tiny Qwen2-VL models: the tiny text model's tokenizer with Qwen2-VL's vision tokens, a
-depth-1 vision tower, 3-D rotary positions (mrope) and Qwen2-VL's image processor, randomly
+"""Tiny Qwen2-VL and Qwen2.5-VL models: the tiny text model's tokenizer with Qwen2-VL's vision
+tokens, a small vision tower (Qwen2.5-VL's with window attention in one block and full attention
+in the other), 3-D rotary positions (mrope) and Qwen2-VL's image processor, randomly
 initialised and saved as a normal HF directory (`Qwen2VLForConditionalGeneration.from_pretrained`,
 `AutoTokenizer`, and the image processor's preprocessor_config.json). Built in seconds, cached
 like the tiny text models (models/cache.py).
@@ -39,10 +40,11 @@ def mrope_section(head_dim: int) -> list[int]:
 
 def build_tiny_vl_model(spec, build_tokenizer: Callable, chat_template: str) -> Path:
     """Build (once) and return the directory of a tiny Qwen2-VL of `spec` (a TinyModelSpec with
-    architecture="qwen2_vl": its sizes are the language model's), with the tiny text models'
-    tokenizer (`build_tokenizer`, models/tiny.py) and chat template."""
+    architecture="qwen2_vl" or "qwen2_5_vl": its sizes are the language model's), with the tiny
+    text models' tokenizer (`build_tokenizer`, models/tiny.py) and chat template."""
     import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2VLConfig, Qwen2VLForConditionalGeneration)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil)
 
@@ -62,17 +64,24 @@ def build_tiny_vl_model(spec, build_tokenizer: Callable, chat_template: str) -> 
                                      "mrope_section": mrope_section(head_dim)},
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                     bos_token_id=None, tie_word_embeddings=spec.tie_word_embeddings)
-        vision = dict(depth=1, embed_dim=32, hidden_size=spec.hidden_size, num_heads=2,
-                      mlp_ratio=2, patch_size=PATCH, spatial_merge_size=MERGE,
-                      temporal_patch_size=TEMPORAL, in_channels=3)
-        config = Qwen2VLConfig(text_config=text, vision_config=vision,
+        patches = dict(patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL)
+        if spec.architecture == "qwen2_5_vl":
+            kind, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+            vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                          out_hidden_size=spec.hidden_size, in_chans=3, window_size=2 * PATCH * MERGE,
+                          fullatt_block_indexes=[1], **patches)
+        else:
+            kind, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+            vision = dict(depth=1, embed_dim=32, hidden_size=spec.hidden_size, num_heads=2,
+                          mlp_ratio=2, in_channels=3, **patches)
+        config = kind(text_config=text, vision_config=vision,
                                image_token_id=ids["<|image_pad|>"],
                                video_token_id=ids["<|video_pad|>"],
                                vision_start_token_id=ids["<|vision_start|>"],
                                vision_end_token_id=ids["<|vision_end|>"],
                                tie_word_embeddings=spec.tie_word_embeddings)
         torch.manual_seed(spec.seed)
-        model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+        model = model_class(config).to(torch.float32).eval()
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.save_pretrained(directory)

@@ -36,9 +36,10 @@ def check_model(path: str) -> Path | None:
             raise ConfigError(f"model.path={path}: {error}") from None
     if path.startswith("tiny:"):
         architecture = path.split(":", 1)[1]
-        if architecture not in ("qwen2", "llama", "qwen2_vl", "colours"):
+        if architecture not in ("qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "colours"):
             raise ConfigError(f"model.path={path!r}: tiny models are 'tiny:qwen2', 'tiny:llama', "
-                              "'tiny:qwen2_vl', 'tiny:colours', 'tiny:demo' or 'tiny:calculator'")
+                              "'tiny:qwen2_vl', 'tiny:qwen2_5_vl', 'tiny:colours', 'tiny:demo' or "
+                              "'tiny:calculator'")
         return None
     if path == "smollm2":  # converted on first use
         from tandem.models.smollm2 import smollm2_available
