@@ -270,6 +270,10 @@ async def test_penalties_at_their_defaults_and_health(tokenizer):
      "frequency_penalty=0.5 is not supported"),
     ({"presence_penalty": -1.0}, openai.BadRequestError, 400, "invalid_request",
      "presence_penalty=-1.0 is not supported"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "text", "text": "what is it?"}]}]}, openai.BadRequestError, 400,
+     "invalid_request", "only text content parts are served here"),
 ])
 async def test_bad_requests_get_openai_errors(tokenizer, request_fields, error_type, status, code,
                                               words):

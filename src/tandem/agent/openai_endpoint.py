@@ -85,6 +85,14 @@ class ChatRequest(BaseModel):
     def _messages(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not messages:
             raise ValueError("must not be empty")
+        for message in messages:  # refused, never served as if the image were not there
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list) and any(
+                    isinstance(part, dict) and part.get("type") not in (None, "text")
+                    for part in content):
+                raise ValueError("only text content parts are served here; images reach a "
+                                 "policy through the agent loops' datasets (docs/agent_loops.md, "
+                                 "\"Rows with images\"), not this endpoint yet")
         return messages
 
     @field_validator("tools")
