@@ -15,12 +15,15 @@ tokens). Each backend says how one request crosses (`_handoff`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
+from tandem.config.schema import DisaggregationConfig
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, ReplicaFailedError
+from tandem.rollout.engine_group import engine_devices
 from tandem.types import GenerateRequest, TokenOutput
 
 MAX_STICKY = 100_000  # request ids remembered for routing (LRU)
@@ -32,6 +35,7 @@ class ExternalPDRollout(BaseRollout):
     `running` set of request ids) serving as one replica."""
 
     backend = ""  # named in errors
+    cpu_refusal = ""  # why the backend's prefill/decode does not start on CPU
 
     def __init__(self, prefill: Any, decodes: list[Any]) -> None:
         if not decodes:
@@ -42,6 +46,29 @@ class ExternalPDRollout(BaseRollout):
         self._sticky: OrderedDict[str, int] = OrderedDict()  # request id -> decode index
         self._aborted: set[str] = set()  # ids aborted while their prefill or handoff ran
         self._abort_epoch = 0  # abort_all calls so far
+
+    @classmethod
+    def start_engines(cls, config: Any, device: str, rendezvous: Any,
+                      start: Callable[[int, str, Any], Any]) -> list[Any]:
+        """The 1 + decode_replicas engines of `config` (prefill first), engine k started by
+        start(k, its GPU, `config` without disaggregation); those started are shut down when
+        one fails. CUDA and one node only (the refusals name `cls.backend`)."""
+        if rendezvous is not None:
+            raise ValueError("a prefill/decode replica fits one node; it takes no rendezvous")
+        if not device.startswith("cuda"):
+            raise RuntimeError(f"rollout.disaggregation with the {cls.backend} backend: "
+                               f"{cls.cpu_refusal}")
+        plain = dataclasses.replace(config, disaggregation=DisaggregationConfig())
+        count = 1 + config.disaggregation.decode_replicas
+        engines: list[Any] = []
+        try:
+            for index, engine_device in enumerate(engine_devices(device, [1] * count)):
+                engines.append(start(index, engine_device, plain))
+        except BaseException:
+            for engine in engines:
+                engine.engine.shutdown()
+            raise
+        return engines
 
     def _decode_for(self, request_id: str) -> Any:
         index = self._sticky.get(request_id)

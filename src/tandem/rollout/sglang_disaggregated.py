@@ -21,14 +21,12 @@ the KV.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import socket
 from pathlib import Path
 from typing import Any
 
 from tandem.config.schema import DisaggregationConfig, RolloutConfig
-from tandem.rollout.engine_group import engine_devices
 from tandem.rollout.external_pd import ExternalPDRollout
 from tandem.types import GenerateRequest, TokenOutput
 
@@ -62,6 +60,7 @@ class SGLangDisaggregatedRollout(ExternalPDRollout):
     """One prefill and N decode SGLang engines (each an SGLangRollout) serving as one replica."""
 
     backend = "SGLang"
+    cpu_refusal = "SGLang runs on CUDA only"
     capabilities = {"logprobs_raw": "yes", "logprobs_processed": "no", "abort_partial": "yes",
                     "per_request_seed": "yes", "sleep_weights": "yes", "sleep_kv_cache": "yes",
                     "clear_kv_cache": "yes", "update_weights": "yes", "multi_modal_inputs": "no",
@@ -77,25 +76,13 @@ class SGLangDisaggregatedRollout(ExternalPDRollout):
         """The engines of `config.disaggregation`, each an SGLangRollout in its mode."""
         from tandem.rollout.sglang import SGLangRollout
 
-        if rendezvous is not None:
-            raise ValueError("a prefill/decode replica fits one node; it takes no rendezvous")
-        if not device.startswith("cuda"):
-            raise RuntimeError("rollout.disaggregation with rollout.name=sglang: SGLang runs on "
-                               "CUDA only")
-        pd = config.disaggregation
-        plain = dataclasses.replace(config, disaggregation=DisaggregationConfig())
         bootstrap_port = free_port()
-        engines: list[Any] = []
-        try:
-            for index, engine_device in enumerate(engine_devices(device,
-                                                                 [1] * (1 + pd.decode_replicas))):
-                engines.append(SGLangRollout.create(
-                    model_path, plain, dtype, "cuda",
-                    engine_args(pd, engine_device, index == 0, bootstrap_port)))
-        except BaseException:
-            for engine in engines:
-                engine.engine.shutdown()
-            raise
+
+        def start(index: int, engine_device: str, plain: RolloutConfig) -> Any:
+            return SGLangRollout.create(model_path, plain, dtype, "cuda", engine_args(
+                config.disaggregation, engine_device, index == 0, bootstrap_port))
+
+        engines = cls.start_engines(config, device, rendezvous, start)
         return cls(engines[0], engines[1:], bootstrap_port)
 
     async def _handoff(self, request: GenerateRequest, decode: Any, epoch: int

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config.schema import DisaggregationConfig, RolloutConfig
-from tandem.rollout.engine_group import engine_devices
 from tandem.rollout.external_pd import ExternalPDRollout
 from tandem.types import GenerateRequest, TokenOutput
 
@@ -73,6 +72,7 @@ class VLLMDisaggregatedRollout(ExternalPDRollout):
     """One prefill and N decode vLLM engines (each a VLLMRollout) serving as one replica."""
 
     backend = "vLLM"
+    cpu_refusal = CPU_REFUSAL
     capabilities = {"logprobs_raw": "yes", "logprobs_processed": "yes", "abort_partial": "yes",
                     "per_request_seed": "workaround", "sleep_weights": "gpu",
                     "sleep_kv_cache": "gpu", "clear_kv_cache": "yes", "update_weights": "yes",
@@ -84,23 +84,14 @@ class VLLMDisaggregatedRollout(ExternalPDRollout):
         """The engines of `config.disaggregation`, each a VLLMRollout with its KV connector."""
         from tandem.rollout.vllm import VLLMRollout
 
-        if rendezvous is not None:
-            raise ValueError("a prefill/decode replica fits one node; it takes no rendezvous")
-        if not device.startswith("cuda"):
-            raise RuntimeError(f"rollout.disaggregation with rollout.name=vllm: {CPU_REFUSAL}")
         prefill_config, decode_config = kv_transfer_configs(config.disaggregation)
-        plain = dataclasses.replace(config, disaggregation=DisaggregationConfig())
-        count = 1 + config.disaggregation.decode_replicas
-        engines: list[Any] = []
-        try:
-            for index, engine_device in enumerate(engine_devices(device, [1] * count)):
-                with engine_environment(engine_device, index):
-                    engines.append(VLLMRollout.create(model_path, plain, dtype, "cuda",
-                                                      decode_config if index else prefill_config))
-        except BaseException:
-            for engine in engines:
-                engine.engine.shutdown()
-            raise
+
+        def start(index: int, engine_device: str, plain: RolloutConfig) -> Any:
+            with engine_environment(engine_device, index):
+                return VLLMRollout.create(model_path, plain, dtype, "cuda",
+                                          decode_config if index else prefill_config)
+
+        engines = cls.start_engines(config, device, rendezvous, start)
         return cls(engines[0], engines[1:])
 
     async def _handoff(self, request: GenerateRequest, decode: Any, epoch: int
