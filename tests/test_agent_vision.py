@@ -96,7 +96,37 @@ def test_a_run_with_images_needs_a_vision_language_policy_and_what_it_runs_with(
     check_job(load_config(overrides=[*common, "model.path=tiny:qwen2_vl"]))
     for override, words in (("algorithm.adv_estimator=gae critic.enable=true", "the critic's forward does not take "
                                                             "images yet"),
-                            ("rollout.name=vllm", "images reach the native engine only")):
+                            ("rollout.name=vllm", "images reach the native engine only"),
+                            ("actor.fsdp_size=2 trainer.n_devices=2",
+                             "actor.fsdp_size: is 2; model.path=tiny:qwen2_vl is a vision")):
         with pytest.raises(ConfigError, match=words):
             check_job(load_config(overrides=[*common, "model.path=tiny:qwen2_vl",
                                              *override.split()]))
+
+
+async def test_an_episode_that_starts_with_the_rows_messages_keeps_its_images(vl_path):
+    """An environment's episode passes the row's messages and its own turns after them: the
+    row's images still reach the engine and the trajectory."""
+    from tandem.agent.session import Session
+    from tandem.agent.tool_loop import ToolAgentLoop
+    from tandem.tools.registry import ToolRegistry
+
+    tokenizer = AutoTokenizer.from_pretrained(vl_path)
+    config = RolloutConfig(prompt_length=256, response_length=4, n=1,
+                           kv_cache_memory_bytes=8 << 20, multi_turn=MultiTurnConfig(enable=True))
+    image = picture((10, 200, 10), (40, 40))
+    row = DatasetRow(messages=[{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "Which?"}]}], uid="e", images=[image],
+        do_sample=False)
+    processor = AutoImageProcessor.from_pretrained(vl_path)
+    engine = NativeRollout.create(vl_path, config)
+    try:
+        loop = ToolAgentLoop(engine, ChatFormat(tokenizer, image_processor=processor), config,
+                             ToolRegistry([]))
+        episode = [*row.messages, {"role": "user", "content": "Look again."}]
+        trajectory = await loop.run(Session(row, 0, "e-0"), messages=episode)
+        assert trajectory.images is not None
+        assert trajectory.images.token_counts == process_images(processor, [image],
+                                                                "t").token_counts
+    finally:
+        await engine.shutdown()

@@ -131,6 +131,7 @@ async def test_a_sleep_reallocates_the_shared_caches_and_handoffs_follow(model_p
         old = [share.path for share in pd.prefill_engine.kv_shares]
         await pd.sleep(["kv_cache"])
         assert pd.prefill_engine.kv_shares is None
+        assert pd.transfer.maps.maps == {}  # nothing keeps the freed files' pages
         await pd.wake_up(["kv_cache"])
         assert [share.path for share in pd.prefill_engine.kv_shares] != old
         assert not any(os.path.exists(path) for path in old)

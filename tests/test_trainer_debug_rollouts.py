@@ -103,3 +103,23 @@ def test_a_saved_step_comes_back_field_for_field(tmp_path):
     for name, value in vars(trajectory).items():
         other = getattr(back, name)
         assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, name
+
+
+def test_a_saved_step_keeps_its_images(tmp_path):
+    """A vision-language run's trajectories come back with their pixel values, grids, token
+    counts and digests."""
+    import torch
+
+    from tandem.batch.trajectory import Trajectory
+    from tandem.multimodal import ImageInputs
+
+    images = ImageInputs(torch.randn(8, 6), torch.tensor([[1, 2, 4]]), [2], [b"\x01digest"])
+    trajectory = Trajectory(prompts=torch.tensor([5, 6, 7]), responses=torch.tensor([8]),
+                            response_mask=torch.tensor([1]), rollout_log_probs=torch.tensor([-0.5]),
+                            min_global_steps=1, max_global_steps=1, uid="u", reward=0.0,
+                            images=images)
+    save_rollouts(tmp_path, 1, [trajectory])
+    (back,) = load_rollouts(tmp_path, 1)
+    assert torch.equal(back.images.pixel_values, images.pixel_values)
+    assert torch.equal(back.images.grid_thw, images.grid_thw)
+    assert (back.images.token_counts, back.images.digests) == ([2], [b"\x01digest"])

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch
 
 IMAGE_PAD = "<|image_pad|>"  # Qwen2-VL's image token: one per merged patch of an image
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # the model_types tandem serves and trains
 
 # Larger images are refused when read (a decompression bomb, or a row that would fill the
 # context): the processor scales every image down to max_pixels anyway.
@@ -30,8 +31,16 @@ MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 def is_vision_model(model_path: str | Path) -> bool:
     """Whether the HF model directory holds a vision-language model (its config.json has a
     vision_config); reads the JSON only."""
+    return vision_model_type(model_path) is not None
+
+
+def vision_model_type(model_path: str | Path) -> str | None:
+    """A vision-language model's model_type (config.json with a vision_config), else None."""
     config = Path(model_path) / "config.json"
-    return config.is_file() and "vision_config" in json.loads(config.read_text())
+    if not config.is_file():
+        return None
+    fields = json.loads(config.read_text())
+    return str(fields.get("model_type")) if "vision_config" in fields else None
 
 
 def image_processor_of(model_path: str | Path) -> Any:

@@ -127,7 +127,7 @@ def _utf8_text(path: Path) -> str:
 
 def _folder(path: str | Path) -> Path | None:
     """The folder of a data file (relative image paths start there); None for a builder entry."""
-    path = Path(path)
+    path = Path(path).resolve()  # absolute: the engine may read the images from elsewhere
     return path.parent if path.is_file() else path if path.is_dir() else None
 
 

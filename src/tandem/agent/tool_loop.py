@@ -97,7 +97,9 @@ class ToolAgentLoop:
         messages and the loop's tools."""
         row, config, turns = session.row, self.config, self.config.multi_turn
         tools = self.tools if tools is None else tools
-        images = list(row.images) if messages is None else []  # an episode brings its own
+        # an episode's messages start with the row's (an environment's turns follow): its images
+        own = messages is None or list(messages[:len(row.messages)]) == list(row.messages)
+        images = list(row.images) if own else []
         inputs = self.chat_format.process(images) if images else None
         messages = [dict(message) for message in (row.messages if messages is None else messages)]
         first_reply = len(messages)

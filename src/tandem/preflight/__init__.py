@@ -13,7 +13,7 @@ from tandem.agent.prompt_fit import describe, loop_tool_schemas, overlong_rows, 
 from tandem.config.choices import ConfigError
 from tandem.config.schema import TandemConfig
 from tandem.models.tiny import resolve_model_path
-from tandem.multimodal import is_vision_model
+from tandem.multimodal import VISION_FAMILIES, is_vision_model, vision_model_type
 from tandem.preflight.model_files import (check_model, checkpoint_model_problem, hf_config,
                                           latest_checkpoint)
 from tandem.preflight.model_fit import check_model_fit
@@ -79,6 +79,14 @@ def vision_problem(config: TandemConfig) -> str | None:
     """What a vision-language policy's run asks for that is not built yet, with the fix."""
     rollout = config.rollout
     where = f"model.path={config.model.path} is a vision-language model, and"
+    family = vision_model_type(resolve_model_path(config.model.path))
+    if family not in VISION_FAMILIES:
+        return (f"model.path: {config.model.path} is a {family!r} vision-language model; tandem "
+                f"serves and trains {list(VISION_FAMILIES)} (their vision tower and 3-D "
+                "positions); use one of those")
+    if config.actor.fsdp_size != 1:
+        return (f"actor.fsdp_size: is {config.actor.fsdp_size}; {where} its training forward "
+                "takes images through the hidden states and an unsharded LM head; set it to 1")
     if rollout.name != "native":
         return (f"rollout.name: is {rollout.name!r}; {where} images reach the native engine "
                 "only so far (vLLM's and SGLang's multimodal inputs are not wired); set "

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from tandem.config.schema import DisaggregationConfig, RolloutConfig
+from tandem.rollout.base import MEMORY_TAGS
 from tandem.rollout.engine.kv_transfer import InProcessTransfer, make_transfer
 from tandem.rollout.engine.shared_kv import SHM_DIR
 from tandem.rollout.engine_group import EngineGroup, engine_devices, stop_started
@@ -56,6 +57,9 @@ class DisaggregatedRollout(EngineGroup):
         if max(widths) > 1 and pd.kv_transfer != "shm":
             raise ValueError(f"rollout.disaggregation.kv_transfer={pd.kv_transfer!r} moves KV "
                              "between engines of TP 1; tensor-parallel engines need shm")
+        if pd.kv_transfer == "shm" and not device.startswith("cpu"):
+            raise ValueError(f"rollout.disaggregation.kv_transfer=shm moves KV caches in host "
+                             f"memory; the engines run on {device!r} (use in_process)")
         shm_dir = SHM_DIR if pd.kv_transfer == "shm" else None
         engines: list[NativeRollout] = []
         try:
@@ -95,6 +99,14 @@ class DisaggregatedRollout(EngineGroup):
             self.requests_moved += 1  # the prefill engine stopped under it: decode it whole
         return await self.serve(request.request_id, self.decode_engines,
                                 lambda decode: decode.generate(request))
+
+    async def sleep(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        """Every engine sleeps; with the KV cache, the shm transfer's mappings of the prefill's
+        files go too (each decode worker rank drops its own when its engine sleeps)."""
+        tags = list(tags)
+        await super().sleep(tags)
+        if "kv_cache" in tags and hasattr(self.transfer, "forget"):
+            self.transfer.forget()
 
     def serving_problem(self) -> str | None:
         """None while a decode engine is left (the prefill engine may be gone)."""

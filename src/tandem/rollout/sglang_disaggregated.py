@@ -92,6 +92,8 @@ class SGLangDisaggregatedRollout(ExternalPDRollout):
                      "bootstrap_room": random.getrandbits(63)}
         decoding = asyncio.ensure_future(decode.generate(request, bootstrap=bootstrap))
         await asyncio.sleep(0)  # the decode registers the request first: an abort then finds it
+        if decoding.done():  # it failed at once: no prefill waits for a peer that never comes
+            await decoding
         try:
             prefilled = await self.prefill_engine.generate(request, bootstrap=bootstrap)
         except BaseException:

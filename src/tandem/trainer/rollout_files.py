@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tandem.batch.trajectory import Trajectory
+from tandem.multimodal import ImageInputs
 from tandem.types import KeptSets
 
 FORMAT = 1
@@ -56,5 +57,7 @@ def load_rollouts(folder: str | Path, step: int) -> list[Trajectory]:
             record[name] = json.loads(record[name])
         if record.get("kept_sets") is not None:  # asdict wrote the record as a dict of tensors
             record["kept_sets"] = KeptSets(**record["kept_sets"])
+        if record.get("images") is not None:  # a vision-language run's pixel values and grids
+            record["images"] = ImageInputs(**record["images"])
         trajectories.append(Trajectory(**record))
     return trajectories

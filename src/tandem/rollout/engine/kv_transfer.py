@@ -159,6 +159,11 @@ class ShmTransfer(KVTransfer):
         super().__init__()
         self.maps = KVMaps()  # the prefill ranks' files, as rank 0 of a decode engine maps them
 
+    def forget(self) -> None:
+        """Unmap the prefill ranks' files (a sleep: their pages are freed once no one maps them;
+        the next handoff maps the files then published)."""
+        self.maps = KVMaps()
+
     def move(self, source: Any, source_blocks: list[int], target: Any,
              target_blocks: list[int]) -> int:
         """Rank 0's heads here while every worker rank copies its own (one command); the bytes

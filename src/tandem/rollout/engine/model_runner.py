@@ -158,8 +158,10 @@ class ModelRunner:
         if self.kv_shm_dir is not None:
             heads = (self.tensor_parallel.layout.kv_heads() if self.tensor_parallel else
                      tuple(range(self.num_kv_heads)))  # the model's KV heads, in cache order
+            tp = self.tensor_parallel  # rank 0 allocates first: it checks room for every rank
+            ranks = tp.size if tp is not None and tp.rank == 0 else 1
             self.shared_cache = SharedCache(len(self.layers), shape, self.dtype, heads,
-                                            self.kv_shm_dir)
+                                            self.kv_shm_dir, ranks)
             self.key_caches = self.shared_cache.key_caches
             self.value_caches = self.shared_cache.value_caches
             return

@@ -150,6 +150,7 @@ class RankWorker:
     def sleep(self, tags: list[str]) -> dict[str, int]:
         if "kv_cache" in tags:
             self.runner.free_kv_cache()
+            self.kv_maps = KVMaps()  # peers' caches mapped for handoffs: their pages go too
         if "weights" in tags and self.weights_state == "loaded":
             self.weights_state, self.weight_shapes = release_weights(self.runner)
             if self.weights_state == "dropped":  # the refill is a full stream: the new base

@@ -58,14 +58,17 @@ class SharedCache:
     of a SIGKILLed engine is removed by the next one that creates its cache there)."""
 
     def __init__(self, num_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype,
-                 heads: tuple[int, ...], directory: str = SHM_DIR) -> None:
+                 heads: tuple[int, ...], directory: str = SHM_DIR, ranks: int = 1) -> None:
+        """`ranks`: how many ranks' caches of this size must fit (rank 0 checks for all: the
+        ranks allocate at once, and a tmpfs write past its size is a SIGBUS)."""
         share = SharedKV("", num_layers, shape, str(dtype).removeprefix("torch."), heads)
-        problem = shm_room(share.nbytes, directory, "the shared KV cache")
+        remove_orphans(directory)  # first: a SIGKILLed engine's files are not room taken
+        problem = shm_room(share.nbytes * ranks, directory, f"the shared KV cache of {ranks} "
+                           "rank(s)")
         if problem:
             raise RuntimeError(f"rollout.disaggregation.kv_transfer=shm: {problem}; lower "
                                "rollout.kv_cache_memory_bytes (or gpu_memory_utilization) or "
                                f"give {directory} more room")
-        remove_orphans(directory)
         handle, path = tempfile.mkstemp(prefix=f"tandem-kv-{os.getpid()}-", dir=directory)
         try:
             os.ftruncate(handle, share.nbytes)

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from tandem.multimodal import ImageInputs, image_runs, image_types, process_images
+from tandem.multimodal import (VISION_FAMILIES, ImageInputs, image_runs, image_types,
+                               process_images)
 
 
 @dataclass
@@ -74,6 +75,10 @@ class VisionTower:
     def __init__(self, model: Any, model_path: str | Path) -> None:
         from transformers import AutoImageProcessor
 
+        if model.config.model_type not in VISION_FAMILIES:
+            raise NotImplementedError(f"{model.config.model_type}: the native engine serves the "
+                                      f"vision-language families {list(VISION_FAMILIES)} (their "
+                                      "vision tower and 3-D positions); this one is not built")
         self.model = model.model  # Qwen2VLModel: .visual, get_image_features, get_rope_index
         self.pad_id = model.config.image_token_id
         try:
@@ -108,8 +113,9 @@ class VisionTower:
     def embed(self, images: SequenceImages) -> None:
         """Run the tower on the sequence's images once (all of them, one call)."""
         if images.embeds is None:
-            output = self.model.get_image_features(images.inputs.pixel_values,
-                                                   images.inputs.grid_thw)
+            device = self.model.visual.device
+            output = self.model.get_image_features(images.inputs.pixel_values.to(device),
+                                                   images.inputs.grid_thw.to(device))
             images.embeds = torch.cat(list(output.pooler_output))
 
 
