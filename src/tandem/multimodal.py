@@ -16,9 +16,10 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are made: the load-time checks stay torch-free
+    import torch
 
 IMAGE_PAD = "<|image_pad|>"  # Qwen2-VL's image token: one per merged patch of an image
 VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # the model_types tandem serves and trains
@@ -134,6 +135,8 @@ def image_runs(token_ids: Sequence[int], pad_id: int, images: int, where: str
 
 def image_types(length: int, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
     """[length] int: 1 on the image runs' tokens, 0 elsewhere (HF's mm_token_type_ids)."""
+    import torch
+
     types = torch.zeros(length, dtype=torch.int)
     for start, count in runs:
         types[start:start + count] = 1

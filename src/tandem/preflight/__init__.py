@@ -13,9 +13,9 @@ from tandem.agent.prompt_fit import describe, loop_tool_schemas, overlong_rows, 
 from tandem.config.choices import ConfigError
 from tandem.config.schema import TandemConfig
 from tandem.models.tiny import resolve_model_path
-from tandem.multimodal import VISION_FAMILIES, is_vision_model, vision_model_type
+from tandem.multimodal import VISION_FAMILIES, vision_model_type
 from tandem.preflight.model_files import (check_model, checkpoint_model_problem, hf_config,
-                                          latest_checkpoint)
+                                          latest_checkpoint, model_directory_if_known)
 from tandem.preflight.model_fit import check_model_fit
 from tandem.preflight.names import check_names
 from tandem.rewards.registry import reward_input_problem
@@ -47,7 +47,7 @@ def check_job(config: TandemConfig, command: str = "train", rewards: RewardScore
                           "sample would score nothing; raise it, give reward.custom_function / "
                           "reward.reward_funcs or Trainer(reward_fn=...), or enable "
                           "reward.model / reward.judge")
-    vision = is_vision_model(resolve_model_path(config.model.path))
+    vision = vision_family(config.model.path) is not None
     problem = vision_problem(config) if vision else None
     if problem:
         raise ConfigError(problem)
@@ -75,11 +75,25 @@ def check_job(config: TandemConfig, command: str = "train", rewards: RewardScore
     _check_resume(config, command)
 
 
+# the built-in tiny vision-language models (built on first use: not built here)
+TINY_VISION = {"tiny:qwen2_vl": "qwen2_vl", "tiny:qwen2_5_vl": "qwen2_5_vl",
+               "tiny:colours": "qwen2_vl"}
+
+
+def vision_family(path: str) -> str | None:
+    """model.path's vision-language model_type, None for a text model; from config.json alone
+    (a model not on this machine yet counts as a text model here; its engine checks again)."""
+    if path in TINY_VISION:
+        return TINY_VISION[path]
+    directory = model_directory_if_known(path)
+    return vision_model_type(directory) if directory is not None else None
+
+
 def vision_problem(config: TandemConfig) -> str | None:
     """What a vision-language policy's run asks for that is not built yet, with the fix."""
     rollout = config.rollout
     where = f"model.path={config.model.path} is a vision-language model, and"
-    family = vision_model_type(resolve_model_path(config.model.path))
+    family = vision_family(config.model.path)
     if family not in VISION_FAMILIES:
         return (f"model.path: {config.model.path} is a {family!r} vision-language model; tandem "
                 f"serves and trains {list(VISION_FAMILIES)} (their vision tower and 3-D "
