@@ -19,7 +19,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from tandem.config.schema import RolloutConfig
 from tandem.models import build_tiny_model
 from tandem.rollout.base import ReplicaFailedError
-from tandem.rollout.engine.rank_worker import Rendezvous, spawn_workers
+from tandem.rollout.engine.rank_processes import spawn_workers
+from tandem.rollout.engine.rank_worker import Rendezvous
 from tandem.rollout.native import NativeRollout
 from tandem.serving.client import DEAD_SERVER_ERRORS
 from tandem.serving.remote import call

@@ -16,7 +16,8 @@ import ray
 import torch
 
 from tandem.quiet import quiet_libraries
-from tandem.rollout.engine.rank_worker import Rendezvous, spawn_workers
+from tandem.rollout.engine.rank_processes import spawn_workers
+from tandem.rollout.engine.rank_worker import Rendezvous
 from tandem.rollout.engine.tensor_parallel import rank_devices
 
 

@@ -2,7 +2,8 @@
 samples and answers calls); ranks 1..TP-1 are worker processes that hold their slice of the model
 and of the KV cache and run, in lockstep, whatever rank 0 broadcasts. On one host rank 0 spawns
 them all; a replica spread over nodes meets at a `Rendezvous` on rank 0's node, where rank 0
-spawns the ranks of its node and each other node's server (serving/rank_host.py) spawns its own.
+spawns the ranks of its node and each other node's server (serving/rank_host.py) spawns its own
+(the processes' start, reaping and stop: rank_processes.py).
 
 Rank 0 sends every command to all workers over the replica's gloo group (`RankWorkers`, with
 rank_messages.py's broadcasts and replies, under
@@ -19,19 +20,14 @@ at once, naming the rank; in a weight update every wait on a rank has the sync's
 
 from __future__ import annotations
 
-import ctypes
-import json
 import logging
 import os
-import signal
 import subprocess
-import sys
-import time
 import traceback
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +40,7 @@ from tandem.rollout.engine.memory import held_bytes, release_weights, restore_we
 from tandem.rollout.engine.model_runner import ModelRunner, StepPlan, torch_dtype
 from tandem.rollout.engine.rank_messages import (broadcast_command, receive_command,
                                                  receive_reply, send_reply, wait_for)
+from tandem.rollout.engine.rank_processes import die_with, exit_codes, spawn_workers, terminate
 from tandem.rollout.engine.shared_kv import KVMaps, SharedKV, copy_heads
 from tandem.rollout.engine.tensor_parallel import TensorParallel, make_groups, rank_devices
 from tandem.rollout.engine.slot_weights import flip, map_into, stage_from_slot
@@ -60,8 +57,6 @@ COLLECTIVE_TIMEOUT_S = 300.0
 # How long a failing replica waits for a worker whose sockets closed to be reaped (to name it).
 EXIT_GRACE_S = 1.0
 SLICE_TAG = 2  # point-to-point tags: 0 and 1 carry replies, 2.. a weight update's slices
-WORKER_MAIN = ("import json, sys; from tandem.rollout.engine.rank_worker import run_worker; "
-               "run_worker(*json.loads(sys.argv[1]))")
 LOOPBACK = "127.0.0.1"
 
 
@@ -74,25 +69,6 @@ class Rendezvous:
     host: str
     port: int
     local_ranks: int
-
-
-def spawn_workers(ranks: range, size: int, store_host: str, port: int, model_path: str,
-                  dtype: str, devices: list[torch.device], shared: bool, threads: int | None,
-                  bind_host: str) -> list[subprocess.Popen]:
-    """Start worker processes for `ranks` of a replica of `size` on this node, one per device
-    of `devices` (`shared`: they share one GPU over gloo): they join the store at
-    store_host:port, bind their collectives to bind_host, load their slices and die with this
-    process."""
-    # a fresh interpreter per rank (not multiprocessing's spawn, which re-imports the caller's
-    # __main__: a script without a main guard would start engines recursively)
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    processes = []
-    for rank, rank_device in zip(ranks, devices):
-        arguments = [rank, size, store_host, port, str(model_path), dtype, str(rank_device),
-                     shared, threads, os.getpid(), bind_host]
-        processes.append(subprocess.Popen(
-            [sys.executable, "-c", WORKER_MAIN, json.dumps(arguments)], env=environment))
-    return processes
 
 
 # ---- ranks 1..TP-1 ------------------------------------------------------------------------
@@ -256,7 +232,7 @@ def run_worker(rank: int, size: int, store_host: str, port: int, model_path: str
                bind_host: str = LOOPBACK) -> None:
     """A worker process's main: join the replica's groups, load this rank's slice, report, then
     serve rank 0's commands. Any failure ends the process (rank 0 sees its sockets close)."""
-    _die_with(parent)
+    die_with(parent)
     quiet_libraries()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -293,7 +269,7 @@ class RankWorkers:
         self.threads_before = threads_before  # this process's torch threads, restored at stop
         self.memory = [{"weights": 0, "kv_cache": 0} for _ in range(size - 1)]  # as last replied
         self.failure: str | None = None  # set once a rank failed: the replica cannot step
-        self._finalizer = weakref.finalize(self, _terminate, processes)
+        self._finalizer = weakref.finalize(self, terminate, processes)
 
     @classmethod
     def start(cls, size: int, model_path: str, dtype: str, device: torch.device,
@@ -318,7 +294,7 @@ class RankWorkers:
         try:
             control, compute = make_groups(store, 0, size, devices[0], timeout, shared, host)
         except Exception:
-            _terminate(processes)
+            terminate(processes)
             torch.set_num_threads(threads_before)
             raise
         return (cls(processes, control, store, threads_before, size),
@@ -466,7 +442,7 @@ class RankWorkers:
         """Mark the replica failed (a rank died or a collective broke: the ranks are no longer
         in lockstep) and return the error to raise, naming the ranks that exited, else the ones
         rank 0 was waiting on."""
-        exited = _exit_codes(self.processes, EXIT_GRACE_S)
+        exited = exit_codes(self.processes, EXIT_GRACE_S)
         if exited:
             culprits = ", ".join(f"rank {rank} exited (code {code})"
                                  for rank, code in exited.items())
@@ -486,40 +462,3 @@ def _wire_parts(item: torch.Tensor | WeightPatch) -> list[torch.Tensor]:
     if isinstance(item, WeightPatch):
         return [item.index.contiguous(), item.values.contiguous()]
     return [item]
-
-
-def _exit_codes(processes: list[subprocess.Popen], grace_s: float) -> dict[int, int]:
-    """Rank -> exit code of the workers that exited, waiting up to `grace_s` in all (a killed
-    rank's sockets close a moment before the kernel reaps it)."""
-    deadline = time.monotonic() + grace_s
-    for process in processes:
-        try:
-            process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    return {rank: process.returncode for rank, process in enumerate(processes, start=1)
-            if process.returncode is not None}
-
-
-def _terminate(processes: Iterable[subprocess.Popen]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
-
-
-def _die_with(parent: int) -> None:
-    """Have the kernel kill this worker when rank 0's process ends (Linux), even while it is
-    still loading and not yet connected to rank 0's sockets."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != parent:  # rank 0 ended before the request took effect
-        os._exit(1)
-
