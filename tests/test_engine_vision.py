@@ -34,10 +34,11 @@ def vl_path(tmp_path_factory, request):
     return noisy_vl_model(tmp_path_factory.mktemp("vl"), request.param)
 
 
-def noisy_vl_model(directory, architecture: str = "qwen2_vl"):
-    """The tiny Qwen2-VL (or Qwen2.5-VL) with every matrix moved by N(0, 0.15) noise (seeded),
-    saved with its tokenizer and image processor in `directory`."""
-    built = build_tiny_model(TinyModelSpec(architecture=architecture))
+def noisy_vl_model(directory, architecture: str = "qwen2_vl", **shape):
+    """The tiny Qwen2-VL (or Qwen2.5-VL; `shape`: other TinyModelSpec fields) with every matrix
+    moved by N(0, 0.15) noise (seeded), saved with its tokenizer and image processor in
+    `directory`."""
+    built = build_tiny_model(TinyModelSpec(architecture=architecture, **shape))
     model = AutoModelForImageTextToText.from_pretrained(built, dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -102,7 +102,8 @@ class ScriptedRollout(BaseRollout):
     async def clear_kv_cache(self) -> None:
         self.counters["kv_clears"] += 1
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int,
+                             partial: bool = False) -> None:
         self.counters["weight_tensors_loaded"] += len(list(named_tensors))
         self._version = version
 

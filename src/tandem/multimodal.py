@@ -108,6 +108,17 @@ def process_images(processor: Any, images: Sequence[Any], where: str) -> ImageIn
     return ImageInputs(pixel_values, grid, counts, digests)
 
 
+def join_inputs(first: ImageInputs | None, then: ImageInputs) -> ImageInputs:
+    """One sequence's images: `first`'s, then `then`'s (a tool turn's), in that order."""
+    import torch
+
+    if first is None:
+        return then
+    return ImageInputs(torch.cat([first.pixel_values, then.pixel_values]),
+                       torch.cat([first.grid_thw, then.grid_thw]),
+                       first.token_counts + then.token_counts, first.digests + then.digests)
+
+
 def pad_runs(token_ids: Sequence[int], pad_id: int) -> list[tuple[int, int]]:
     """(start, length) of each run of `pad_id` in `token_ids`."""
     runs: list[tuple[int, int]] = []
@@ -131,6 +142,26 @@ def image_runs(token_ids: Sequence[int], pad_id: int, images: int, where: str
         raise ValueError(f"{where}: the prompt has {len(runs)} run(s) of image tokens "
                          f"({IMAGE_PAD}) for {images} image(s)")
     return runs[:images]
+
+
+def requested_images(data: Any, where: str) -> list[Any]:
+    """A request's `multi_modal_data` as its list of images (read later); a ValueError naming
+    `where` for anything but {"image": image or [images]}."""
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"{where}: multi_modal_data takes {{'image': [images]}}, not "
+                         f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+    images = data.get("image") or []
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def collapse_image_runs(token_ids: Sequence[int], pad_id: int, images: int, where: str
+                        ) -> list[int]:
+    """The prompt with each of the `images` images' runs of `pad_id` (image_runs) cut to one
+    token, what vLLM takes beside the raw images (it expands each run again from its image);
+    a later `pad_id` stays as it is."""
+    runs = image_runs(token_ids, pad_id, images, where)
+    cut = {start + offset for start, length in runs for offset in range(1, length)}
+    return [token for index, token in enumerate(token_ids) if index not in cut]
 
 
 def image_types(length: int, runs: Sequence[tuple[int, int]]) -> torch.Tensor:

@@ -76,23 +76,29 @@ class ChatFormat:
         pad = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         return expand_image_pads(ids, pad, counts, "prompt")
 
-    def process(self, images: Sequence[Any]) -> ImageInputs:
-        """The policy's image processor's inputs of `images` (pixel values, grids, counts)."""
+    def process(self, images: Sequence[Any], where: str = "prompt") -> ImageInputs:
+        """The policy's image processor's inputs of `images` (pixel values, grids, counts);
+        `where` (a prompt, a tool result) names them in errors."""
         if self.image_processor is None:
-            raise ValueError(f"a prompt with {len(images)} image(s), but the policy has no image "
-                             "processor: rows with images need a vision-language model (Qwen2-VL "
+            raise ValueError(f"a {where} with {len(images)} image(s), but the policy has no "
+                             "image processor: images need a vision-language model (Qwen2-VL "
                              "family) with its preprocessor_config.json")
-        return process_images(self.image_processor, images, "prompt")
+        return process_images(self.image_processor, images, where)
 
     @cached_property
     def _history(self) -> list[int]:
         return self._render(_DUMMY_HISTORY, None, add_generation_prompt=False)
 
-    def tool_turn_ids(self, tool_messages: Sequence[dict[str, Any]], after_stop_token: bool
-                      ) -> list[int]:
+    def tool_turn_ids(self, tool_messages: Sequence[dict[str, Any]], after_stop_token: bool,
+                      images: ImageInputs | None = None) -> list[int]:
         """Tokens that follow a finished assistant turn: its closing boundary (the end-of-turn token
         too, unless after_stop_token: the model's tokens already end with it), the rendered tool
-        messages and the next generation prompt."""
+        messages and the next generation prompt; with `images` (the tool messages' image parts'
+        processed inputs) each image's `<|image_pad|>` repeated to its token count."""
+        if images is not None:
+            pad = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+            return expand_image_pads(self.tool_turn_ids(tool_messages, after_stop_token), pad,
+                                     images.token_counts, "tool turn")
         history = self._history
         full = self._render([*_DUMMY_HISTORY, *tool_messages], None, add_generation_prompt=True)
         if full[:len(history)] != history:

@@ -18,6 +18,7 @@ from tandem.agent.session import Session, TokenClient
 from tandem.agent.tool_parser import ToolCall, parse_tool_calls
 from tandem.batch.trajectory import Trajectory
 from tandem.config.schema import RolloutConfig
+from tandem.multimodal import IMAGE_PAD, join_inputs, pad_runs
 from tandem.tools.registry import ToolRegistry, ToolResult
 from tandem.types import GenerateRequest
 from tandem.user_code import UserCodeTimeout
@@ -51,6 +52,30 @@ def truncate_tool_text(text: str, limit: int, side: str, chat_format: ChatFormat
 def _cut(head: list[int], tail: list[int], chat_format: ChatFormat) -> str:
     return ((chat_format.decode_text(head) if head else "") + TRUNCATION_MARKER
             + (chat_format.decode_text(tail) if tail else ""))
+
+
+def tool_message(result: ToolResult, text: str) -> dict[str, Any]:
+    """The tool message of a result: its (truncated) text, after its images' parts if any."""
+    if not result.images:
+        return {"role": "tool", "content": text}
+    return {"role": "tool", "content": [{"type": "image"} for _ in result.images]
+            + [{"type": "text", "text": text}]}
+
+
+def _pads(delta: list[int], chat_format: ChatFormat) -> list[tuple[int, int]]:
+    return pad_runs(delta, chat_format.tokenizer.convert_tokens_to_ids(IMAGE_PAD))
+
+
+def whole_images(delta: list[int], room: int, chat_format: ChatFormat) -> bool:
+    """Whether the first `room` tokens of a tool turn hold each of its images' runs whole."""
+    runs = _pads(delta, chat_format)
+    return not runs or room >= runs[-1][0] + runs[-1][1]
+
+
+def first_image(delta: list[int], chat_format: ChatFormat) -> int:
+    """Where a tool turn's first image run starts: a turn cut inside its images keeps what came
+    before and none of them (a cut run would not match its image)."""
+    return _pads(delta, chat_format)[0][0]
 
 
 class ToolAgentLoop:
@@ -139,19 +164,29 @@ class ToolAgentLoop:
             tool_calls += len(calls)
             ran = results[:turns.max_tool_calls_per_turn]  # the cap's message is not a call
             tool_errors += sum(not result.ok for result in ran) + len(calls) - len(ran)
-            tool_messages = [{"role": "tool", "content": truncate_tool_text(
+            tool_messages = [tool_message(result, truncate_tool_text(
                 result.text, turns.max_tool_response_length, turns.tool_response_truncate_side,
-                self.chat_format)} for result in results]
+                self.chat_format)) for result in results]
             messages.extend(tool_messages)
+            shown = [image for result in results for image in result.images]
+            added = self.chat_format.process(shown, "tool result") if shown else None
             user_turns += 1
             if any(result.done for result in ran):  # the episode is over: nothing to sample
                 stop_reason = "completed"
                 break
             stop_ids = self.chat_format.stop_token_ids
             ended = bool(output.token_ids) and output.token_ids[-1] in stop_ids
-            delta = self.chat_format.tool_turn_ids(tool_messages, after_stop_token=ended)
+            delta = self.chat_format.tool_turn_ids(tool_messages, after_stop_token=ended,
+                                                   images=added)
             room = config.response_length - len(builder)
-            builder.add_context_tokens(delta[:room])
+            kept = delta[:room]
+            if added is not None and not whole_images(delta, room, self.chat_format):
+                kept, added = delta[:first_image(delta, self.chat_format)][:room], None
+            builder.add_context_tokens(kept)
+            if added is not None:  # the next requests and the trajectory carry them too
+                images.extend(shown)
+                inputs = join_inputs(inputs, added)
+                media = {"image": images}
             if len(delta) >= room:
                 stop_reason = "length"
                 break

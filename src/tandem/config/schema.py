@@ -80,6 +80,9 @@ class ActorConfig:
     # log-probs and entropy renormalised over the set each token was sampled from (top-k/top-p);
     # unset: on when the native backend truncates (docs/algorithms.md, "Sampling-mask replay")
     replay_sampling_mask: bool | None = None
+    # a vision-language policy's vision tower is not trained, and weight syncs leave it out
+    # where every receiver holds it (docs/training.md, "Images")
+    freeze_vision_tower: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 

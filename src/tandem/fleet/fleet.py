@@ -106,7 +106,8 @@ class Fleet:
             if config.actor.lora.rank and self.transport == "shm":
                 engine_kwargs["double_buffer"] = False
             self.weight_sync = CrossProcessSync(self.workers, self.rollout, self.transport,
-                                                ckpt.timeout_s, engine_kwargs)
+                                                ckpt.timeout_s, engine_kwargs,
+                                                frozen=config.actor.freeze_vision_tower)
             self.pool = RolloutPool("rollout", self.rollout, self.weight_sync)
         else:
             self.rollout = await ServerManager.create(config.rollout, options, "hybrid",

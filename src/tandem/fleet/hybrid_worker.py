@@ -11,6 +11,7 @@ engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
@@ -173,10 +174,13 @@ class HybridWorker(RolloutServer):
     async def load_actor_weights(self, version: int) -> None:
         """Load the actor's weights into this process's (awake) engine through the naive checkpoint
         engine and stamp `version`; the first sync of a fresh run (version 0, both loaded from the
-        same files, unchanged since) has nothing to copy and is skipped."""
+        same files, unchanged since) has nothing to copy and is skipped. Frozen weights
+        (actor.freeze_vision_tower) stay behind unless the engine dropped its weights."""
         unchanged = self._engine_matches_actor_at == self._actor_versions()
         if not (version == 0 and unchanged):
-            await self.checkpoint_engine.sync(self.actor.export_weights(), self, version)
+            partial = self.actor.leaves_weights_out and self.backend.holds_all_weights()
+            await self.checkpoint_engine.sync(self.actor.export_weights(include_frozen=not partial),
+                                              self, version, partial)
         self._engine_matches_actor_at = None
 
     async def encode_weights_ahead(self, engine: str, version: int) -> dict[str, float]:
@@ -192,15 +196,20 @@ class HybridWorker(RolloutServer):
 
     async def build_sync_plan(self, engine: str, n_receivers: int, version: int,
                               receiver_versions: list[int] | None = None,
-                              receiver_slots: list | None = None) -> SyncPlan:
+                              receiver_slots: list | None = None,
+                              receivers_hold_all: bool = False) -> SyncPlan:
         """Rank 0: this sync's plan from its sender (_sender_engine), which the cross-process
         sync hands to every receiving server (build_topology; `receiver_slots`: the servers'
-        weight slots of a double-buffered shm sync)."""
+        weight slots of a double-buffered shm sync). With `receivers_hold_all` (no receiver
+        dropped its weights) the actor's frozen weights stay behind: details["partial"]."""
         if self.rank != 0:
             raise RuntimeError(f"build_sync_plan on rank {self.rank}: only rank 0 sends")
         extra = (receiver_slots,) if receiver_slots is not None else ()  # shm reads it only
-        return self._sender_engine(engine).build_topology(n_receivers, version, receiver_versions,
+        plan = self._sender_engine(engine).build_topology(n_receivers, version, receiver_versions,
                                                           *extra)
+        if receivers_hold_all and self.actor.leaves_weights_out and not plan.encoded_ahead:
+            plan = dataclasses.replace(plan, details={**plan.details, "partial": True})
+        return plan
 
     def _sender_engine(self, engine: str) -> CheckpointEngine:
         """Rank 0's sender (checkpoint engine `engine`, which the fleet chose; its store on this
@@ -223,7 +232,8 @@ class HybridWorker(RolloutServer):
         engine = self._sync_engine if self.rank == 0 else None
         if self.rank == 0 and engine is None:
             raise RuntimeError("send_weights on rank 0 before build_sync_plan")
-        stream = iter(()) if plan.encoded_ahead else self.actor.export_weights()
+        stream = (iter(()) if plan.encoded_ahead else
+                  self.actor.export_weights(include_frozen=not plan.details.get("partial")))
         return await run_in_fresh_thread(lambda: send_from(engine, plan, stream),
                                          f"weight-sync-send-{self.rank}")
 

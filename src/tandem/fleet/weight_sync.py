@@ -120,10 +120,13 @@ class InProcessSync:
 class CrossProcessSync:
     """Drives syncs from `trainers` (training workers, rank 0 first: Ray handles or local
     objects with encode_weights_ahead / build_sync_plan / send_weights) into every replica of
-    `servers` through the checkpoint engine `engine` (never naive), every wait within timeout_s."""
+    `servers` through the checkpoint engine `engine` (never naive), every wait within timeout_s.
+    With `frozen` (actor.freeze_vision_tower) a sync that is not double-buffered asks the
+    servers whether they hold every weight, and the actor's frozen weights stay behind if so."""
 
     def __init__(self, trainers: Sequence[Any], servers: ServerManager, engine: str,
-                 timeout_s: float, engine_kwargs: dict[str, Any] | None = None) -> None:
+                 timeout_s: float, engine_kwargs: dict[str, Any] | None = None,
+                 frozen: bool = False) -> None:
         if servers.layout is ReplicaLayout.HYBRID:
             raise ValueError("the hybrid layout syncs inside each worker (InProcessSync); the "
                              "cross-process sync is for standalone and colocated replicas")
@@ -137,6 +140,7 @@ class CrossProcessSync:
         self.engine = engine
         self.timeout_s = timeout_s
         self.engine_kwargs = dict(engine_kwargs or {})  # receivers build the same engine
+        self.frozen = frozen
 
     async def sync(self, version: int, replicas: Sequence[RolloutReplica] | None = None
                    ) -> SyncReport:
@@ -234,7 +238,8 @@ class CrossProcessSync:
                                   f"{type(error).__name__}: {error}") from error
         versions = [version for replica in replicas
                     for version in answers.results[replica.server_id]]
-        extra = (slots,) if slots is not None else ()  # only double-buffered syncs pass slots
+        # slots hold whole versions: a double-buffered sync sends everything
+        extra = (slots,) if slots is not None else (None, await self._hold_all(replicas))
         plan = await self._within(call(self.trainers[0], "build_sync_plan", self.engine,
                                        len(receivers), version, versions, *extra,
                                        timeout_s=self.timeout_s),
@@ -262,6 +267,16 @@ class CrossProcessSync:
         if failures:
             labels = {name.split(" (")[0]: name for name, _ in receivers}
             raise _transfer_error(failures, labels, self.timeout_s)
+
+    async def _hold_all(self, replicas: list[RolloutReplica]) -> bool:
+        """Whether the frozen weights may stay behind: the actor has some and every server of
+        `replicas` holds all its weights (none dropped by sleep)."""
+        if not self.frozen:
+            return False
+        answers = await self.servers.control("holds_all_weights", replicas=replicas,
+                                             timeout_s=self.timeout_s, on_error="leave_out")
+        return not answers.left_out and all(held for results in answers.results.values()
+                                            for held in results)
 
     async def _wait_all(self, tasks: dict[asyncio.Task, str]) -> None:
         """Wait for every participant. Each bounds its own waits by timeout_s and reports its

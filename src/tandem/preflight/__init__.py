@@ -51,6 +51,11 @@ def check_job(config: TandemConfig, command: str = "train", rewards: RewardScore
     problem = vision_problem(config) if vision else None
     if problem:
         raise ConfigError(problem)
+    known = config.model.path.startswith("tiny:") or model_directory_if_known(config.model.path)
+    if config.actor.freeze_vision_tower and not vision and known:
+        raise ConfigError(f"actor.freeze_vision_tower: is true, but model.path="
+                          f"{config.model.path} is a text model (no vision tower to freeze); "
+                          "set it to false")
 
     def check_row(row: DatasetRow) -> str | None:
         if row.images and not vision:
@@ -101,14 +106,10 @@ def vision_problem(config: TandemConfig) -> str | None:
     if config.actor.fsdp_size != 1:
         return (f"actor.fsdp_size: is {config.actor.fsdp_size}; {where} its training forward "
                 "takes images through the hidden states and an unsharded LM head; set it to 1")
-    if rollout.name != "native":
-        return (f"rollout.name: is {rollout.name!r}; {where} images reach the native engine "
-                "only so far (vLLM's and SGLang's multimodal inputs are not wired); set "
-                "rollout.name=native")
     if rollout.tensor_model_parallel_size != 1 or rollout.disaggregation.enabled:
-        return (f"rollout.tensor_model_parallel_size / rollout.disaggregation: {where} its vision "
-                "tower runs on one rank of a plain native engine; set the size to 1 and "
-                "disaggregation off")
+        return (f"rollout.tensor_model_parallel_size / rollout.disaggregation: {where} its images "
+                "are served by one plain engine per replica so far (no tensor parallelism, no "
+                "prefill/decode split); set the size to 1 and disaggregation off")
     if config.algorithm.adv_estimator == "gae":
         return (f"algorithm.adv_estimator: is 'gae'; {where} the critic's forward does not take "
                 "images yet; use grpo")

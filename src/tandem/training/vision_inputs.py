@@ -16,11 +16,23 @@ from tensordict import TensorDict
 
 from tandem.batch.jagged import field_lengths, field_values
 from tandem.multimodal import image_runs, image_types
+from tandem.training.export import named_weights
 
 
 def is_vision_batch(batch: TensorDict) -> bool:
     """Whether the batch carries images (pixel_values / image_grid_thw fields)."""
     return "pixel_values" in batch.keys()
+
+
+def vision_tower_names(model: torch.nn.Module) -> set[str]:
+    """The export names (training/export.py) of a vision-language model's vision tower: its
+    parameters and persistent buffers; a ValueError for a model without one."""
+    tower = getattr(getattr(_base(model), "model", None), "visual", None)
+    if tower is None:
+        raise ValueError(f"{type(_base(model)).__name__} has no vision tower (model.visual); "
+                         "actor.freeze_vision_tower is for vision-language models")
+    inside = {id(tensor) for tensor in [*tower.parameters(), *tower.buffers()]}
+    return {name for name, tensor in named_weights(model) if id(tensor) in inside}
 
 
 def _samples(batch: TensorDict) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -36,11 +36,13 @@ class NaiveCheckpointEngine(CheckpointEngine):
         super().finalize()
         self._stream = None
 
-    async def sync(self, named_tensors: NamedTensors, rollout, version: int) -> None:
-        """Run the whole protocol in one process: `rollout.update_weights` consumes the stream."""
+    async def sync(self, named_tensors: NamedTensors, rollout, version: int,
+                   partial: bool = False) -> None:
+        """Run the whole protocol in one process: `rollout.update_weights` consumes the stream
+        (`partial`: it leaves some weights out)."""
         self.prepare()
         try:
             await asyncio.gather(self.send_weights(named_tensors),
-                                 rollout.update_weights(self.receive_weights(), version))
+                                 rollout.update_weights(self.receive_weights(), version, partial))
         finally:
             self.finalize()

@@ -100,7 +100,8 @@ async def receive_into(backend: Any, plan: SyncPlan, rank: int, who: str,
     staged = await run_in_fresh_thread(receive, f"weight-sync-receive-{rank}")
     with _timed(timings, "load"):
         try:
-            still = await backend.commit_weights(staged, plan.version)
+            still = await backend.commit_weights(staged, plan.version,
+                                                 bool(plan.details.get("partial")))
         except WeightSyncError:
             raise
         except Exception as error:  # e.g. a tensor-parallel rank that died or stalled

@@ -100,6 +100,10 @@ class MemoryControl:
                                                 self.weight_shapes)
         self.weights_state = "loaded"
 
+    def holds_all_weights(self) -> bool:
+        """Whether every weight is loaded: none dropped by sleep and still to refill."""
+        return self.weights_state == "loaded" and not self.unfilled_weights
+
     def _weights_missing_message(self) -> str:
         if self.weights_state != "loaded":
             return (f"the engine's weights are {self.weights_state} by sleep(['weights']); call "

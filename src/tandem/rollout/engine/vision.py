@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from tandem.multimodal import (VISION_FAMILIES, ImageInputs, image_runs, image_types,
-                               process_images)
+                               process_images, requested_images)
 
 
 @dataclass
@@ -91,12 +91,7 @@ class VisionTower:
         """The request's images checked against its prompt's image tokens, processed, with the
         prompt's 3-D positions; a ValueError naming the request and the mismatch."""
         where = f"request {request_id!r}"
-        if not isinstance(data, dict) or set(data) - {"image"}:
-            raise ValueError(f"{where}: multi_modal_data takes {{'image': [images]}}, not "
-                             f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
-        images = data.get("image") or []
-        if not isinstance(images, (list, tuple)):
-            images = [images]
+        images = requested_images(data, where)
         runs = image_runs(prompt, self.pad_id, len(images), where)
         inputs = process_images(self.processor, images, where)
         for index, ((_, length), count) in enumerate(zip(runs, inputs.token_counts)):

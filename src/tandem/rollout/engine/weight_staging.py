@@ -23,6 +23,7 @@ import torch
 
 from tandem.rollout.adapter_stream import is_adapter_name, peek_stream, read_adapter
 from tandem.rollout.base import all_finite, check_coverage, checked_version
+from tandem.rollout.external import EMBED_NAMES
 from tandem.rollout.engine.lora_merge import (LoraState, StagedAdapter, adapter_tensors,
                                               merge_adapter, stage_adapter)
 from tandem.rollout.engine.tensor_parallel import ZEROS, reshard
@@ -65,10 +66,6 @@ def accepted_shapes(runner: Any) -> dict[str, torch.Size]:
     shapes = {name: p.shape for name, p in runner.named_parameters().items()}
     shapes.update((name, linear.weight_shape) for name, linear in runner.packed_linears.items())
     return shapes
-
-
-# the input embedding's HF name: a decoder-only LM's, a vision-language model's language model's
-EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 
 
 def embed_name(shapes: Mapping[str, Any]) -> str:
