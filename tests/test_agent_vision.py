@@ -130,3 +130,100 @@ async def test_an_episode_that_starts_with_the_rows_messages_keeps_its_images(vl
                                                                 "t").token_counts
     finally:
         await engine.shutdown()
+
+
+class Camera:
+    """A tool that answers with a picture and a line of text."""
+
+    name = "camera"
+    description = "Take a picture."
+    parameters = {"type": "object", "properties": {}, "additionalProperties": False}
+
+    async def execute(self, arguments, context):
+        from tandem.tools.registry import ToolResult
+
+        return ToolResult("here it is", images=[picture((20, 160, 60), (70, 50))])
+
+
+class CameraFirst:
+    """The policy's first turn is forced to call `camera` (log-probs 0: not scored here); every
+    later turn is the engine's. Records every request."""
+
+    def __init__(self, engine, call_ids: list[int]) -> None:
+        self.engine, self.call_ids, self.requests = engine, call_ids, []
+
+    async def generate(self, request):
+        from tandem.types import TokenOutput
+
+        self.requests.append(request)
+        if len(self.requests) == 1:
+            return TokenOutput(self.call_ids, [0.0] * len(self.call_ids), "completed",
+                               {"global_steps": 0})
+        return await self.engine.generate(request)
+
+
+@pytest.mark.parametrize("room", [None, 3])
+async def test_a_tool_that_returns_an_image_shows_it_to_the_policy(tmp_path, room):
+    """The tool turn holds the image's run of pads (mask 0) after the row's images; the next
+    request carries both images; the trajectory keeps both, and the actor's log-probs and the
+    engine's second turn are within the float32 bound of the exact ones with the tool's image
+    at its place. room=3: the turn is cut before its image, which then goes nowhere."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from float_bounds import assert_within, token_logprob_bounds
+    from test_engine_vision import noisy_vl_model
+    from tandem.batch.jagged import field_lengths, trajectories_to_batch
+    from tandem.tools.registry import ToolRegistry
+    from tandem.training.forward import actor_forward
+    from tandem.training.vision_inputs import sample_positions
+
+    path = noisy_vl_model(tmp_path / "vl")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    processor = AutoImageProcessor.from_pretrained(path)
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    call = tokenizer.encode('<tool_call>{"name": "camera", "arguments": {}}</tool_call>',
+                            add_special_tokens=False) + [tokenizer.eos_token_id]
+    config = RolloutConfig(prompt_length=256, n=1, kv_cache_memory_bytes=16 << 20,
+                           response_length=len(call) + (room or 200),
+                           multi_turn=MultiTurnConfig(enable=True, max_assistant_turns=2))
+    own = picture((200, 30, 30), (60, 40))
+    row = DatasetRow(messages=[{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "Look."}]}], uid="t0", images=[own],
+        do_sample=False)
+    engine = NativeRollout.create(path, config)
+    try:
+        client = CameraFirst(engine, call)
+        runner = AgentLoopRunner.from_tokenizer(client, tokenizer, config,
+                                                tools=ToolRegistry([Camera()]),
+                                                image_processor=processor)
+        [trajectory] = await runner.run([row])
+    finally:
+        await engine.shutdown()
+    response, mask = trajectory.responses.tolist(), trajectory.response_mask.tolist()
+    shot = process_images(processor, [picture((20, 160, 60), (70, 50))], "test")
+    if room is not None:  # cut before the picture: no image in the response, one in all
+        assert pad not in response and len(client.requests) == 1
+        assert trajectory.images.grid_thw.shape[0] == 1 and trajectory.stop_reason == "length"
+        return
+    [(start, length)] = pad_runs(response, pad)
+    assert length == shot.token_counts[0] and not any(mask[start:start + length])
+    assert [len(r.multi_modal_data["image"]) for r in client.requests] == [1, 2]
+    assert trajectory.images.grid_thw.tolist() == [
+        *process_images(processor, [own], "test").grid_thw.tolist(), *shot.grid_thw.tolist()]
+    second = [i for i, m in enumerate(mask) if m][len(call):]  # the engine's own turn
+    assert second and second[0] > start + length
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        actor = actor_forward(model, trajectories_to_batch([trajectory]), use_remove_padding=True)
+        rows = torch.cat(list(model.model.get_image_features(
+            trajectory.images.pixel_values, trajectory.images.grid_thw).pooler_output))
+    positions = sample_positions(model, trajectory.input_ids, trajectory.images.grid_thw)
+    exact, bound = token_logprob_bounds(model, trajectory.prompts.tolist(), response,
+                                        image_rows=rows, position_ids=positions)
+    assert_within(actor.log_probs, exact, bound, "actor with a tool's image")
+    engine_turn = torch.tensor(second)
+    assert_within(trajectory.rollout_log_probs[engine_turn], exact[engine_turn],
+                  bound[engine_turn], "the engine's turn after the tool's image")
+    assert field_lengths(trajectories_to_batch([trajectory])["image_grid_thw"]).tolist() == [2]

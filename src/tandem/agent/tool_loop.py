@@ -184,7 +184,7 @@ class ToolAgentLoop:
                 kept, added = delta[:first_image(delta, self.chat_format)][:room], None
             builder.add_context_tokens(kept)
             if added is not None:  # the next requests and the trajectory carry them too
-                images.extend(shown)
+                images = images + shown  # a new list: requests sent so far keep their own
                 inputs = join_inputs(inputs, added)
                 media = {"image": images}
             if len(delta) >= room:

@@ -127,12 +127,15 @@ class ToolRegistry:
         if isinstance(result, str):
             result = ToolResult(result)
         what = (type(result).__name__ if not isinstance(result, ToolResult)
-                else None if isinstance(result.text, str)
-                else f"a ToolResult whose text is {type(result.text).__name__}")
+                else f"a ToolResult whose text is {type(result.text).__name__}"
+                if not isinstance(result.text, str)
+                else f"a ToolResult whose images are a {type(result.images).__name__}"
+                if not isinstance(result.images, (list, tuple)) else None)
         if what:
             raise TypeError(f"tool {name} returned {what}; execute() returns a "
-                            "ToolResult(text, ok) or a str")
-        return ToolResult(encodable(result.text), bool(result.ok), bool(result.done))
+                            "ToolResult(text, ok, images=[...]) or a str")
+        return ToolResult(encodable(result.text), bool(result.ok), bool(result.done),
+                          list(result.images))
 
 
 def encodable(text: str) -> str:
