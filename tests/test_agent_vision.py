@@ -94,9 +94,11 @@ def test_a_run_with_images_needs_a_vision_language_policy_and_what_it_runs_with(
                                           "a text model"):
         check_job(load_config(overrides=[*common, "model.path=tiny:qwen2"]))
     check_job(load_config(overrides=[*common, "model.path=tiny:qwen2_vl"]))
-    for override, words in (("algorithm.adv_estimator=gae critic.enable=true", "the critic's forward does not take "
-                                                            "images yet"),
-                            ("rollout.disaggregation.enabled=true rollout.nnodes=1 rollout.n_gpus_per_node=2", "images are served by one plain engine per replica"),
+    check_job(load_config(overrides=[*common, "model.path=tiny:qwen2_vl", "rollout.name=vllm",
+                                     "algorithm.adv_estimator=gae", "critic.enable=true"]))
+    for override, words in (("rollout.disaggregation.enabled=true rollout.nnodes=1 "
+                             "rollout.n_gpus_per_node=2",
+                             "images are served by one plain engine per replica"),
                             ("actor.fsdp_size=2 trainer.n_devices=2",
                              "actor.fsdp_size: is 2; model.path=tiny:qwen2_vl is a vision")):
         with pytest.raises(ConfigError, match=words):

@@ -134,3 +134,38 @@ def test_an_image_token_the_policy_sampled_is_a_plain_token(vl_path, sampled, pa
     exact, bound = token_logprob_bounds(model, changed.prompts.tolist(), responses.tolist(),
                                         image_rows=rows, position_ids=positions)
     assert_within(output.log_probs, exact, bound, "actor with a sampled image token")
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_critics_values_see_each_samples_images(vl_path, sampled, packed):
+    """A vision-language critic (ValueModel over the VLM's backbone): its packed and padded
+    values at the response positions equal the value head on HF's own forward of each whole
+    sample with its pixel values, both computed in float64 (unit roundoff 1.1e-16 through a few
+    thousand operations: a gap over 1e-10 is another computation, not rounding), the critic's
+    then rounded once to float32."""
+    from tandem.multimodal import image_runs, image_types
+    from tandem.training import packed_attention
+    from tandem.training.critic import ValueModel
+    from tandem.training.forward import critic_forward
+
+    trajectories, _ = sampled
+    critic = ValueModel.from_pretrained(vl_path, torch.float64,
+                                        packed_attention.register()).eval()
+    with torch.no_grad():
+        values = critic_forward(critic, trajectories_to_batch(trajectories), packed).values
+        expected = []
+        for trajectory in trajectories:
+            ids, prompt = trajectory.input_ids, len(trajectory.prompts)
+            inputs = {}
+            if trajectory.images is not None:
+                runs = image_runs(ids.tolist(), critic.config.image_token_id,
+                                  len(trajectory.images.grid_thw), "test")
+                inputs = {"pixel_values": trajectory.images.pixel_values.double(),
+                          "image_grid_thw": trajectory.images.grid_thw,
+                          "mm_token_type_ids": image_types(len(ids), runs)[None]}
+            hidden = critic.model(input_ids=ids[None], **inputs).last_hidden_state
+            expected.append(critic.value_head(hidden)[0, prompt - 1:len(ids) - 1, 0])
+    expected = torch.cat(expected)
+    assert values.shape == expected.shape
+    # critic_forward returns float32: its one rounding (2^-24 relative) on top of float64's
+    assert ((values.double() - expected).abs() <= expected.abs() * 2.0 ** -24 + 1e-10).all()

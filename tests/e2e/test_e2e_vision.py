@@ -31,15 +31,20 @@ def image_rows(directory):
     return path
 
 
-@pytest.mark.parametrize("mode", ["sync", "separate_async", "sync-lora"])
+@pytest.mark.parametrize("mode", ["sync", "separate_async", "sync-lora", "sync-gae"])
 def test_a_vision_language_policy_trains_on_rows_with_images(tiny_runs, tmp_path_factory, mode):
     """sync-lora: LoRA on the language model (its q/k/v/o and MLP projections; the vision
-    tower's modules have other names and stay as they are), merged into the engine's weights."""
+    tower's modules have other names and stay as they are), merged into the engine's weights.
+    sync-gae: a critic over the VLM's backbone, its values from the same images, and the
+    vision tower frozen (left out of the syncs)."""
     data = image_rows(tmp_path_factory.mktemp("vision-data"))
     extra = {"separate_async": ("trainer.async_rollout.max_staleness=0", "rollout.nnodes=1",
                                 "rollout.n_gpus_per_node=1"),
-             "sync-lora": ("actor.lora.rank=4",)}.get(mode, ())
-    mode = mode.removesuffix("-lora")
+             "sync-lora": ("actor.lora.rank=4",),
+             "sync-gae": ("algorithm.adv_estimator=gae", "critic.enable=true",
+                          "critic.optim.lr=0.01", "actor.freeze_vision_tower=true")}.get(mode, ())
+    critic = mode.endswith("-gae")
+    mode = mode.removesuffix("-lora").removesuffix("-gae")
     run = tiny_runs(f"vision-{mode}", "model.path=tiny:qwen2_vl", f"data.train_files=[{data}]",
                     "data.val_files=[]", "rollout.multi_turn.enable=false",
                     "rollout.multi_turn.tools=[]", f"trainer.trainer_mode={mode}", *extra)
@@ -49,3 +54,6 @@ def test_a_vision_language_policy_trains_on_rows_with_images(tiny_runs, tmp_path
         assert record["actor/step_skipped"] == 0.0
     assert [run.training[step]["weight_version"] for step in (1, 2)] == [1, 2]
     assert run.training[1]["actor/grad_norm"] > 0
+    if critic:
+        for record in run.training.values():
+            assert record["critic/grad_norm"] > 0 and record["critic/step_skipped"] == 0.0

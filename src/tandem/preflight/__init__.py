@@ -110,9 +110,6 @@ def vision_problem(config: TandemConfig) -> str | None:
         return (f"rollout.tensor_model_parallel_size / rollout.disaggregation: {where} its images "
                 "are served by one plain engine per replica so far (no tensor parallelism, no "
                 "prefill/decode split); set the size to 1 and disaggregation off")
-    if config.algorithm.adv_estimator == "gae":
-        return (f"algorithm.adv_estimator: is 'gae'; {where} the critic's forward does not take "
-                "images yet; use grpo")
     return None
 
 

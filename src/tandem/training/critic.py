@@ -17,7 +17,8 @@ class ValueOutput:
 
 
 class ValueModel(nn.Module):
-    """Backbone (e.g. Qwen2Model) + Linear(hidden, 1). Same call signature as an HF causal LM."""
+    """Backbone (e.g. Qwen2Model, or a vision-language model's Qwen2VLModel) + Linear(hidden, 1).
+    Same call signature as an HF causal LM."""
 
     def __init__(self, backbone: nn.Module, hidden_size: int, init_std: float = 0.02, seed: int = 0):
         super().__init__()
@@ -37,20 +38,31 @@ class ValueModel(nn.Module):
         from transformers import AutoModel
 
         backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-        return cls(backbone, backbone.config.hidden_size, backbone.config.initializer_range, seed)
+        text = backbone.config.get_text_config()  # a vision-language model's language model's
+        return cls(backbone, text.hidden_size, getattr(text, "initializer_range", 0.02), seed)
 
     @property
     def config(self):
         """The backbone's HF config (saved with checkpoints)."""
         return self.model.config
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+    def get_input_embeddings(self) -> nn.Module:
+        """The backbone's token embedding (a vision-language batch replaces its image rows)."""
+        return self.model.get_input_embeddings()
+
+    def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, use_cache: bool = False,
-                logits_to_keep: torch.Tensor | None = None, **attention_kwargs: torch.Tensor) -> ValueOutput:
-        """input_ids [B, L] -> values [B, K] at the `logits_to_keep` columns (all when None);
-        attention_kwargs (packed sequence boundaries) go to the backbone's attention."""
-        hidden = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                            use_cache=use_cache, **attention_kwargs).last_hidden_state
+                logits_to_keep: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, **attention_kwargs: torch.Tensor) -> ValueOutput:
+        """input_ids [B, L] (or a vision-language batch's inputs_embeds [B, L, H] with its 3-D
+        positions, training/vision_inputs.py) -> values [B, K] at the `logits_to_keep` columns
+        (all when None); attention_kwargs (packed sequence boundaries) go to the attention."""
+        # a VLM backbone's language model takes the embeddings with the images already in them
+        backbone = (self.model.language_model if inputs_embeds is not None
+                    and hasattr(self.model, "language_model") else self.model)
+        hidden = backbone(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids,
+                          attention_mask=attention_mask, use_cache=use_cache,
+                          **attention_kwargs).last_hidden_state
         if logits_to_keep is not None:
             hidden = hidden[:, logits_to_keep]
         return ValueOutput(values=self.value_head(hidden).squeeze(-1))

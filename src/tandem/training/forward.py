@@ -64,15 +64,16 @@ def response_head_outputs(model: torch.nn.Module, batch: TensorDict, use_remove_
                           output_key: str = "logits", share_prompts: bool = True) -> torch.Tensor:
     """Run `model` (the HF causal LM call, which ValueModel mirrors) and return its `output_key` at
     the positions predicting response tokens: [sum R_i, ...] in batch order."""
+    vision = is_vision_batch(batch)
+
     def run(positions: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        if vision:  # the image tokens' embeddings and the 3-D positions (vision_inputs.py)
+            inputs.update(vision_inputs(model, batch, inputs.pop("input_ids"),
+                                        inputs["position_ids"], inputs["attention_mask"]))
         return getattr(model(**inputs, use_cache=False, logits_to_keep=positions), output_key)
 
-    if is_vision_batch(batch):
-        raise NotImplementedError("a batch with images runs through the decoder's hidden states "
-                                  "and a plain linear LM head only (actor_forward with "
-                                  "logits_chunk_bytes set); critics and other heads do not take "
-                                  "images yet")
-    return _at_response_positions(run, batch, use_remove_padding, _model_device(model), _rows_mode(model, share_prompts))
+    rows = _rows_mode(model, share_prompts and not vision)  # a shared prompt: one image copy
+    return _at_response_positions(run, batch, use_remove_padding, _model_device(model), rows)
 
 
 def response_hidden_states(model: torch.nn.Module, batch: TensorDict, use_remove_padding: bool,
