@@ -135,88 +135,107 @@ async def test_an_episode_that_starts_with_the_rows_messages_keeps_its_images(vl
 
 
 class Camera:
-    """A tool that answers with a picture and a line of text."""
+    """A tool that answers with a picture (or `image`) and a line of text."""
 
     name = "camera"
     description = "Take a picture."
     parameters = {"type": "object", "properties": {}, "additionalProperties": False}
 
+    def __init__(self, image=None) -> None:
+        self.image = image if image is not None else picture((20, 160, 60), (70, 50))
+
     async def execute(self, arguments, context):
         from tandem.tools.registry import ToolResult
 
-        return ToolResult("here it is", images=[picture((20, 160, 60), (70, 50))])
+        return ToolResult("here it is", images=[self.image])
 
 
 class CameraFirst:
-    """The policy's first turn is forced to call `camera` (log-probs 0: not scored here); every
-    later turn is the engine's. Records every request."""
+    """The policy's first turn is forced (`first`: a call to `camera`; log-probs 0, not scored
+    here); every later turn is the engine's. Records every request."""
 
-    def __init__(self, engine, call_ids: list[int]) -> None:
-        self.engine, self.call_ids, self.requests = engine, call_ids, []
+    def __init__(self, engine, first: list[int]) -> None:
+        self.engine, self.first, self.requests = engine, first, []
 
     async def generate(self, request):
         from tandem.types import TokenOutput
 
         self.requests.append(request)
         if len(self.requests) == 1:
-            return TokenOutput(self.call_ids, [0.0] * len(self.call_ids), "completed",
+            return TokenOutput(self.first, [0.0] * len(self.first), "completed",
                                {"global_steps": 0})
         return await self.engine.generate(request)
 
 
-@pytest.mark.parametrize("room", [None, 3])
-async def test_a_tool_that_returns_an_image_shows_it_to_the_policy(tmp_path, room):
-    """The tool turn holds the image's run of pads (mask 0) after the row's images; the next
-    request carries both images; the trajectory keeps both, and the actor's log-probs and the
-    engine's second turn are within the float32 bound of the exact ones with the tool's image
-    at its place. room=3: the turn is cut before its image, which then goes nowhere."""
-    import torch
-    from transformers import AutoModelForImageTextToText
-
-    from float_bounds import assert_within, token_logprob_bounds
+@pytest.fixture(scope="module")
+def noisy_vl(tmp_path_factory):
     from test_engine_vision import noisy_vl_model
-    from tandem.batch.jagged import field_lengths, trajectories_to_batch
-    from tandem.tools.registry import ToolRegistry
-    from tandem.training.forward import actor_forward
-    from tandem.training.vision_inputs import sample_positions
 
-    path = noisy_vl_model(tmp_path / "vl")
+    return noisy_vl_model(tmp_path_factory.mktemp("vl-tool"))
+
+
+ROW_IMAGE = picture((200, 30, 30), (60, 40))
+
+
+async def camera_session(path, room: int, before: list[int] = (), camera=None,
+                         processor: bool = True):
+    """One tool-loop session whose first turn calls the camera (after `before` tokens), with
+    `room` response tokens after that call; returns (trajectory, client, call ids)."""
+    from tandem.tools.registry import ToolRegistry
+
     tokenizer = AutoTokenizer.from_pretrained(path)
-    processor = AutoImageProcessor.from_pretrained(path)
-    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    call = tokenizer.encode('<tool_call>{"name": "camera", "arguments": {}}</tool_call>',
-                            add_special_tokens=False) + [tokenizer.eos_token_id]
+    call = list(before) + tokenizer.encode(
+        '<tool_call>{"name": "camera", "arguments": {}}</tool_call>',
+        add_special_tokens=False) + [tokenizer.eos_token_id]
     config = RolloutConfig(prompt_length=256, n=1, kv_cache_memory_bytes=16 << 20,
-                           response_length=len(call) + (room or 200),
+                           response_length=len(call) + room,
                            multi_turn=MultiTurnConfig(enable=True, max_assistant_turns=2))
-    own = picture((200, 30, 30), (60, 40))
     row = DatasetRow(messages=[{"role": "user", "content": [
-        {"type": "image"}, {"type": "text", "text": "Look."}]}], uid="t0", images=[own],
+        {"type": "image"}, {"type": "text", "text": "Look."}]}], uid="t0", images=[ROW_IMAGE],
         do_sample=False)
     engine = NativeRollout.create(path, config)
     try:
         client = CameraFirst(engine, call)
-        runner = AgentLoopRunner.from_tokenizer(client, tokenizer, config,
-                                                tools=ToolRegistry([Camera()]),
-                                                image_processor=processor)
+        runner = AgentLoopRunner.from_tokenizer(
+            client, tokenizer, config, tools=ToolRegistry([camera or Camera()]),
+            image_processor=AutoImageProcessor.from_pretrained(path) if processor else None)
+        if not processor:  # a text policy's loop: the row holds no image
+            row = DatasetRow(messages=[{"role": "user", "content": "Look."}], uid="t0",
+                             do_sample=False)
         [trajectory] = await runner.run([row])
     finally:
         await engine.shutdown()
+    return trajectory, client, call
+
+
+async def test_a_tool_that_returns_an_image_shows_it_to_the_policy(noisy_vl):
+    """The tool turn holds the image's run of pads (mask 0) after the row's image; the next
+    request carries both images; the trajectory keeps both, and the actor's log-probs and the
+    engine's next turn are within the float32 bound of the exact ones with the tool's image at
+    its place."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from float_bounds import assert_within, token_logprob_bounds
+    from tandem.batch.jagged import field_lengths, trajectories_to_batch
+    from tandem.training.forward import actor_forward
+    from tandem.training.vision_inputs import sample_positions
+
+    processor = AutoImageProcessor.from_pretrained(noisy_vl)
+    pad = AutoTokenizer.from_pretrained(noisy_vl).convert_tokens_to_ids("<|image_pad|>")
+    trajectory, client, call = await camera_session(noisy_vl, room=200)
     response, mask = trajectory.responses.tolist(), trajectory.response_mask.tolist()
-    shot = process_images(processor, [picture((20, 160, 60), (70, 50))], "test")
-    if room is not None:  # cut before the picture: no image in the response, one in all
-        assert pad not in response and len(client.requests) == 1
-        assert trajectory.images.grid_thw.shape[0] == 1 and trajectory.stop_reason == "length"
-        return
+    shot = process_images(processor, [Camera().image], "test")
     [(start, length)] = pad_runs(response, pad)
     assert length == shot.token_counts[0] and not any(mask[start:start + length])
     assert [len(r.multi_modal_data["image"]) for r in client.requests] == [1, 2]
     assert trajectory.images.grid_thw.tolist() == [
-        *process_images(processor, [own], "test").grid_thw.tolist(), *shot.grid_thw.tolist()]
+        *process_images(processor, [ROW_IMAGE], "test").grid_thw.tolist(),
+        *shot.grid_thw.tolist()]
     second = [i for i, m in enumerate(mask) if m][len(call):]  # the engine's own turn
     assert second and second[0] > start + length
 
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(noisy_vl, dtype=torch.float32).eval()
     with torch.no_grad():
         actor = actor_forward(model, trajectories_to_batch([trajectory]), use_remove_padding=True)
         rows = torch.cat(list(model.model.get_image_features(
@@ -229,3 +248,32 @@ async def test_a_tool_that_returns_an_image_shows_it_to_the_policy(tmp_path, roo
     assert_within(trajectory.rollout_log_probs[engine_turn], exact[engine_turn],
                   bound[engine_turn], "the engine's turn after the tool's image")
     assert field_lengths(trajectories_to_batch([trajectory])["image_grid_thw"]).tolist() == [2]
+
+    # the turn cut by response_length before its image, then inside the image's run: the
+    # tokens before the image stay, the image goes nowhere (a cut run would not match it)
+    for room, kept in ((3, 3), (start - len(call) + length // 2, start - len(call))):
+        cut, cut_client, _ = await camera_session(noisy_vl, room=room)
+        assert pad not in cut.responses.tolist() and len(cut.responses) == len(call) + kept
+        assert cut.images.grid_thw.shape[0] == 1 and cut.stop_reason == "length"
+        assert len(cut_client.requests) == 1
+
+
+async def test_tool_images_that_cannot_be_shown_are_error_results_naming_the_tool(noisy_vl):
+    """An unreadable image, a text policy, and an image token the policy wrote before the
+    tool's image (it would take the image's place): the result becomes an error naming the
+    tool, its images are not shown, and the session goes on."""
+    pad = AutoTokenizer.from_pretrained(noisy_vl).convert_tokens_to_ids("<|image_pad|>")
+    text_model = build_tiny_model()
+    cases = [(noisy_vl, dict(camera=Camera(b"not an image")),
+              "tool camera's result, image 0: not a readable image"),
+             (text_model, dict(processor=False),
+              "tool camera's result: 1 image(s), but the policy has no image processor"),
+             (noisy_vl, dict(before=[pad]),
+              "its 1 image(s) cannot follow the image token (<|image_pad|>) written earlier")]
+    for path, options, words in cases:
+        trajectory, client, _ = await camera_session(path, room=200, **options)
+        tool = next(m for m in trajectory.metadata["messages"] if m["role"] == "tool")
+        assert tool["content"].startswith("here it is\n[Error: ") and words in tool["content"]
+        assert trajectory.metadata["tool_errors"] == 1 and len(client.requests) == 2
+        shown = trajectory.images.grid_thw.shape[0] if trajectory.images is not None else 0
+        assert shown == (1 if path == noisy_vl else 0)

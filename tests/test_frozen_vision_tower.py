@@ -109,33 +109,43 @@ def _served(backend, names) -> dict[str, torch.Tensor]:
     return {name: backend.current_weight(name).clone() for name in names}
 
 
-async def test_the_hybrid_sync_leaves_the_tower_out_unless_the_engine_dropped_its_weights(vl_path):
+async def test_the_hybrid_sync_leaves_the_tower_out_once_the_engine_took_a_whole_update(vl_path):
+    """The first sync is whole (the engine may hold another tower than the actor's, e.g. after
+    a resume); later ones leave the tower out; after the engine dropped its weights in sleep
+    the next one is whole again."""
     worker = _vl_worker(vl_path)
     await worker.start(NativeRollout, vl_path, ROLLOUT)
     try:
         names = dict(worker.actor.export_weights())
         tower = sorted(name for name in names if name.startswith(TOWER))
         text = sorted(name for name in names if not name.startswith(TOWER))
-        served_tower = _served(worker.backend, tower)
-        # the actor's tower moved behind the config's back: a partial sync must not carry it
-        _move(worker, prefix_in=True, seed=1)
-        _move(worker, prefix_in=False, seed=2)
+        assert not worker.backend.synced_in_full()
+        _move(worker, prefix_in=True, seed=1)  # the actor's tower differs from the files'
         await worker.load_actor_weights(1)
-        assert worker.backend.weight_version == 1 and worker.backend.holds_all_weights()
         actor = dict(worker.actor.export_weights())
+        assert worker.backend.synced_in_full()
+        assert all(torch.equal(worker.backend.current_weight(n), actor[n]) for n in tower + text)
+
+        # the actor's tower moved behind the config's back: a partial sync does not carry it
+        served_tower = _served(worker.backend, tower)
+        _move(worker, prefix_in=True, seed=2)
+        _move(worker, prefix_in=False, seed=3)
+        await worker.load_actor_weights(2)
+        actor = dict(worker.actor.export_weights())
+        assert worker.backend.weight_version == 2
         assert all(torch.equal(worker.backend.current_weight(n), actor[n]) for n in text)
         assert all(torch.equal(worker.backend.current_weight(n), served_tower[n]) for n in tower)
 
         # sleep drops the weights on CPU: the next sync sends everything, the tower included
         await worker.sleep(["weights"])
         await worker.wake_up(["weights"])
-        assert not worker.backend.holds_all_weights()
-        await worker.load_actor_weights(2)
-        assert worker.backend.holds_all_weights()
+        assert not worker.backend.synced_in_full()
+        await worker.load_actor_weights(3)
+        assert worker.backend.synced_in_full()
         assert all(torch.equal(worker.backend.current_weight(n), actor[n]) for n in tower + text)
         output = await worker.backend.generate(GenerateRequest(
             "after", [1, 2, 3], {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}))
-        assert len(output.token_ids) == 4 and output.extra_fields["global_steps"] == 2
+        assert len(output.token_ids) == 4 and output.extra_fields["global_steps"] == 3
     finally:
         await worker.shutdown()
 
@@ -149,29 +159,31 @@ async def test_the_cross_process_sync_leaves_the_tower_out_while_every_server_ho
         names = dict(worker.actor.export_weights())
         tower = sorted(name for name in names if name.startswith(TOWER))
         backends = [r.servers[0].backend for r in servers.replicas.values()]
-        served_tower = _served(backends[0], tower)
-        _move(worker, prefix_in=True, seed=3)
-        _move(worker, prefix_in=False, seed=4)
-        report = await sync.sync(version=1)
-        assert report.served == {"replica-0": 1, "replica-1": 1}
-        actor = dict(worker.actor.export_weights())
-        for backend in backends:
-            assert all(torch.equal(backend.current_weight(n), served_tower[n]) for n in tower)
-            assert all(torch.equal(backend.current_weight(n), actor[n])
-                       for n in names if n not in tower)
 
+        async def synced(version: int, tower_moves: bool) -> None:
+            before = _served(backends[0], tower)
+            _move(worker, prefix_in=True, seed=10 + version)
+            _move(worker, prefix_in=False, seed=20 + version)
+            report = await sync.sync(version=version)
+            assert report.served == {"replica-0": version, "replica-1": version}
+            actor = dict(worker.actor.export_weights())
+            for backend in backends:
+                assert backend.synced_in_full()
+                assert all(torch.equal(backend.current_weight(n), actor[n])
+                           for n in names if n not in tower)
+                assert all(torch.equal(backend.current_weight(n),
+                                       actor[n] if tower_moves else before[n]) for n in tower)
+
+        await synced(1, tower_moves=True)  # the engines never took a whole update
+        await synced(2, tower_moves=False)  # now every server holds the actor's weights
         # one server dropped its weights: every server gets the whole stream
         await backends[1].sleep(["weights"])
         await backends[1].wake_up(["weights"])
-        report = await sync.sync(version=2)
-        assert report.served == {"replica-0": 2, "replica-1": 2}
-        for backend in backends:
-            assert backend.holds_all_weights()
-            assert all(torch.equal(backend.current_weight(n), actor[n]) for n in names)
-
+        await synced(3, tower_moves=True)
+        await synced(4, tower_moves=False)
         # without `frozen` the sync never asks, and sends everything
         _move(worker, prefix_in=True, seed=5)
-        await CrossProcessSync([worker], servers, ckpt.backend, ckpt.timeout_s).sync(version=3)
+        await CrossProcessSync([worker], servers, ckpt.backend, ckpt.timeout_s).sync(version=5)
         actor = dict(worker.actor.export_weights())
         for backend in backends:
             assert all(torch.equal(backend.current_weight(n), actor[n]) for n in names)

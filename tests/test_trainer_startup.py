@@ -149,9 +149,9 @@ async def started_worker(config, monkeypatch):
     worker.synced = []
     sync = worker.checkpoint_engine.sync
 
-    async def spy(stream, rollout, version):
+    async def spy(stream, rollout, version, partial=False):
         worker.synced.append(version)
-        await sync(stream, rollout, version)
+        await sync(stream, rollout, version, partial)
 
     monkeypatch.setattr(worker.checkpoint_engine, "sync", spy)
     await worker.start(NativeRollout, str(resolve_model_path(config.model.path)), config.rollout)

@@ -169,3 +169,20 @@ def test_the_critics_values_see_each_samples_images(vl_path, sampled, packed):
     assert values.shape == expected.shape
     # critic_forward returns float32: its one rounding (2^-24 relative) on top of float64's
     assert ((values.double() - expected).abs() <= expected.abs() * 2.0 ** -24 + 1e-10).all()
+
+
+def test_lora_adapts_the_language_model_and_never_the_vision_tower():
+    """Qwen2.5-VL's vision MLPs are named like the decoder's (gate/up/down_proj): the adapters
+    still sit on the language model only."""
+    from tandem.config.schema import LoraConfig
+    from tandem.models import TinyModelSpec, build_tiny_model
+    from tandem.training.lora import apply_lora
+
+    model = AutoModelForImageTextToText.from_pretrained(
+        build_tiny_model(TinyModelSpec(architecture="qwen2_5_vl")), dtype=torch.float32)
+    assert any("visual" in name and name.endswith("mlp.gate_proj")
+               for name, _ in model.named_modules())
+    adapted = [name for name, _ in apply_lora(model, LoraConfig(rank=4)).named_parameters()
+               if "lora_" in name]
+    assert adapted and not any("visual" in name for name in adapted)
+    assert any("language_model" in name and "mlp.gate_proj" in name for name in adapted)

@@ -140,8 +140,9 @@ def test_a_vllm_text_model_refuses_images_naming_the_request():
 def test_the_sync_loop_trains_a_vlm_served_by_vllm(tmp_path, ray_cluster, variant):
     """`tandem train` in sync mode, rollout.name=vllm, rows with images: after each sync the
     rollout log-probs are the actor's up to fp32 rounding (same images, positions, weights).
-    frozen-tower: actor.freeze_vision_tower, the in-process syncs into vLLM leave the tower out;
-    lora: LoRA on the language model, its adapter loaded through vLLM's LoRA API."""
+    frozen-tower: actor.freeze_vision_tower, the first in-process sync into vLLM is whole, the
+    second leaves the tower out (step 3 samples after it); lora: LoRA on the language model,
+    its adapter loaded through vLLM's LoRA API."""
     import json
 
     from PIL import Image
@@ -166,7 +167,7 @@ def test_the_sync_loop_trains_a_vlm_served_by_vllm(tmp_path, ray_cluster, varian
     config = tiny_config(tmp_path, f"model.path={path}", "rollout.name=vllm",
                          f"data.train_files=[{data}]", "data.val_files=[]",
                          "rollout.multi_turn.enable=false", "rollout.multi_turn.tools=[]",
-                         "trainer.total_steps=2",
+                         "trainer.total_steps=3",
                          *{"frozen-tower": ["actor.freeze_vision_tower=true"],
                            "lora": ["actor.lora.rank=4", "actor.optim.lr=0.01"]}[variant])
 
@@ -179,9 +180,9 @@ def test_the_sync_loop_trains_a_vlm_served_by_vllm(tmp_path, ray_cluster, varian
         finally:
             await trainer.stop()
 
-    assert asyncio.run(run()) == 2
+    assert asyncio.run(run()) == 3
     steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "time/generate" in r]
-    assert [r["weight_version"] for r in steps] == [1, 2]
+    assert [r["weight_version"] for r in steps] == [1, 2, 3]
     for record in steps:
         assert record["rollout_gap/abs_diff_max"] < 1e-4  # fp32 engines, as in tests/conformance
         assert record["actor/step_skipped"] == 0.0

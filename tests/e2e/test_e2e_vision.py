@@ -33,8 +33,8 @@ def image_rows(directory):
 
 @pytest.mark.parametrize("mode", ["sync", "separate_async", "sync-lora", "sync-gae"])
 def test_a_vision_language_policy_trains_on_rows_with_images(tiny_runs, tmp_path_factory, mode):
-    """sync-lora: LoRA on the language model (its q/k/v/o and MLP projections; the vision
-    tower's modules have other names and stay as they are), merged into the engine's weights.
+    """sync-lora: LoRA on the language model (its q/k/v/o and MLP projections; never the
+    vision tower's), merged into the engine's weights.
     sync-gae: a critic over the VLM's backbone, its values from the same images, and the
     vision tower frozen (left out of the syncs)."""
     data = image_rows(tmp_path_factory.mktemp("vision-data"))

@@ -80,9 +80,9 @@ class ChatFormat:
         """The policy's image processor's inputs of `images` (pixel values, grids, counts);
         `where` (a prompt, a tool result) names them in errors."""
         if self.image_processor is None:
-            raise ValueError(f"a {where} with {len(images)} image(s), but the policy has no "
-                             "image processor: images need a vision-language model (Qwen2-VL "
-                             "family) with its preprocessor_config.json")
+            raise ValueError(f"{where}: {len(images)} image(s), but the policy has no image "
+                             "processor: images need a vision-language model (Qwen2-VL family) "
+                             "with its preprocessor_config.json")
         return process_images(self.image_processor, images, where)
 
     @cached_property

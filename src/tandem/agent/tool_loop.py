@@ -62,20 +62,9 @@ def tool_message(result: ToolResult, text: str) -> dict[str, Any]:
             + [{"type": "text", "text": text}]}
 
 
-def _pads(delta: list[int], chat_format: ChatFormat) -> list[tuple[int, int]]:
-    return pad_runs(delta, chat_format.tokenizer.convert_tokens_to_ids(IMAGE_PAD))
-
-
-def whole_images(delta: list[int], room: int, chat_format: ChatFormat) -> bool:
-    """Whether the first `room` tokens of a tool turn hold each of its images' runs whole."""
-    runs = _pads(delta, chat_format)
-    return not runs or room >= runs[-1][0] + runs[-1][1]
-
-
-def first_image(delta: list[int], chat_format: ChatFormat) -> int:
-    """Where a tool turn's first image run starts: a turn cut inside its images keeps what came
-    before and none of them (a cut run would not match its image)."""
-    return _pads(delta, chat_format)[0][0]
+def _pads(token_ids: list[int], chat_format: ChatFormat) -> list[tuple[int, int]]:
+    """The runs of the image token in `token_ids` (tandem.multimodal.pad_runs)."""
+    return pad_runs(token_ids, chat_format.tokenizer.convert_tokens_to_ids(IMAGE_PAD))
 
 
 class ToolAgentLoop:
@@ -114,6 +103,36 @@ class ToolAgentLoop:
                 f"(rollout.multi_turn.max_tool_calls_per_turn={cap}). Make fewer calls per turn.",
                 ok=False))
         return results
+
+    def _shown_images(self, results: list[ToolResult], calls: list[ToolCall],
+                      sequence: list[int], images: int) -> tuple[list[ToolResult], Any]:
+        """The results whose images the next turn shows, and those images' processed inputs
+        (None if none). A result whose images cannot be shown becomes an error result naming
+        its tool: an image that cannot be read, a text policy, or a sequence already holding an
+        image token the policy wrote (images fill the first runs of image tokens: that token
+        would take their place)."""
+        if not any(result.images for result in results):
+            return results, None
+        stray = len(_pads(sequence, self.chat_format)) != images
+        shown, processed = [], []
+        for index, result in enumerate(results):
+            name = calls[index].name if index < len(calls) else "tool"
+            if not result.images:
+                shown.append(result)
+                continue
+            try:
+                if stray:
+                    raise ValueError(f"its {len(result.images)} image(s) cannot follow the image "
+                                     f"token ({IMAGE_PAD}) written earlier in this reply")
+                processed.append(self.chat_format.process(result.images, f"tool {name}'s result"))
+                shown.append(result)
+            except ValueError as error:
+                shown.append(ToolResult(f"{result.text}\n[Error: {error}; not shown]", ok=False,
+                                        done=result.done))
+        joined = None
+        for inputs in processed:
+            joined = join_inputs(joined, inputs)
+        return shown, joined
 
     async def run(self, session: Session, messages: list[dict[str, Any]] | None = None,
                   tools: ToolRegistry | None = None) -> Trajectory:
@@ -162,26 +181,32 @@ class ToolAgentLoop:
                 break
             results = await self._run_tools(tools, calls, row.tools_kwargs)
             tool_calls += len(calls)
+            done = any(result.done for result in results[:turns.max_tool_calls_per_turn])
+            added = None
+            if not done:  # images the next turn shows; nothing follows a finished episode
+                results, added = self._shown_images(results, calls, prompt + builder.token_ids,
+                                                    len(images))
+            shown = [image for result in results for image in result.images]
             ran = results[:turns.max_tool_calls_per_turn]  # the cap's message is not a call
             tool_errors += sum(not result.ok for result in ran) + len(calls) - len(ran)
             tool_messages = [tool_message(result, truncate_tool_text(
                 result.text, turns.max_tool_response_length, turns.tool_response_truncate_side,
                 self.chat_format)) for result in results]
             messages.extend(tool_messages)
-            shown = [image for result in results for image in result.images]
-            added = self.chat_format.process(shown, "tool result") if shown else None
             user_turns += 1
-            if any(result.done for result in ran):  # the episode is over: nothing to sample
+            if done:  # the episode is over: nothing to sample
                 stop_reason = "completed"
                 break
             stop_ids = self.chat_format.stop_token_ids
             ended = bool(output.token_ids) and output.token_ids[-1] in stop_ids
+            with_images = {"images": added} if added is not None else {}
             delta = self.chat_format.tool_turn_ids(tool_messages, after_stop_token=ended,
-                                                   images=added)
+                                                   **with_images)
             room = config.response_length - len(builder)
             kept = delta[:room]
-            if added is not None and not whole_images(delta, room, self.chat_format):
-                kept, added = delta[:first_image(delta, self.chat_format)][:room], None
+            runs = _pads(delta, self.chat_format) if added is not None else []
+            if runs and room < runs[-1][0] + runs[-1][1]:  # a cut run would not match its image
+                kept, added = delta[:runs[0][0]][:room], None
             builder.add_context_tokens(kept)
             if added is not None:  # the next requests and the trajectory carry them too
                 images = images + shown  # a new list: requests sent so far keep their own

@@ -107,7 +107,8 @@ class Fleet:
                 engine_kwargs["double_buffer"] = False
             self.weight_sync = CrossProcessSync(self.workers, self.rollout, self.transport,
                                                 ckpt.timeout_s, engine_kwargs,
-                                                frozen=config.actor.freeze_vision_tower)
+                                                frozen=config.actor.freeze_vision_tower
+                                                and not config.actor.lora.rank)
             self.pool = RolloutPool("rollout", self.rollout, self.weight_sync)
         else:
             self.rollout = await ServerManager.create(config.rollout, options, "hybrid",

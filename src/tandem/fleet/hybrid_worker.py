@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import ray
 import torch
@@ -178,10 +178,14 @@ class HybridWorker(RolloutServer):
         (actor.freeze_vision_tower) stay behind unless the engine dropped its weights."""
         unchanged = self._engine_matches_actor_at == self._actor_versions()
         if not (version == 0 and unchanged):
-            partial = self.actor.leaves_weights_out and self.backend.holds_all_weights()
-            await self.checkpoint_engine.sync(self.actor.export_weights(include_frozen=not partial),
-                                              self, version, partial)
+            partial = self.actor.leaves_weights_out and self.backend.synced_in_full()
+            await self.checkpoint_engine.sync(self._actor_stream(partial), self, version, partial)
         self._engine_matches_actor_at = None
+
+    def _actor_stream(self, partial: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """The actor's weights for a sync; `partial`: without the frozen ones."""
+        actor = self.actor
+        return actor.export_weights(include_frozen=False) if partial else actor.export_weights()
 
     async def encode_weights_ahead(self, engine: str, version: int) -> dict[str, float]:
         """Every training rank, before generation pauses: rank 0's sender for `engine` prepares
@@ -233,7 +237,7 @@ class HybridWorker(RolloutServer):
         if self.rank == 0 and engine is None:
             raise RuntimeError("send_weights on rank 0 before build_sync_plan")
         stream = (iter(()) if plan.encoded_ahead else
-                  self.actor.export_weights(include_frozen=not plan.details.get("partial")))
+                  self._actor_stream(bool(plan.details.get("partial"))))
         return await run_in_fresh_thread(lambda: send_from(engine, plan, stream),
                                          f"weight-sync-send-{self.rank}")
 

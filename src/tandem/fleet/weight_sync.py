@@ -273,7 +273,7 @@ class CrossProcessSync:
         `replicas` holds all its weights (none dropped by sleep)."""
         if not self.frozen:
             return False
-        answers = await self.servers.control("holds_all_weights", replicas=replicas,
+        answers = await self.servers.control("synced_in_full", replicas=replicas,
                                              timeout_s=self.timeout_s, on_error="leave_out")
         return not answers.left_out and all(held for results in answers.results.values()
                                             for held in results)

@@ -72,6 +72,10 @@ def checked_version(version: Any, current: int) -> int:
     return version
 
 
+# the input embedding's HF name: a decoder-only LM's, a vision-language model's language model's
+EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+
+
 def check_coverage(staged: Mapping[str, Any], shapes: Mapping[str, torch.Size], partial: bool,
                    version: int) -> None:
     """An update must hold a tensor, and every weight of the model unless `partial` (an update
@@ -164,10 +168,11 @@ class BaseRollout(ABC):
         """Install what stage_weights() returned and stamp `version` on later tokens."""
         await self.update_weights(staged, version, partial)
 
-    def holds_all_weights(self) -> bool:
-        """Whether every weight is in place (none dropped by sleep), so a partial update (one
-        leaving frozen weights out) leaves nothing unset. Default: True."""
-        return True
+    def synced_in_full(self) -> bool:
+        """Whether the engine took a whole weight update since it started or last dropped its
+        weights: every weight it serves then came from the actor, so a sync may leave the ones
+        that never change out. Default: False (every sync sends everything)."""
+        return False
 
     def weight_slot_specs(self) -> Any:
         """(name, shape, dtype) list and aliases (and, tensor parallel, each entry's region) of

@@ -217,8 +217,8 @@ class EngineGroup(BaseRollout):
     def patches_in_place(self, name: str) -> bool:
         return self._first_live().patches_in_place(name)
 
-    def holds_all_weights(self) -> bool:
-        return all(engine.holds_all_weights() for engine in self.live())
+    def synced_in_full(self) -> bool:
+        return all(engine.synced_in_full() for engine in self.live())
 
     @property
     def weight_version(self) -> int:

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from tandem.multimodal import collapse_image_runs, load_image, requested_images
+from tandem.rollout.base import EMBED_NAMES
 from tandem.types import GenerateRequest
 from tandem.weight_layout import ALIGN, plan_buckets
 
@@ -23,10 +24,6 @@ def stop_reason(engine: str, finish_reason: str | None) -> str:
         raise RuntimeError(f"{engine} finished a request with finish_reason={finish_reason!r}; "
                            f"expected one of {sorted(STOP_REASONS)}")
     return STOP_REASONS[finish_reason]
-
-
-# the input embedding's HF name: a decoder-only LM's, a vision-language model's language model's
-EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 
 
 def safetensors_shapes(path: Path, tied_embeddings: bool) -> dict[str, tuple[int, ...]]:

@@ -133,8 +133,8 @@ class ExternalPDRollout(BaseRollout):
     async def clear_kv_cache(self) -> None:
         await asyncio.gather(*(engine.clear_kv_cache() for engine in self.engines))
 
-    def holds_all_weights(self) -> bool:
-        return all(engine.holds_all_weights() for engine in self.engines)
+    def synced_in_full(self) -> bool:
+        return all(engine.synced_in_full() for engine in self.engines)
 
     def memory_bytes(self) -> dict[str, int]:
         total: dict[str, int] = {}

@@ -68,8 +68,9 @@ class SGLangRollout(BaseRollout):
         self.version = 0
         self.running: set[str] = set()
         self.asleep: set[str] = set()
-        # released weights come back as undefined memory: only a whole stream refills them
-        self.weights_dropped = False
+        # a whole update since start and since weights were released (they come back as
+        # undefined memory): BaseRollout.synced_in_full
+        self.synced = False
         self.sizes: dict[str, int] | None = None
         self.counters = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0,
                          "prompt_tokens_cached": 0}
@@ -182,7 +183,7 @@ class SGLangRollout(BaseRollout):
             await self.engine.tokenizer_manager.release_memory_occupation(
                 ReleaseMemoryOccupationReqInput(tags=tags), None)
             self.asleep.update(tags)
-            self.weights_dropped = self.weights_dropped or "weights" in tags
+            self.synced = self.synced and "weights" not in tags
 
     async def wake_up(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
@@ -221,10 +222,10 @@ class SGLangRollout(BaseRollout):
             await self.engine.tokenizer_manager.update_weights_from_tensor(request, None)
         await self.engine.tokenizer_manager.flush_cache()
         self.version = int(version)
-        self.weights_dropped = self.weights_dropped and partial
+        self.synced = self.synced or not partial
 
-    def holds_all_weights(self) -> bool:
-        return not self.weights_dropped
+    def synced_in_full(self) -> bool:
+        return self.synced
 
     async def _load_adapter(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
         """An adapter-only update: checked in full, written as a peft folder, loaded under a new

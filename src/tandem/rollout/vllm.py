@@ -171,15 +171,21 @@ def _load_segment(worker, path: str, nbytes: int, layout: list) -> int:
     return len(layout)
 
 
-def _finish_reload(worker) -> None:
-    """Process (repack) every reloaded layer and drop state derived from the old weights."""
+def _finish_reload(worker, partial: bool = False) -> None:
+    """Process (repack) every reloaded layer and drop state derived from the old weights. A
+    partial update's untouched layers keep their tensors (vLLM warns per layer: silenced)."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+    from vllm.model_executor.model_loader.reload import layerwise
 
     runner = worker.model_runner
     model = runner.get_model()
-    with set_current_vllm_config(worker.vllm_config):
-        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+    reload_log = logging.getLogger(layerwise.__name__)
+    level = reload_log.level
+    if partial:
+        reload_log.setLevel(logging.ERROR)
+    try:
+        with set_current_vllm_config(worker.vllm_config):
+            layerwise.finalize_layerwise_reload(model, worker.vllm_config.model_config)
         if runner.device.type == "cpu":
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
@@ -189,6 +195,8 @@ def _finish_reload(worker) -> None:
                 weight = getattr(module, "weight", None)
                 if hasattr(module, "cpu_linear") and weight is not None and weight.numel():
                     dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+    finally:
+        reload_log.setLevel(level)
     runner.reset_encoder_cache()
     runner.reset_mm_cache()
 
@@ -246,6 +254,7 @@ class VLLMRollout(BaseRollout):
         self.bucket_bytes = bucket_bytes  # tensors per collective_rpc of update_weights
         self.segment = WeightSegment()
         self.version = 0
+        self.synced = False  # a whole update since start (BaseRollout.synced_in_full)
         self.running: dict[str, asyncio.Event] = {}
         self.counters = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0,
                          "prompt_tokens_cached": 0}
@@ -464,14 +473,18 @@ class VLLMRollout(BaseRollout):
                 await self.engine.collective_rpc(
                     _load_segment, args=(*segment, layout[start:start + len(bucket)]))
                 start += len(bucket)
-            await self.engine.collective_rpc(_finish_reload)
+            await self.engine.collective_rpc(_finish_reload, args=(partial,))
             await self.engine.reset_prefix_cache(reset_running_requests=True)
             if self.image_token_id is not None:  # the vision tower's outputs, by image
                 await self.engine.reset_encoder_cache()
             self.version = int(version)
+            self.synced = self.synced or not partial
         finally:
             await self.engine.resume_generation()
         await self._measure()
+
+    def synced_in_full(self) -> bool:
+        return self.synced
 
     async def _load_adapter(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
         """An adapter-only update (rollout/adapter_stream.py): checked in full, written as a

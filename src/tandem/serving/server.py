@@ -39,7 +39,7 @@ _ABORT_POLL_S = 0.05
 # BaseRollout) named here. Weights are no verb: they move only through the seam.
 CONTROL_VERBS = ("abort_all_requests", "resume_generation", "sleep", "wake_up",
                  "release_kv_cache", "resume_kv_cache", "clear_kv_cache", "weight_slots",
-                 "weight_version", "holds_all_weights", "stats", "info", "shutdown")
+                 "weight_version", "synced_in_full", "stats", "info", "shutdown")
 
 
 @dataclass
@@ -266,9 +266,9 @@ class RolloutServer:
         self._require_quiet("update_weights()")
         await self.backend.update_weights(named_tensors, version, partial)
 
-    async def holds_all_weights(self) -> bool:
+    async def synced_in_full(self) -> bool:
         """Whether the engine holds every weight, so a sync may leave frozen ones out."""
-        return self.backend.holds_all_weights()
+        return self.backend.synced_in_full()
 
     async def receive_weights(self, plan: SyncPlan, rank: int,
                               engine_kwargs: dict[str, Any] | None = None) -> dict[str, float]:

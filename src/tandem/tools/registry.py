@@ -126,11 +126,13 @@ class ToolRegistry:
                                       timeout=timeout, field=TIMEOUT_FIELD)
         if isinstance(result, str):
             result = ToolResult(result)
-        what = (type(result).__name__ if not isinstance(result, ToolResult)
-                else f"a ToolResult whose text is {type(result.text).__name__}"
-                if not isinstance(result.text, str)
-                else f"a ToolResult whose images are a {type(result.images).__name__}"
-                if not isinstance(result.images, (list, tuple)) else None)
+        what = None
+        if not isinstance(result, ToolResult):
+            what = type(result).__name__
+        elif not isinstance(result.text, str):
+            what = f"a ToolResult whose text is {type(result.text).__name__}"
+        elif not isinstance(result.images, (list, tuple)):
+            what = f"a ToolResult whose images are a {type(result.images).__name__}"
         if what:
             raise TypeError(f"tool {name} returned {what}; execute() returns a "
                             "ToolResult(text, ok, images=[...]) or a str")

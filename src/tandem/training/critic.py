@@ -50,19 +50,21 @@ class ValueModel(nn.Module):
         """The backbone's token embedding (a vision-language batch replaces its image rows)."""
         return self.model.get_input_embeddings()
 
-    def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, use_cache: bool = False,
                 logits_to_keep: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, **attention_kwargs: torch.Tensor) -> ValueOutput:
+                inputs_embeds: torch.Tensor | None = None,
+                **attention_kwargs: torch.Tensor) -> ValueOutput:
         """input_ids [B, L] (or a vision-language batch's inputs_embeds [B, L, H] with its 3-D
         positions, training/vision_inputs.py) -> values [B, K] at the `logits_to_keep` columns
         (all when None); attention_kwargs (packed sequence boundaries) go to the attention."""
         # a VLM backbone's language model takes the embeddings with the images already in them
         backbone = (self.model.language_model if inputs_embeds is not None
                     and hasattr(self.model, "language_model") else self.model)
-        hidden = backbone(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids,
-                          attention_mask=attention_mask, use_cache=use_cache,
-                          **attention_kwargs).last_hidden_state
+        hidden = backbone(input_ids=input_ids, inputs_embeds=inputs_embeds,
+                          position_ids=position_ids, attention_mask=attention_mask,
+                          use_cache=use_cache, **attention_kwargs).last_hidden_state
         if logits_to_keep is not None:
             hidden = hidden[:, logits_to_keep]
         return ValueOutput(values=self.value_head(hidden).squeeze(-1))

@@ -319,7 +319,7 @@ class TrainingEngine:
 
     @property
     def leaves_weights_out(self) -> bool:
-        """Whether export_weights(include_frozen=False) is a partial stream (frozen full weights)."""
+        """Whether export_weights(include_frozen=False) leaves weights out (frozen, no LoRA)."""
         return bool(self.frozen_names) and not self.uses_lora
 
     def export_local_shards(self) -> Iterator[LocalShard]:

@@ -24,15 +24,21 @@ ADAPTER = "default"  # peft's name for the one adapter the actor trains
 _PEFT_PREFIX = "base_model.model."
 
 
+# a vision-language model's vision tower (Qwen2.5-VL's MLPs share the decoder's projection
+# names): the adapters are the language model's; the engines merge none into the tower
+VISION_TOWER_MODULES = r"(.*\.)?visual\..*"
+
+
 def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     """The HF model wrapped by peft with fresh adapters (B = 0, so it still computes the base
-    model); only the adapter parameters require gradients."""
+    model) on the targeted linears outside a vision tower; only the adapter parameters require
+    gradients."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
     config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                             target_modules=list(lora.target_modules), bias="none",
-                            task_type="CAUSAL_LM")
+                            exclude_modules=VISION_TOWER_MODULES, task_type="CAUSAL_LM")
     return get_peft_model(model, config, adapter_name=ADAPTER)
 
 

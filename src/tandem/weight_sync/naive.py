@@ -42,7 +42,9 @@ class NaiveCheckpointEngine(CheckpointEngine):
         (`partial`: it leaves some weights out)."""
         self.prepare()
         try:
+            declared = {"partial": True} if partial else {}  # a whole stream: the plain call
             await asyncio.gather(self.send_weights(named_tensors),
-                                 rollout.update_weights(self.receive_weights(), version, partial))
+                                 rollout.update_weights(self.receive_weights(), version,
+                                                        **declared))
         finally:
             self.finalize()

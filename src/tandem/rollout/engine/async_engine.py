@@ -90,6 +90,7 @@ class AsyncEngine(MemoryControl, WeightUpdates, SlotServing, KVHandoff, BaseRoll
         self.kv_released = False
         self.weights_state = "loaded"  # loaded | offloaded (GPU: on CPU) | dropped (CPU)
         self.unfilled_weights: set[str] = set()  # names still to refill after a CPU drop
+        self.whole_update = False  # a whole (not partial, not adapter) update committed
         self.weight_shapes: dict[str, torch.Size] = {}
         self.lora = LoraState()  # the adapter merged into the served weights, if any
         self.counters = {"steps": 0, "prompt_tokens_computed": 0, "generated_tokens": 0,

@@ -100,9 +100,9 @@ class MemoryControl:
                                                 self.weight_shapes)
         self.weights_state = "loaded"
 
-    def holds_all_weights(self) -> bool:
-        """Whether every weight is loaded: none dropped by sleep and still to refill."""
-        return self.weights_state == "loaded" and not self.unfilled_weights
+    def synced_in_full(self) -> bool:
+        """BaseRollout.synced_in_full: a whole update committed, nothing dropped since."""
+        return self.whole_update and self.weights_state == "loaded" and not self.unfilled_weights
 
     def _weights_missing_message(self) -> str:
         if self.weights_state != "loaded":

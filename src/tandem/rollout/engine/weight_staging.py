@@ -22,8 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from tandem.rollout.adapter_stream import is_adapter_name, peek_stream, read_adapter
-from tandem.rollout.base import all_finite, check_coverage, checked_version
-from tandem.rollout.external import EMBED_NAMES
+from tandem.rollout.base import EMBED_NAMES, all_finite, check_coverage, checked_version
 from tandem.rollout.engine.lora_merge import (LoraState, StagedAdapter, adapter_tensors,
                                               merge_adapter, stage_adapter)
 from tandem.rollout.engine.tensor_parallel import ZEROS, reshard
@@ -277,6 +276,7 @@ class WeightUpdates:
                 self._forget_slots()
                 self.lora.record(adapter if adapter is not None else staged)
             self.version = version
+            self.whole_update = self.whole_update or (not partial and adapter is None)
             self._work.set()
             stood_still = time.perf_counter() - started
         del replaced
