@@ -1,7 +1,9 @@
 """SGLang and images (rollout/sglang.py; SGLang runs on CUDA only, so its request path runs here
 against a recording stand-in of SGLang's tokenizer manager): each image's run of pads goes as
 one pad beside the image in `image_data`, SGLang's expanded prompt length is checked, a text
-model and a bad image fail their request, named. Written for CUDA, not run on a GPU."""
+model and a bad image fail their request, named; `synced_in_full` (a frozen tower may stay out
+of a sync) only after a whole update since start or since a weight release. Written for CUDA,
+not run on a GPU."""
 
 from __future__ import annotations
 
@@ -39,20 +41,40 @@ class TokenizerManager:
     async def get_internal_state(self):
         return [{"memory_usage": {"weight": 0.0, "kvcache": 0.0}}]
 
+    async def release_memory_occupation(self, request, _):
+        self.requests.append(request)
+
+    async def resume_memory_occupation(self, request, _):
+        self.requests.append(request)
+
+    async def update_weights_from_tensor(self, request, _):
+        self.requests.append(request)
+
+    async def flush_cache(self):
+        pass
+
 
 @pytest.fixture
 def sglang_io(monkeypatch):
     """sglang.srt.managers.io_struct with a GenerateReqInput that keeps its fields."""
     module = types.ModuleType("sglang.srt.managers.io_struct")
-    module.GenerateReqInput = lambda **fields: types.SimpleNamespace(**fields)
+    for request in ("GenerateReqInput", "ReleaseMemoryOccupationReqInput",
+                    "ResumeMemoryOccupationReqInput", "UpdateWeightsFromTensorReqInput"):
+        setattr(module, request, lambda **fields: types.SimpleNamespace(**fields))
+    utils = types.ModuleType("sglang.srt.utils")
+    utils.MultiprocessingSerializer = types.SimpleNamespace(serialize=lambda bucket: bucket)
     for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", module)
+    monkeypatch.setitem(sys.modules, "sglang.srt.utils", utils)
+
+
+SHAPES = {"model.visual.proj.weight": (2, 2), "model.language_model.norm.weight": (2,)}
 
 
 def engine(per_image: int, image_token_id: int | None = PAD) -> SGLangRollout:
     return SGLangRollout(types.SimpleNamespace(tokenizer_manager=TokenizerManager(per_image)),
-                         context_len=256, vocab_size=64, shapes={}, tp_size=1,
+                         context_len=256, vocab_size=64, shapes=SHAPES, tp_size=1,
                          image_token_id=image_token_id)
 
 
@@ -91,3 +113,27 @@ async def test_bad_images_and_a_text_model_fail_their_request_named(sglang_io):
                                          "vision tower"):
         await engine(3, image_token_id=None).generate(GenerateRequest(
             "t", [1, PAD, 2], SAMPLING, multi_modal_data={"image": [Image.new("RGB", (9, 9))]}))
+
+
+async def test_only_a_whole_update_since_start_or_a_weight_release_counts_as_synced(sglang_io):
+    """SGLang's released weights come back as undefined memory: until a whole update, a sync
+    must not leave frozen weights out (BaseRollout.synced_in_full)."""
+    import torch
+
+    rollout = engine(3)
+    whole = [(name, torch.zeros(shape)) for name, shape in SHAPES.items()]
+    language = whole[1:]
+    assert not rollout.synced_in_full()
+    await rollout.update_weights(iter(language), 1, partial=True)
+    assert not rollout.synced_in_full()
+    await rollout.update_weights(iter(whole), 2)
+    assert rollout.synced_in_full()
+    await rollout.update_weights(iter(language), 3, partial=True)
+    assert rollout.synced_in_full()
+    await rollout.sleep(["weights"])
+    await rollout.wake_up(["weights"])
+    assert not rollout.synced_in_full()
+    await rollout.update_weights(iter(language), 4, partial=True)
+    assert not rollout.synced_in_full() and rollout.version == 4
+    await rollout.update_weights(iter(whole), 5)
+    assert rollout.synced_in_full()
