@@ -70,8 +70,8 @@ async def test_a_row_with_images_reaches_the_engine_with_its_images(vl_path, mul
 def test_a_prompt_with_images_needs_the_policys_image_processor(vl_path):
     chat = ChatFormat(AutoTokenizer.from_pretrained(vl_path))
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
-    with pytest.raises(ValueError, match="a prompt with 1 image\\(s\\), but the policy has no "
-                                         "image processor"):
+    with pytest.raises(ValueError, match="prompt: 1 image\\(s\\), but the policy has no image "
+                                         "processor"):
         chat.prompt_ids(messages, images=[picture((1, 2, 3), (30, 30))])
 
 
