@@ -36,9 +36,11 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    tower = hasattr(getattr(model, "model", None), "visual")  # peft warns on a pattern unused
     config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                             target_modules=list(lora.target_modules), bias="none",
-                            exclude_modules=VISION_TOWER_MODULES, task_type="CAUSAL_LM")
+                            exclude_modules=VISION_TOWER_MODULES if tower else None,
+                            task_type="CAUSAL_LM")
     return get_peft_model(model, config, adapter_name=ADAPTER)
 
 
