@@ -44,8 +44,9 @@ def test_a_vision_language_policy_trains_on_rows_with_images(tiny_runs, tmp_path
              "sync-gae": ("algorithm.adv_estimator=gae", "critic.enable=true",
                           "critic.optim.lr=0.01", "actor.freeze_vision_tower=true")}.get(mode, ())
     critic = mode.endswith("-gae")
+    name = f"vision-{mode}"  # one run per variant (tiny_runs keeps a run per name)
     mode = mode.removesuffix("-lora").removesuffix("-gae")
-    run = tiny_runs(f"vision-{mode}", "model.path=tiny:qwen2_vl", f"data.train_files=[{data}]",
+    run = tiny_runs(name, "model.path=tiny:qwen2_vl", f"data.train_files=[{data}]",
                     "data.val_files=[]", "rollout.multi_turn.enable=false",
                     "rollout.multi_turn.tools=[]", f"trainer.trainer_mode={mode}", *extra)
     assert sorted(run.training) == [1, 2]
