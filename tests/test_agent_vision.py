@@ -1,8 +1,8 @@
 """Rows with images through the agent loops into the native engine (a tiny Qwen2-VL): the prompt is
 the chat template's rendering with each image's `<|image_pad|>` expanded to its token count, the
 request carries the images, and the trajectory's tokens are the engine's for that prompt and
-those images; in the tool loop too. Until training takes images, a training run refuses rows
-with them at load, saying why."""
+those images; in the tool loop too, where a tool may return images. Rows with images need a
+vision-language policy, and what such a run cannot do is refused at load, naming the field."""
 
 from __future__ import annotations
 
