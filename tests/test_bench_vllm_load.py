@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.rollout.vllm import WeightSegment, segment_views
+from tandem.rollout.vllm_workers import WeightSegment, segment_views
 from tandem.weight_layout import ALIGN, flat_layout
 
 

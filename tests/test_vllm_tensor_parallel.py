@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from float_bounds import assert_within, token_logprob_bounds
 from tandem.models import TinyModelSpec, build_tiny_model
 from tandem.rollout.registry import unavailable_reason
-from tandem.rollout.vllm import _shared_memory_files
+from tandem.rollout.vllm_workers import _shared_memory_files
 from tandem.types import GenerateRequest
 
 from conformance.conftest import CONFIG, perturbed_model
