@@ -26,6 +26,16 @@ def stop_reason(engine: str, finish_reason: str | None) -> str:
     return STOP_REASONS[finish_reason]
 
 
+def with_tied_head(shapes: dict[str, tuple[int, ...]], tied_embeddings: bool
+                   ) -> dict[str, tuple[int, ...]]:
+    """`shapes` with a tied lm_head listed under its own name too (update streams may carry
+    either): the input embedding's shape."""
+    embedding = next((name for name in EMBED_NAMES if name in shapes), None)
+    if tied_embeddings and embedding is not None:
+        shapes.setdefault("lm_head.weight", shapes[embedding])
+    return shapes
+
+
 def safetensors_shapes(path: Path, tied_embeddings: bool) -> dict[str, tuple[int, ...]]:
     """HF weight name -> shape, read from the model directory's safetensors headers; a tied
     lm_head is listed under its own name too (update streams may carry either)."""
@@ -35,10 +45,7 @@ def safetensors_shapes(path: Path, tied_embeddings: bool) -> dict[str, tuple[int
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(file, "pt") as handle:
             shapes.update((key, tuple(handle.get_slice(key).get_shape())) for key in handle.keys())
-    embedding = next((name for name in EMBED_NAMES if name in shapes), None)
-    if tied_embeddings and embedding is not None:
-        shapes.setdefault("lm_head.weight", shapes[embedding])
-    return shapes
+    return with_tied_head(shapes, tied_embeddings)
 
 
 def built_shapes(hf_config: Any, tied_embeddings: bool) -> dict[str, tuple[int, ...]]:
@@ -50,10 +57,7 @@ def built_shapes(hf_config: Any, tied_embeddings: bool) -> dict[str, tuple[int, 
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(hf_config)
     shapes = {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
-    embedding = next((name for name in EMBED_NAMES if name in shapes), None)
-    if tied_embeddings and embedding is not None:
-        shapes.setdefault("lm_head.weight", shapes[embedding])
-    return shapes
+    return with_tied_head(shapes, tied_embeddings)
 
 
 def images_for_engine(request: GenerateRequest, prompt: list[int],
